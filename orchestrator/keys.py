@@ -1,0 +1,55 @@
+"""The etcd keyspace. One place builds every key so the controller and workers agree.
+
+/pipetransformer/jobs/<job>/spec             JobSpec JSON (controller writes)
+/pipetransformer/jobs/<job>/layout           current Layout JSON (controller writes)
+/pipetransformer/jobs/<job>/state            TrainingState to start from (controller writes)
+/pipetransformer/jobs/<job>/control          {"action": "run"|"stop"} read by rank 0 at step boundaries
+/pipetransformer/jobs/<job>/events/<seq>     WorkerEvent JSON queue (workers put, controller drains)
+/pipetransformer/jobs/<job>/workers/<rank>   liveness, attached to the worker's lease
+/pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
+"""
+
+from __future__ import annotations
+
+ROOT = "/pipetransformer"
+
+
+def job(job_id: str) -> str:
+    return f"{ROOT}/jobs/{job_id}"
+
+
+def spec(job_id: str) -> str:
+    return f"{job(job_id)}/spec"
+
+
+def layout(job_id: str) -> str:
+    return f"{job(job_id)}/layout"
+
+
+def state(job_id: str) -> str:
+    return f"{job(job_id)}/state"
+
+
+def control(job_id: str) -> str:
+    return f"{job(job_id)}/control"
+
+
+def events(job_id: str) -> str:
+    return f"{job(job_id)}/events/"
+
+
+def event(job_id: str, rank: int, seq: int) -> str:
+    # zero-padded so a prefix range returns them in order per rank
+    return f"{events(job_id)}{rank:05d}-{seq:09d}"
+
+
+def workers(job_id: str) -> str:
+    return f"{job(job_id)}/workers/"
+
+
+def worker(job_id: str, rank: int) -> str:
+    return f"{workers(job_id)}{rank:05d}"
+
+
+def rendezvous(run_id: str) -> str:
+    return f"{ROOT}/rdzv/{run_id}"

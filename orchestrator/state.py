@@ -1,0 +1,100 @@
+"""Models that cross process boundaries (as JSON): the layout, the training state and the events
+workers report to the controller."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageLayout(_Model):
+    """One pipeline stage: transformer blocks [start, end) plus the embedding (first stage) and
+    the head (last stage); `ranks[r]` is the global rank that runs this stage for replica r."""
+
+    index: int
+    start: int
+    end: int
+    ranks: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+
+class Layout(_Model):
+    version: int = 1
+    num_blocks: int
+    freeze_boundary: int = 0
+    stages: list[StageLayout]
+    replicas: int = 1
+    microbatches: int
+    schedule: str = "gpipe"
+
+    @model_validator(mode="after")
+    def _contiguous(self) -> Layout:
+        pos = self.freeze_boundary if self.stages and self.stages[0].start else 0
+        for s in self.stages:
+            if s.start != pos or s.end <= s.start:
+                raise ValueError(f"stage {s.index} covers [{s.start}, {s.end}); expected start {pos}")
+            if len(s.ranks) != self.replicas:
+                raise ValueError(f"stage {s.index} has {len(s.ranks)} ranks, expected {self.replicas}")
+            pos = s.end
+        if pos != self.num_blocks:
+            raise ValueError(f"stages end at block {pos}, model has {self.num_blocks}")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.replicas
+
+    def placement(self, rank: int) -> tuple[StageLayout, int]:
+        """The stage and replica index that `rank` runs."""
+        for s in self.stages:
+            if rank in s.ranks:
+                return s, s.ranks.index(rank)
+        raise KeyError(f"rank {rank} has no stage in layout v{self.version}")
+
+    def describe(self) -> str:
+        parts = [
+            f"S{s.index}[blocks {s.start}-{s.end - 1}]@ranks{','.join(map(str, s.ranks))}"
+            for s in self.stages
+        ]
+        return (
+            f"v{self.version} {self.num_stages}x{self.replicas} F={self.freeze_boundary} "
+            f"m={self.microbatches} " + " ".join(parts)
+        )
+
+
+class TrainingState(_Model):
+    """Where a job is: enough to resume it from its last committed checkpoint."""
+
+    epoch: int = 0
+    step: int = 0
+    samples_consumed: int = 0  # within `epoch`, relative to the committed model state
+    lr: float = 0.0
+    freeze_boundary: int = 0
+    layout_version: int = 1
+    checkpoint: str | None = None  # path of the last committed checkpoint
+
+
+EventKind = Literal["started", "metrics", "eval", "checkpoint", "done", "failed", "stopped"]
+
+
+class WorkerEvent(_Model):
+    """A report a worker puts in etcd; the controller (single SQL writer) records it."""
+
+    kind: EventKind
+    rank: int
+    generation: int = 1
+    time: float = Field(default_factory=time.time)
+    data: dict[str, Any] = Field(default_factory=dict)

