@@ -2,9 +2,9 @@
 
 /pipetransformer/jobs/<job>/spec             JobSpec JSON (controller writes)
 /pipetransformer/jobs/<job>/layout           current Layout JSON (controller writes)
-/pipetransformer/jobs/<job>/state            TrainingState to start from (controller writes)
+/pipetransformer/jobs/<job>/assignment       Assignment: generation, checkpoint dir, start state
 /pipetransformer/jobs/<job>/control          {"action": "run"|"stop"} read by rank 0 at step boundaries
-/pipetransformer/jobs/<job>/events/<seq>     WorkerEvent JSON queue (workers put, controller drains)
+/pipetransformer/jobs/<job>/events/<g>-<r>-<n> WorkerEvent JSON queue (workers put, controller drains)
 /pipetransformer/jobs/<job>/workers/<rank>   liveness, attached to the worker's lease
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
 """
@@ -26,8 +26,8 @@ def layout(job_id: str) -> str:
     return f"{job(job_id)}/layout"
 
 
-def state(job_id: str) -> str:
-    return f"{job(job_id)}/state"
+def assignment(job_id: str) -> str:
+    return f"{job(job_id)}/assignment"
 
 
 def control(job_id: str) -> str:
@@ -38,9 +38,9 @@ def events(job_id: str) -> str:
     return f"{job(job_id)}/events/"
 
 
-def event(job_id: str, rank: int, seq: int) -> str:
-    # zero-padded so a prefix range returns them in order per rank
-    return f"{events(job_id)}{rank:05d}-{seq:09d}"
+def event(job_id: str, generation: int, rank: int, seq: int) -> str:
+    # zero-padded so a sorted prefix read returns each rank's events in order
+    return f"{events(job_id)}{generation:05d}-{rank:05d}-{seq:09d}"
 
 
 def workers(job_id: str) -> str:

@@ -38,12 +38,25 @@ class Layout(_Model):
 
     @model_validator(mode="after")
     def _contiguous(self) -> Layout:
-        pos = self.freeze_boundary if self.stages and self.stages[0].start else 0
+        if not self.stages:
+            raise ValueError("a layout needs at least one stage")
+        # Frozen blocks may leave the pipeline (run forward-only before stage 0), so the first
+        # stage starts at block 0 or at the freeze boundary; after that, ranges are contiguous.
+        if self.stages[0].start not in (0, self.freeze_boundary):
+            raise ValueError(
+                f"stage 0 starts at block {self.stages[0].start}; expected 0 or the freeze "
+                f"boundary {self.freeze_boundary}"
+            )
+        pos = self.stages[0].start
         for s in self.stages:
             if s.start != pos or s.end <= s.start:
-                raise ValueError(f"stage {s.index} covers [{s.start}, {s.end}); expected start {pos}")
+                raise ValueError(
+                    f"stage {s.index} covers [{s.start}, {s.end}); expected start {pos}"
+                )
             if len(s.ranks) != self.replicas:
-                raise ValueError(f"stage {s.index} has {len(s.ranks)} ranks, expected {self.replicas}")
+                raise ValueError(
+                    f"stage {s.index} has {len(s.ranks)} ranks, expected {self.replicas}"
+                )
             pos = s.end
         if pos != self.num_blocks:
             raise ValueError(f"stages end at block {pos}, model has {self.num_blocks}")
@@ -98,3 +111,13 @@ class WorkerEvent(_Model):
     generation: int = 1
     time: float = Field(default_factory=time.time)
     data: dict[str, Any] = Field(default_factory=dict)
+
+
+class Assignment(_Model):
+    """What the controller hands a generation of workers (published under `keys.assignment`)."""
+
+    generation: int
+    checkpoint_dir: str
+    start: TrainingState = TrainingState()
+    # a committed checkpoint to load before training, with the checksum it was committed under
+    resume_checksum: str | None = None

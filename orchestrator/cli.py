@@ -1,0 +1,386 @@
+"""`pipetransformer`: run, resume, inspect and watch elastic pipeline training jobs.
+
+Every command takes the same `--workdir` (default ./runs: the SQLite store, each job's embedded
+etcd data and its checkpoints) and `--db URL` / `--etcd HOST:PORT` to use external services, so
+`status`, `resume` and `dashboard` find what `run` wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator import keys
+from orchestrator.controller import Controller, ControllerError, job_dir, new_job_id
+from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
+from orchestrator.etcd_server import EmbeddedEtcd
+from orchestrator.launch import torchrun_command, worker_env
+from orchestrator.progress import ProgressView
+from orchestrator.spec import SpecError, load_spec
+from orchestrator.state import Assignment
+from orchestrator.store import Store, UnknownJob, sqlite_url
+
+console = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed without a traceback, exit code 2."""
+
+
+# -- shared plumbing ---------------------------------------------------------------------------
+
+
+def db_url(args: argparse.Namespace) -> str:
+    return args.db or sqlite_url(Path(args.workdir).resolve() / "store.db")
+
+
+def open_store(args: argparse.Namespace, create: bool = False) -> Store:
+    url = db_url(args)
+    if not create and url.startswith("sqlite") and not (Path(args.workdir) / "store.db").exists():
+        if not args.db:
+            raise UsageError(
+                f"no store at {Path(args.workdir).resolve() / 'store.db'}; "
+                "run a job first or pass the --workdir/--db that `run` used"
+            )
+    return Store.open(url)
+
+
+@contextlib.contextmanager
+def etcd_for(args: argparse.Namespace, job_id: str) -> Iterator[EtcdClient]:
+    """The etcd to coordinate through: `--etcd` if given, else an embedded server whose data
+    lives with the job (so `resume` finds the same keyspace)."""
+    if args.etcd:
+        client = EtcdClient(args.etcd)
+        try:
+            client.wait_ready(10)
+        except EtcdUnavailable as exc:
+            raise UsageError(f"--etcd {args.etcd}: {exc}") from None
+        with client:
+            yield client
+        return
+    server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd")
+    with server, EtcdClient(server.endpoint) as client:
+        yield client
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# -- run / resume ------------------------------------------------------------------------------
+
+
+def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
+    """Start workers for a new generation under torchrun and supervise them to the end."""
+    ctrl.acquire()
+    try:
+        assignment = ctrl.start_generation()
+        layout = ctrl.layout
+        log_path = job_dir(ctrl.job.workdir, ctrl.job_id) / f"workers-g{assignment.generation}.log"
+        cmd = torchrun_command(
+            etcd.endpoint, ctrl.job_id, assignment.generation, nproc_per_node=layout.world_size
+        )
+        start = assignment.start
+        if start.checkpoint:
+            console.print(
+                f"resuming from [bold]{start.checkpoint}[/] (epoch {start.epoch}, step {start.step})"
+            )
+        console.print(f"workers: {' '.join(cmd[2:9])} ... (log: {log_path})")
+        with open(log_path, "ab") as log, ProgressView(console, layout.describe()) as view:
+            # own session: a terminal Ctrl-C reaches only us, and we stop the workers gracefully
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=worker_env(ctrl.spec.runtime.threads_per_worker),
+                start_new_session=True,
+            )
+            interrupts = 0
+
+            def on_sigint(signum: int, frame: object) -> None:
+                nonlocal interrupts
+                interrupts += 1
+                if interrupts == 1:
+                    console.print(
+                        "[yellow]stopping: workers checkpoint and exit (Ctrl-C again to kill)"
+                    )
+                    ctrl.request_stop("interrupted by user (Ctrl-C)")
+                else:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+            previous = signal.signal(signal.SIGINT, on_sigint)
+            try:
+                code = ctrl.supervise(proc.poll, view.update)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        detail = "" if code == 0 else f"last lines of {log_path}:\n{_tail(log_path)}"
+        return ctrl.finish(code, detail)
+    finally:
+        ctrl.release()
+
+
+def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: float) -> int:
+    job = store.get_job(ctrl.job_id)
+    ckpt = store.latest_checkpoint(ctrl.job_id)
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_row("job", f"{job.id} ({job.state})")
+    if job.message:
+        table.add_row("message", escape(job.message))
+    acc = f"{job.accuracy:.2%}" if job.accuracy is not None else "n/a"
+    table.add_row("held-out accuracy", acc)
+    table.add_row("progress", f"epoch {job.epoch}, step {job.step}")
+    table.add_row("wall time", f"{time.monotonic() - started:.1f}s")
+    table.add_row("store", db_url(args))
+    table.add_row("checkpoints", str(job_dir(job.workdir, job.id) / "checkpoints"))
+    if ckpt:
+        table.add_row("last committed", f"{ckpt.path} (step {ckpt.step})")
+    where = f"--db '{args.db}'" if args.db else f"--workdir {args.workdir}"
+    table.add_row("dashboard", f"pipetransformer dashboard {where}")
+    if job.state != "completed":
+        table.add_row("resume", f"pipetransformer resume {job.id} {where}")
+    console.rule("summary")
+    console.print(table)
+    return {"completed": 0, "interrupted": 130}.get(job.state, 1)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)  # rejects a bad spec before anything starts
+    started = time.monotonic()
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    store = open_store(args, create=True)
+    job_id = args.job_id or new_job_id(spec)
+    with etcd_for(args, job_id) as etcd:
+        ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
+        console.print(f"job [bold]{job_id}[/] — store {db_url(args)}, etcd {etcd.endpoint}")
+        _train_generation(store, etcd, ctrl)
+        return _summary(store, ctrl, args, started)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    job = store.get_job(args.job)
+    if job.state == "completed":
+        raise UsageError(
+            f"job {job.id} already completed (epoch {job.epoch}, step {job.step}); nothing to resume"
+        )
+    started = time.monotonic()
+    with etcd_for(args, job.id) as etcd:
+        ctrl = Controller(store, etcd, job.id)
+        _train_generation(store, etcd, ctrl)
+        return _summary(store, ctrl, args, started)
+
+
+# -- status / dashboard ------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    jobs = store.list_jobs()
+    if args.all or (not args.job and not jobs):
+        rows = [store.status(j.id) for j in jobs]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        table = Table("job", "state", "epoch", "step", "accuracy", "updated")
+        for r in rows:
+            acc = f"{r['accuracy']:.2%}" if r.get("accuracy") is not None else "-"
+            table.add_row(
+                r["id"], r["state"], str(r["epoch"]), str(r["step"]), acc, r["updated_at"]
+            )
+        console.print(table if rows else "no jobs yet")
+        return 0
+    job_id = args.job or jobs[0].id  # newest job by default
+    status = store.status(job_id)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    table = Table(show_header=False, box=None)
+    for key in ("id", "state", "message", "epoch", "step", "accuracy", "lr", "freeze_boundary"):
+        value = status.get(key)
+        if key == "accuracy" and value is not None:
+            value = f"{value:.2%}"
+        table.add_row(key, "-" if value is None else escape(str(value)))
+    layout = store.current_layout(job_id)
+    if layout:
+        table.add_row("layout", layout.describe())
+    ckpt = status.get("latest_checkpoint")
+    if ckpt:
+        table.add_row("checkpoint", f"{ckpt['path']} (step {ckpt['step']})")
+    console.print(table)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dashboard.launch import streamlit_command
+
+    open_store(args).close()  # fail here, clearly, if there is nothing to show
+    cmd = streamlit_command(db_url(args), host=args.host, port=args.port)
+    console.print(f"dashboard on http://{args.host}:{args.port} (Ctrl-C to stop)")
+    return subprocess.call(cmd)
+
+
+# -- torchx roles: controller and workers as separate processes ----------------------------------
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    """Controller role of a torchx launch: creates (or continues) the job, publishes it in etcd,
+    and records what the workers report until they finish."""
+    spec = load_spec(args.spec)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    store = open_store(args, create=True)
+    job_id = args.job_id or new_job_id(spec)
+    started = time.monotonic()
+    if args.etcd_port and not args.etcd:
+        server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd", port=args.etcd_port)
+        args.etcd = server.start().endpoint
+    with etcd_for(args, job_id) as etcd:
+        try:
+            ctrl = Controller(store, etcd, job_id)
+        except UnknownJob:
+            ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
+        ctrl.acquire()
+        try:
+            ctrl.start_generation()
+            console.print(
+                f"controller for job {job_id}: waiting for {ctrl.layout.world_size} workers"
+            )
+            seen_workers = time.monotonic() + args.join_timeout
+
+            def poll() -> int | None:
+                nonlocal seen_workers
+                if ctrl.progress.outcome:
+                    return 0
+                if ctrl.workers_alive():
+                    seen_workers = time.monotonic() + 3 * ctrl.spec.runtime.lease_ttl_s
+                elif time.monotonic() > seen_workers:
+                    return 1  # workers never came, or all of them are gone without a word
+                return None
+
+            with ProgressView(console, ctrl.layout.describe()) as view:
+                code = ctrl.supervise(poll, view.update)
+            ctrl.finish(code)
+        finally:
+            ctrl.release()
+        return _summary(store, ctrl, args, started)
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    """Trainer role of a torchx launch: waits for the job's assignment in etcd, then runs
+    torchrun (etcd3 rendezvous) for the current generation."""
+    client = EtcdClient(args.etcd, retry_timeout=args.join_timeout)
+    deadline = time.monotonic() + args.join_timeout
+    while (raw := client.get(keys.assignment(args.job_id))) is None:
+        if time.monotonic() > deadline:
+            raise UsageError(f"job {args.job_id} has no assignment in etcd {args.etcd}")
+        time.sleep(0.5)
+    assignment = Assignment.model_validate_json(raw)
+    cmd = torchrun_command(
+        args.etcd, args.job_id, assignment.generation, args.nproc_per_node, nnodes=args.nnodes
+    )
+    return subprocess.call(cmd, env=worker_env(1))
+
+
+def cmd_etcd(args: argparse.Namespace) -> int:
+    """Serve an embedded etcd in the foreground (for multi-role local launches)."""
+    server = EmbeddedEtcd(Path(args.data_dir), port=args.port).start()
+    console.print(f"etcd serving on {server.endpoint} (data {args.data_dir}); Ctrl-C to stop")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+# -- parser ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipetransformer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser, etcd: bool = True) -> None:
+        p.add_argument(
+            "--workdir", default="./runs", help="store, etcd data and checkpoints (default ./runs)"
+        )
+        p.add_argument(
+            "--db", help="SQLAlchemy URL of an external store (default: SQLite in --workdir)"
+        )
+        if etcd:
+            p.add_argument("--etcd", help="HOST:PORT of an external etcd (default: embedded)")
+
+    p = sub.add_parser("run", help="train a job from a spec file")
+    p.add_argument("spec", help="job spec YAML, e.g. examples/vit-digits.yaml")
+    p.add_argument("--job-id", help="job id (default: <name>-<random>)")
+    common(p)
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("resume", help="continue a job from its last committed checkpoint")
+    p.add_argument("job")
+    common(p)
+    p.set_defaults(fn=cmd_resume)
+
+    p = sub.add_parser("status", help="job state, layout and progress (newest job by default)")
+    p.add_argument("job", nargs="?")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--all", action="store_true", help="list every job")
+    common(p, etcd=False)
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("dashboard", help="start the Streamlit dashboard")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8501)
+    common(p, etcd=False)
+    p.set_defaults(fn=cmd_dashboard)
+
+    p = sub.add_parser("controller", help="controller role (torchx launches)")
+    p.add_argument("spec")
+    p.add_argument("--job-id")
+    p.add_argument("--etcd-port", type=int, help="start an embedded etcd on this port")
+    p.add_argument("--join-timeout", type=float, default=300.0)
+    common(p)
+    p.set_defaults(fn=cmd_controller)
+
+    p = sub.add_parser("workers", help="trainer role (torchx launches): torchrun for a job")
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--etcd", required=True)
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--nnodes", default="1")
+    p.add_argument("--join-timeout", type=float, default=300.0)
+    p.set_defaults(fn=cmd_workers)
+
+    p = sub.add_parser("etcd", help="serve an embedded etcd in the foreground")
+    p.add_argument("--data-dir", default="./runs/etcd")
+    p.add_argument("--port", type=int, default=2379)
+    p.set_defaults(fn=cmd_etcd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (SpecError, UsageError, UnknownJob, ControllerError) as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Checkpoint manifests: the contract between the trainer that writes a checkpoint and the
+controller that commits it. A manifest lists the size and sha256 of every shard file; its own
+digest is the checksum recorded in the store at commit time."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint on disk is torn, truncated, altered or missing."""
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": _file_digest(p)}
+        for p in sorted(Path(directory).iterdir())
+        if p.is_file() and p.name not in (MANIFEST, META)
+    }
+
+
+def manifest_checksum(manifest: dict[str, dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def verify_checkpoint(path: str | Path, checksum: str) -> int:
+    """Raise CheckpointError unless every file matches the manifest and the manifest matches
+    `checksum`; return the checkpoint's size in bytes."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+    if manifest_checksum(manifest) != checksum:
+        raise CheckpointError(f"{path}: manifest does not match the committed checksum")
+    actual = build_manifest(path)
+    if actual != manifest:
+        bad = sorted(k for k in set(manifest) | set(actual) if actual.get(k) != manifest.get(k))
+        raise CheckpointError(f"{path}: files differ from the manifest: {', '.join(bad)}")
+    return sum(e["size"] for e in manifest.values())

@@ -1,0 +1,62 @@
+"""Progress display for a running job: a rich progress bar on a terminal, periodic status lines
+elsewhere (CI logs, pipes)."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from orchestrator.controller import Progress as JobProgress
+
+
+def _fmt(p: JobProgress) -> str:
+    parts = [f"epoch {p.epoch}", f"step {p.step}" + (f"/{p.total_steps}" if p.total_steps else "")]
+    if p.loss is not None:
+        parts.append(f"loss {p.loss:.4f}")
+    if p.samples_per_s is not None:
+        parts.append(f"{p.samples_per_s:,.0f} samples/s")
+    if p.accuracy is not None:
+        parts.append(f"held-out acc {p.accuracy:.1%}")
+    return "  ".join(parts)
+
+
+class ProgressView:
+    def __init__(self, console: Console, layout: str, every_s: float = 5.0):
+        self.console, self.layout, self.every_s = console, layout, every_s
+        self._bar: Progress | None = None
+        self._task = None
+        self._last_line = 0.0
+        self._last_acc: float | None = None
+
+    def __enter__(self) -> ProgressView:
+        self.console.print(f"[bold]layout[/] {self.layout}")
+        if self.console.is_terminal:
+            self._bar = Progress(
+                TextColumn("[bold blue]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=None, info="waiting for workers")
+        return self
+
+    def update(self, p: JobProgress) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=p.step, total=p.total_steps, info=_fmt(p))
+            if p.accuracy is not None and p.accuracy != self._last_acc:
+                self._bar.console.print(f"epoch {p.epoch}: held-out accuracy {p.accuracy:.1%}")
+        elif p.step and (
+            time.monotonic() - self._last_line >= self.every_s or p.accuracy != self._last_acc
+        ):
+            self.console.print(_fmt(p))
+            self._last_line = time.monotonic()
+        self._last_acc = p.accuracy
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()

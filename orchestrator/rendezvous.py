@@ -1,0 +1,419 @@
+"""torchrun rendezvous over etcd v3: ``--rdzv-backend etcd3 --rdzv-endpoint HOST:PORT``.
+
+torch ships two etcd backends and both speak the v2 HTTP API, which etcd 3.4+ disables by
+default; this one speaks v3 (gRPC, through :mod:`orchestrator.etcd_client`). It plugs into
+torch's own ``DynamicRendezvousHandler``, so join/last-call/heartbeat/close semantics are
+exactly those of the ``c10d`` backend, and it is registered through the
+``torchrun.handlers`` entry point (``handler_factory``).
+
+Rendezvous state
+    ``DynamicRendezvousHandler`` keeps one pickled state blob and updates it by
+    compare-and-swap. We store it base64-encoded at ``keys.rendezvous(run_id) + "/state"``;
+    the fencing token is the key's etcd *mod revision*, and ``set_state`` is one etcd
+    transaction "if mod_revision == token: put; then read the key back", so a writer holding
+    a stale token loses and is handed the winner's state and token in the same round trip.
+
+The store (why an etcd-backed c10d ``Store``)
+    The handler also needs a c10d ``Store`` *before* anyone knows who rank 0 is. The agents
+    use it for a handful of small operations per round: rank 0 publishes MASTER_ADDR/PORT
+    (``RendezvousStoreInfo``), the agents exchange role info and worker ranks, and they meet
+    at the exit barrier. The alternatives were a TCPStore hosted by one agent (what ``c10d``
+    does: it needs a designated host known in advance, and that agent's death takes the store
+    with it, the very failure an elastic job must survive) or a TCPStore started lazily by
+    the winner (which needs a store to announce it: circular). Backing the store with etcd
+    itself has no special node, survives any agent's loss and costs nothing new to deploy.
+    :class:`EtcdStore` implements set/get/add/compare_set/wait/check/multi_get/multi_set/
+    num_keys/delete_key with c10d's semantics (blocking reads wait up to the store timeout and
+    raise ``DistStoreError``); keys live under ``keys.rendezvous(run_id) + "/store/"``.
+    Blocking reads poll with capped backoff (10 ms to 200 ms) rather than watch: the agents'
+    operations are few, and polling is immune to lost watch events across etcd restarts.
+
+    The *workers'* store is not this one: with torch's default ``use_agent_store`` the rank-0
+    agent hosts a TCPStore per round and the workers' ``init_process_group`` talks to that,
+    so the hot path of process-group setup never touches etcd.
+
+Re-rendezvous fix
+    torch 2.13 computes ``RendezvousStoreInfo`` (MASTER_ADDR/PORT) in the first round and then
+    caches it on every node that is not rank 0. When the rank-0 node is lost and a survivor
+    becomes rank 0, the other survivors would point their workers at the dead node's store.
+    Our handler rebuilds the store info every round (it is round-scoped in the store) and
+    reuses the node's TCPStore server when it already hosts one.
+
+Options (``--rdzv-conf k=v,...``), besides torch's join_timeout, last_call_timeout,
+close_timeout, heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt:
+
+    read_timeout   seconds a blocking store read waits, and how long an etcd outage is ridden
+                   out (retries) before a ``RendezvousConnectionError``; default 60, as c10d.
+    rpc_timeout    seconds for one etcd RPC; default 5.
+"""
+
+from __future__ import annotations
+
+# ruff: noqa: E402  (the entry point below must precede the torch imports)
+
+
+# torch's rendezvous package, when first imported, loads every ``torchrun.handlers`` entry
+# point, this module's ``handler_factory`` included. When *this* module is what imports that
+# package first (the controller, tests), the entry point is loaded from a half-initialised
+# module; so it is defined before any torch import and looks the real creator up when called.
+def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point ``torchrun.handlers:etcd3``; torch calls it with no arguments and
+    registers the returned creator."""
+    return _create_etcd3_handler_deferred
+
+
+def _create_etcd3_handler_deferred(params: RendezvousParameters) -> RendezvousHandler:
+    return create_etcd3_handler(params)
+
+
+import binascii
+import logging
+import random
+import time
+from base64 import b64decode, b64encode
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+)
+
+from orchestrator import keys
+from orchestrator.etcd_client import EtcdClient, EtcdError
+
+__all__ = [
+    "BACKEND_NAME",
+    "EtcdRendezvousBackend",
+    "EtcdStore",
+    "create_backend",
+    "create_etcd3_handler",
+    "delete_rendezvous",
+    "handler_factory",
+    "state_key",
+    "store_prefix",
+]
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "etcd3"
+DEFAULT_READ_TIMEOUT = 60
+DEFAULT_RPC_TIMEOUT = 5.0
+
+
+def state_key(run_id: str) -> str:
+    """etcd key of the rendezvous state blob of ``run_id``."""
+    return f"{keys.rendezvous(run_id)}/state"
+
+
+def store_prefix(run_id: str) -> str:
+    """etcd prefix of the c10d store keys of ``run_id``."""
+    return f"{keys.rendezvous(run_id)}/store/"
+
+
+def delete_rendezvous(client: EtcdClient, run_id: str) -> int:
+    """Drop the state and store keys of ``run_id`` (a finished run's rendezvous is closed and
+    cannot be joined again); returns the number of keys removed."""
+    return client.delete_prefix(f"{keys.rendezvous(run_id)}/")
+
+
+def _b64(data: bytes | str) -> str:
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    return b64encode(raw).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return b64decode(text.encode(), validate=True)
+
+
+# -- backend --------------------------------------------------------------------------------
+
+
+class EtcdRendezvousBackend(RendezvousBackend):
+    """Rendezvous state in one etcd key, fenced by its mod revision."""
+
+    def __init__(self, client: EtcdClient, run_id: str) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client = client
+        self._key = state_key(run_id)
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """Current state and its token (mod revision), or None if there is none."""
+        value, revision = self._etcd(self._client.get_with_revision, self._key)
+        if value is None:
+            return None
+        return self._decode(value), revision
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """Write ``state`` if ``token`` is still current (None: only if no state exists)."""
+        if token is None:
+            revision = 0
+        elif isinstance(token, int) and not isinstance(token, bool) and token > 0:
+            revision = token
+        else:
+            # Not a token we ever handed out: it cannot match, report what is there.
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        applied, value, new_revision = self._etcd(
+            self._client.try_put_at_revision, self._key, _b64(state), revision
+        )
+        if value is None:  # lost the race to a delete: no state at all
+            return None
+        return self._decode(value), new_revision, applied
+
+    def _etcd(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except EtcdError as exc:
+            raise RendezvousConnectionError(
+                f"The connection to etcd at {self._client.endpoint} has failed: {exc}"
+            ) from exc
+
+    def _decode(self, value: str) -> bytes:
+        try:
+            return _unb64(value)
+        except (binascii.Error, ValueError) as exc:
+            raise RendezvousStateError(
+                f"The rendezvous state at {self._key} is corrupt (not base64)."
+            ) from exc
+
+
+# -- c10d store -----------------------------------------------------------------------------
+
+
+class EtcdStore(Store):
+    """A c10d ``Store`` whose keys live in etcd under ``prefix`` (values base64 encoded)."""
+
+    _POLL_MIN = 0.01
+    _POLL_MAX = 0.2
+
+    def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta | None = None) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self._client = client
+        self._prefix = prefix if prefix.endswith("/") else prefix + "/"
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    def _k(self, key: str | bytes) -> str:
+        return self._prefix + (key.decode() if isinstance(key, bytes) else key)
+
+    def _etcd(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except EtcdError as exc:
+            # c10d raises DistStoreError (a RuntimeError) for store failures; callers such as
+            # torch's elastic agent catch RuntimeError.
+            raise dist.DistStoreError(f"etcd store at {self._client.endpoint}: {exc}") from exc
+
+    # Plain operations ------------------------------------------------------------------
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._etcd(self._client.put, self._k(key), _b64(value))
+
+    def get(self, key: str) -> bytes:
+        """Value of ``key``, waiting up to the store timeout for it to be set."""
+        return self.multi_get([key])[0]
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True if every key exists now (no waiting)."""
+        values = self._etcd(self._client.get_many, [self._k(k) for k in keys])
+        return all(v is not None for v in values)
+
+    def num_keys(self) -> int:
+        return int(self._etcd(self._client.count_prefix, self._prefix))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._etcd(self._client.delete, self._k(key)))
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        if len(keys) != len(values):
+            raise ValueError("multi_set: keys and values differ in length")
+        items = [(self._k(k), _b64(v)) for k, v in zip(keys, values, strict=True)]
+        self._etcd(self._client.put_many, items)
+
+    # Atomic read-modify-write (CAS on the key's mod revision) ----------------------------
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the decimal integer at ``key`` (absent = 0)."""
+        full = self._k(key)
+        value, revision = self._etcd(self._client.get_with_revision, full)
+        while True:
+            current = int(_unb64(value).decode()) if value is not None else 0
+            result = current + int(amount)
+            applied, value, revision = self._etcd(
+                self._client.try_put_at_revision, full, _b64(str(result)), revision
+            )
+            if applied:
+                return result
+            time.sleep(random.uniform(0, 0.01))  # contended: spread the retries
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """c10d compare_set: set ``desired`` if the value is ``expected`` (``""``: absent);
+        return the value now stored (``expected`` if the key is absent and expected non-empty)."""
+        full = self._k(key)
+        want = expected.encode() if isinstance(expected, str) else bytes(expected)
+        new = desired.encode() if isinstance(desired, str) else bytes(desired)
+        value, revision = self._etcd(self._client.get_with_revision, full)
+        while True:
+            current = _unb64(value) if value is not None else None
+            if (current is None and want == b"") or (current is not None and current == want):
+                applied, value, revision = self._etcd(
+                    self._client.try_put_at_revision, full, _b64(new), revision
+                )
+                if applied:
+                    return new
+                continue
+            return current if current is not None else want
+
+    def append(self, key: str, value: bytes | str) -> None:
+        full = self._k(key)
+        extra = value.encode() if isinstance(value, str) else bytes(value)
+        current, revision = self._etcd(self._client.get_with_revision, full)
+        while True:
+            base = _unb64(current) if current is not None else b""
+            applied, current, revision = self._etcd(
+                self._client.try_put_at_revision, full, _b64(base + extra), revision
+            )
+            if applied:
+                return
+
+    # Blocking reads ----------------------------------------------------------------------
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Wait until every key exists (``timeout`` defaults to the store timeout)."""
+        self._wait_values(keys, timeout)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Values of ``keys``, waiting up to the store timeout for all of them."""
+        return [_unb64(v) for v in self._wait_values(keys, None)]
+
+    def _wait_values(self, keys: Sequence[str], timeout: timedelta | None) -> list[str]:
+        budget = (timeout if timeout is not None else self.timeout).total_seconds()
+        # c10d's kNoTimeout (0) means wait forever.
+        deadline = time.monotonic() + budget if budget > 0 else float("inf")
+        full = [self._k(k) for k in keys]
+        delay = self._POLL_MIN
+        while True:
+            values = self._etcd(self._client.get_many, full)
+            if all(v is not None for v in values):
+                return values
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+                raise dist.DistStoreError(
+                    f"etcd store: timed out after {budget:.1f}s waiting for keys {missing} "
+                    f"under {self._prefix}"
+                )
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, self._POLL_MAX)
+
+
+# -- handler --------------------------------------------------------------------------------
+
+
+class _EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """``DynamicRendezvousHandler`` that rebuilds MASTER_ADDR/PORT every round.
+
+    See "Re-rendezvous fix" in the module docstring; touches two private members of torch's
+    handler, both present since the TCPStore-sharing change (torch 2.4) through 2.13.
+    """
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._bootstrap_store_info = None
+        return super().next_rendezvous()
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
+        server = self._shared_tcp_store_server
+        if isinstance(server, dist.TCPStore):
+            return server
+        return super()._create_tcp_store_server(master_addr, master_port)
+
+
+def _positive(params: RendezvousParameters, key: str, default: float) -> float:
+    raw = params.get(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"The rendezvous configuration option '{key}' must be a number.") from None
+    if value <= 0:
+        raise ValueError(f"The rendezvous configuration option '{key}' must be positive.")
+    return value
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+    """Build the etcd client, state backend and c10d store for ``params``."""
+    if not params.endpoint:
+        raise ValueError("The etcd3 rendezvous needs --rdzv-endpoint HOST:PORT of etcd.")
+    read_timeout = _positive(params, "read_timeout", DEFAULT_READ_TIMEOUT)
+    rpc_timeout = _positive(params, "rpc_timeout", DEFAULT_RPC_TIMEOUT)
+    client = EtcdClient(params.endpoint, timeout=rpc_timeout, retry_timeout=read_timeout)
+    try:
+        # Fail fast and clearly on a wrong endpoint instead of deep inside the join loop.
+        client.wait_ready(timeout=read_timeout)
+    except EtcdError as exc:
+        client.close()
+        raise RendezvousConnectionError(
+            f"The etcd3 rendezvous cannot reach etcd at {params.endpoint}: {exc}"
+        ) from exc
+    backend = EtcdRendezvousBackend(client, params.run_id)
+    store = EtcdStore(client, store_prefix(params.run_id), timedelta(seconds=read_timeout))
+    return backend, store
+
+
+def _timeout(params: RendezvousParameters, name: str) -> timedelta | None:
+    seconds = params.get_as_int(f"{name}_timeout")
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
+def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torchrun handler creator for ``--rdzv-backend etcd3``."""
+    # Same option parsing as torch's create_handler, but building our handler subclass.
+    keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
+    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
+    if keep_alive_interval is None or keep_alive_max_attempt is None:
+        raise TypeError("keep_alive_interval and keep_alive_max_attempt must be integers")
+    timeout = RendezvousTimeout(
+        _timeout(params, "join"),
+        _timeout(params, "last_call"),
+        _timeout(params, "close"),
+        _timeout(params, "heartbeat"),
+    )
+    backend, store = create_backend(params)
+    return _EtcdRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=keep_alive_interval,
+        keep_alive_max_attempt=keep_alive_max_attempt,
+    )

@@ -1,0 +1,200 @@
+"""SQL schema of the store (SQLAlchemy 2 declarative models).
+
+Only `orchestrator.store.Store` uses these classes; everything else goes through its API. The
+schema itself is created and changed by alembic (`migrations/`), never by `create_all`: the
+initial revision mirrors these models exactly and `alembic check` guards that they stay in sync.
+
+Portable on purpose (SQLite and PostgreSQL): no dialect-specific types, JSON kept as text,
+timestamps as timezone-aware UTC datetimes.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+JOB_STATES = ("pending", "running", "completed", "failed", "interrupted")
+GENERATION_STATES = ("running", "completed", "failed", "aborted", "interrupted")
+CHECKPOINT_STATES = ("committed", "deleted", "corrupt")
+
+# Deterministic constraint names: alembic needs them to alter/drop constraints (SQLite batch
+# mode recreates tables by name), and they keep `alembic check` stable across dialects.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_N_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp stored and returned as timezone-aware UTC.
+
+    PostgreSQL keeps the zone (`timestamptz`); SQLite drops it, so values are normalised to UTC
+    on the way in and tagged UTC on the way out. Naive datetimes are rejected rather than guessed.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware (UTC) datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _job_fk() -> Mapped[str]:
+    # Every child row belongs to a job and goes with it.
+    return mapped_column(String(64), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (CheckConstraint(_in("state", JOB_STATES), name="state"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    spec_json: Mapped[str] = mapped_column(Text)
+    workdir: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)  # list order
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    samples_consumed: Mapped[int] = mapped_column(Integer, default=0)
+    lr: Mapped[float] = mapped_column(Float, default=0.0)
+    freeze_boundary: Mapped[int] = mapped_column(Integer, default=0)
+    layout_version: Mapped[int] = mapped_column(Integer, default=0)
+    accuracy: Mapped[float | None] = mapped_column(Float)
+
+
+class Generation(Base):
+    """One incarnation of the worker group (a new one after every rendezvous/recovery)."""
+
+    __tablename__ = "generations"
+    __table_args__ = (
+        UniqueConstraint("job_id", "number"),
+        CheckConstraint(_in("state", GENERATION_STATES), name="state"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    number: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class LayoutRow(Base):
+    __tablename__ = "layouts"
+    __table_args__ = (UniqueConstraint("job_id", "version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    version: Mapped[int] = mapped_column(Integer)
+    layout_json: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    step: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(Integer)
+    # NULL when not finite (a diverged step): SQLite cannot store NaN.
+    loss: Mapped[float | None] = mapped_column(Float)
+    samples_per_s: Mapped[float | None] = mapped_column(Float)
+    lr: Mapped[float] = mapped_column(Float)
+    time: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Evaluation(Base):
+    __tablename__ = "evaluations"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    epoch: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    accuracy: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    time: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("job_id", "step"),
+        CheckConstraint(_in("state", CHECKPOINT_STATES), name="state"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    step: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(Integer)
+    layout_version: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[str] = mapped_column(String(128))
+    samples_consumed: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Event(Base):
+    __tablename__ = "events"
+    # The dashboard and CLI read a job's most recent events.
+    __table_args__ = (Index("ix_events_job_id_time", "job_id", "time"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    time: Mapped[datetime] = mapped_column(UTCDateTime())
+    kind: Mapped[str] = mapped_column(String(32))
+    rank: Mapped[int | None] = mapped_column(Integer)
+    message: Mapped[str] = mapped_column(Text)
+    data_json: Mapped[str | None] = mapped_column(Text)

@@ -1,0 +1,321 @@
+"""The etcd3 torchrun rendezvous: entry point, state backend, c10d store, real torchrun agents."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from base64 import b64encode
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from orchestrator import keys
+from orchestrator.etcd_client import EtcdClient
+from orchestrator.etcd_server import EmbeddedEtcd, free_port
+from orchestrator.rendezvous import (
+    EtcdRendezvousBackend,
+    EtcdStore,
+    create_etcd3_handler,
+    delete_rendezvous,
+    handler_factory,
+    state_key,
+    store_prefix,
+)
+
+
+def run_id() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+def params(endpoint: str, rid: str, min_nodes: int = 1, max_nodes: int = 1, **config: Any):
+    return RendezvousParameters(
+        backend="etcd3",
+        endpoint=endpoint,
+        run_id=rid,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        local_addr="127.0.0.1",
+        **config,
+    )
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def test_entry_point_is_discoverable_and_builds_our_handler(etcd_server: EmbeddedEtcd) -> None:
+    (ep,) = [ep for ep in entry_points(group="torchrun.handlers") if ep.name == "etcd3"]
+    assert ep.value == "orchestrator.rendezvous:handler_factory"
+    # torch calls the loaded object with no arguments and registers what it returns.
+    creator = ep.load()()
+    assert callable(creator)
+
+    handler = get_rendezvous_handler(params(etcd_server.endpoint, run_id()))
+    assert isinstance(handler, DynamicRendezvousHandler)
+    assert handler.get_backend() == "etcd3"
+    assert handler_factory()(params(etcd_server.endpoint, run_id())).get_backend() == "etcd3"
+
+
+def test_entry_point_registers_even_when_we_import_torch_rendezvous_first(
+    etcd_server: EmbeddedEtcd,
+) -> None:
+    # torch loads all torchrun.handlers entry points while its rendezvous package initialises;
+    # if our module is what triggers that import, the entry point must still resolve.
+    code = textwrap.dedent(
+        f"""
+        import orchestrator.rendezvous
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+        p = RendezvousParameters("etcd3", "{etcd_server.endpoint}", "fresh", 1, 1)
+        print("BACKEND", get_rendezvous_handler(p).get_backend())
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "BACKEND etcd3" in proc.stdout
+    assert "Exception while registering" not in proc.stderr, proc.stderr
+
+
+# -- backend --------------------------------------------------------------------------------
+
+
+def test_backend_cas_the_stale_token_loses(etcd_server: EmbeddedEtcd, etcd: EtcdClient) -> None:
+    rid = run_id()
+    with EtcdClient(etcd_server.endpoint) as other:
+        a = EtcdRendezvousBackend(etcd, rid)
+        b = EtcdRendezvousBackend(other, rid)
+        assert a.name == "etcd3"
+        assert a.get_state() is None and b.get_state() is None
+
+        # Both try to create the state; only the first wins, the second gets the winner's.
+        state_a, token_a, ok = a.set_state(b"from-a")
+        assert (state_a, ok) == (b"from-a", True)
+        assert b.set_state(b"from-b") == (b"from-a", token_a, False)
+
+        # b now holds the current token and wins; a's token is stale and loses.
+        state_b, token_b, ok = b.set_state(b"from-b", token_a)
+        assert (state_b, ok) == (b"from-b", True) and token_b != token_a
+        assert a.set_state(b"again-a", token_a) == (b"from-b", token_b, False)
+        assert a.get_state() == (b"from-b", token_b)
+        # A token we never handed out cannot match.
+        assert a.set_state(b"bogus", "not-a-revision") == (b"from-b", token_b, False)
+
+    # Stored base64 under the run's rendezvous key.
+    assert state_key(rid).startswith(keys.rendezvous(rid) + "/")
+    assert etcd.get(state_key(rid)) == b64encode(b"from-b").decode()
+
+
+def test_backend_reports_corrupt_state_and_lost_connection(etcd: EtcdClient) -> None:
+    rid = run_id()
+    etcd.put(state_key(rid), "%%% not base64 %%%")
+    with pytest.raises(RendezvousStateError):
+        EtcdRendezvousBackend(etcd, rid).get_state()
+
+    with EtcdClient(f"127.0.0.1:{free_port()}", timeout=0.3, retry_timeout=0.3) as dead:
+        with pytest.raises(RendezvousConnectionError, match="127.0.0.1"):
+            EtcdRendezvousBackend(dead, rid).get_state()
+
+
+def test_create_handler_validates_options(etcd_server: EmbeddedEtcd) -> None:
+    with pytest.raises(ValueError, match="read_timeout"):
+        create_etcd3_handler(params(etcd_server.endpoint, run_id(), read_timeout="0"))
+    with pytest.raises(ValueError, match="endpoint"):
+        create_etcd3_handler(params("", run_id()))
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="cannot reach etcd"):
+        create_etcd3_handler(params(f"127.0.0.1:{free_port()}", run_id(), read_timeout=1))
+    assert time.monotonic() - started < 5
+
+
+# -- store ----------------------------------------------------------------------------------
+
+
+def test_store_has_c10d_semantics(etcd: EtcdClient) -> None:
+    rid = run_id()
+    raw = EtcdStore(etcd, store_prefix(rid), timeout=timedelta(seconds=2))
+    store = dist.PrefixStore("round.0", raw)  # how torch's handler wraps it
+
+    store.set("addr", "10.0.0.1")
+    assert store.get("addr") == b"10.0.0.1"
+    store.set("blob", b"\x00\xff\x10")
+    assert store.get("blob") == b"\x00\xff\x10"
+
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.get("n") == b"5"
+
+    # compare_set: "" means absent; on mismatch the current value comes back unchanged
+    assert store.compare_set("cs", "", "x") == b"x"
+    assert store.compare_set("cs", "", "y") == b"x"
+    assert store.compare_set("cs", "x", "z") == b"z"
+    assert store.compare_set("missing", "expected", "w") == b"expected"
+    assert not store.check(["missing"])
+
+    store.multi_set(["m1", "m2"], ["v1", "v2"])
+    assert store.multi_get(["m1", "m2"]) == [b"v1", b"v2"]
+    assert store.check(["m1", "m2"]) and not store.check(["m1", "nope"])
+
+    assert raw.num_keys() == 6
+    assert raw.delete_key("round.0/m1") and not raw.delete_key("round.0/m1")
+    assert etcd.count_prefix(store_prefix(rid)) == 5
+
+    # Blocking reads wait for the key ...
+    threading.Timer(0.3, lambda: store.set("late", "L")).start()
+    assert store.get("late") == b"L"
+    store.wait(["late", "addr"], timedelta(seconds=1))
+    # ... and time out with c10d's error type.
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="never"):
+        store.wait(["never"], timedelta(milliseconds=300))
+    with pytest.raises(dist.DistStoreError):
+        store.get("never")  # store timeout (2 s)
+    assert time.monotonic() - started < 4
+
+    assert delete_rendezvous(etcd, rid) == 6  # addr blob n cs m2 late
+    assert etcd.get_prefix(keys.rendezvous(rid)) == []
+
+
+def test_store_add_is_atomic_under_contention(etcd_server: EmbeddedEtcd, etcd: EtcdClient) -> None:
+    prefix = store_prefix(run_id())
+
+    def bump(_: int) -> None:
+        with EtcdClient(etcd_server.endpoint) as client:
+            store = EtcdStore(client, prefix)
+            for _ in range(20):
+                store.add("count", 1)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(bump, range(4)))
+    assert EtcdStore(etcd, prefix).get("count") == b"80"
+
+
+# -- handlers in-process: a lost rank-0 node ------------------------------------------------
+
+
+def _rendezvous_all(handlers: list[DynamicRendezvousHandler]) -> list[RendezvousInfo]:
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        return list(pool.map(lambda h: h.next_rendezvous(), handlers))
+
+
+def test_survivors_follow_the_new_rank0_after_rank0_is_lost(etcd_server: EmbeddedEtcd) -> None:
+    rid = run_id()
+    conf = {
+        "join_timeout": 30,
+        "last_call_timeout": 1,
+        "keep_alive_interval": 1,
+        "keep_alive_max_attempt": 3,
+    }
+    # Handlers created in this order sort (and so rank) in this order.
+    a, b, c = (
+        create_etcd3_handler(params(etcd_server.endpoint, rid, 2, 3, **conf)) for _ in range(3)
+    )
+    try:
+        first = _rendezvous_all([a, b, c])
+        assert [(i.rank, i.world_size) for i in first] == [(0, 3), (1, 3), (2, 3)]
+        old_master = first[0].bootstrap_store_info.master_port
+        assert all(i.bootstrap_store_info.master_port == old_master for i in first)
+
+        # Node a dies: no more heartbeats; b and c re-rendezvous without it.
+        a._stop_heartbeats()
+        second = _rendezvous_all([b, c])
+        assert [(i.rank, i.world_size) for i in second] == [(0, 2), (1, 2)]
+        new_master = second[0].bootstrap_store_info.master_port
+        assert new_master != old_master
+        # torch 2.13 alone would hand c the dead node's store; ours follows the new rank 0.
+        assert second[1].bootstrap_store_info.master_port == new_master
+
+        # And the new master store really is served by b.
+        client = dist.TCPStore("127.0.0.1", new_master, is_master=False, timeout=timedelta(seconds=5))
+        client.set("probe", "ok")
+        assert client.get("probe") == b"ok"
+    finally:
+        for h in (b, c):
+            h.shutdown()
+        a._stop_heartbeats()
+
+
+# -- two real torchrun agents ---------------------------------------------------------------
+
+WORKER = """
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+value = torch.tensor([float(rank + 1)])
+dist.all_reduce(value)
+out = os.path.join(sys.argv[1], f"rank{rank}.txt")
+with open(out, "w") as f:
+    f.write(f"{rank} {world} {value.item():g}\\n")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_rendezvous_through_etcd(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient, tmp_path: Path
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    rid = run_id()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=etcd3",
+        f"--rdzv-endpoint={etcd_server.endpoint}",
+        f"--rdzv-id={rid}",
+        "--rdzv-conf=join_timeout=60,last_call_timeout=1,read_timeout=30",
+        "--local-addr=127.0.0.1",  # hermetic: do not depend on this host's DNS name
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        str(script),
+        str(out_dir),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    agents = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = []
+    try:
+        for agent in agents:
+            outputs.append(agent.communicate(timeout=120)[0])
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                outputs.append(agent.communicate()[0])
+    logs = "\n".join(f"--- agent {i} ---\n{out}" for i, out in enumerate(outputs))
+    assert [a.returncode for a in agents] == [0, 0], logs
+
+    results = sorted((out_dir / f"rank{r}.txt").read_text().split() for r in range(2))
+    assert results == [["0", "2", "3"], ["1", "2", "3"]], logs
+    # The rendezvous really went through etcd: its state and store keys are there.
+    assert etcd.get(state_key(rid)) is not None
+    assert etcd.count_prefix(store_prefix(rid)) > 0
