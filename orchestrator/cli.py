@@ -27,6 +27,7 @@ from orchestrator.controller import Controller, ControllerError, job_dir, new_jo
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.launch import torchrun_command, worker_env
+from orchestrator.procs import detached_but_tied
 from orchestrator.progress import ProgressView
 from orchestrator.spec import SpecError, load_spec
 from orchestrator.state import Assignment
@@ -109,7 +110,7 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=worker_env(ctrl.spec.runtime.threads_per_worker),
-                start_new_session=True,
+                preexec_fn=detached_but_tied,
             )
             interrupts = 0
 
@@ -247,7 +248,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     job_id = args.job_id or new_job_id(spec)
     started = time.monotonic()
     if args.etcd_port and not args.etcd:
-        server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd", port=args.etcd_port)
+        server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd", client_port=args.etcd_port)
         args.etcd = server.start().endpoint
     with etcd_for(args, job_id) as etcd:
         try:

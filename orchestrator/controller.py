@@ -40,6 +40,19 @@ def new_job_id(spec: JobSpec) -> str:
     return f"{spec.name}-{uuid.uuid4().hex[:6]}"
 
 
+def _is_dead_local_process(holder_json: str) -> bool:
+    try:
+        holder = json.loads(holder_json)
+        if holder.get("host") != socket.gethostname():
+            return False
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, KeyError, TypeError, PermissionError):
+        return False
+    return False
+
+
 def job_dir(workdir: str | Path, job_id: str) -> Path:
     return Path(workdir).resolve() / "jobs" / job_id
 
@@ -92,14 +105,24 @@ class Controller:
     def checkpoint_dir(self) -> Path:
         return job_dir(self.job.workdir, self.job_id) / "checkpoints"
 
-    def acquire(self) -> None:
-        """Take the job's controller lease, or fail if another live controller holds it."""
-        lease = self.etcd.lease(max(2, self.spec.runtime.lease_ttl_s))
+    def acquire(self, wait_s: float | None = None) -> None:
+        """Take the job's controller lease. A holder that is a dead process on this host is
+        replaced at once; any other holder must let its lease expire within `wait_s` (default
+        two lease TTLs), else this fails."""
+        ttl = max(2, self.spec.runtime.lease_ttl_s)
+        key = keys.controller(self.job_id)
         me = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
-        if not self.etcd.put_if_absent(keys.job(self.job_id) + "/controller", me, lease=lease):
-            lease.revoke()
-            holder = self.etcd.get(keys.job(self.job_id) + "/controller")
-            raise ControllerError(f"job {self.job_id} is already controlled by {holder}")
+        deadline = time.monotonic() + (2 * ttl if wait_s is None else wait_s)
+        lease = self.etcd.lease(ttl)
+        while not self.etcd.put_if_absent(key, me, lease=lease):
+            holder = self.etcd.get(key)
+            if holder is not None and _is_dead_local_process(holder):
+                self.etcd.delete(key)  # racing resumers still meet at put_if_absent
+                continue
+            if time.monotonic() > deadline:
+                lease.revoke()
+                raise ControllerError(f"job {self.job_id} is already controlled by {holder}")
+            time.sleep(0.2)
         self._keepalive = self.etcd.keep_alive(lease)
 
     def release(self) -> None:

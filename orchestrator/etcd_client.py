@@ -216,6 +216,8 @@ class KeepAlive:
                 self.lease.refresh()
                 self.last_error = None
             except LeaseExpired as exc:
+                if self._stop.is_set():  # revoked by our own stop(revoke=True): not a loss
+                    return
                 self.last_error = exc
                 self.expired.set()
                 log.warning("etcd lease %#x expired", self.lease.id)

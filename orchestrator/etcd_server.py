@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 
 from orchestrator.etcd_client import EtcdClient, EtcdError
+from orchestrator.procs import detached_but_tied
 
 __all__ = ["EmbeddedEtcd", "EtcdStartError", "etcd_binary", "free_port"]
 
@@ -205,9 +206,9 @@ class EmbeddedEtcd:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                # Its own process group: a Ctrl-C meant for our foreground job must not kill
-                # etcd before we had a chance to shut down cleanly.
-                start_new_session=True,
+                # Its own session: a Ctrl-C meant for our foreground job must not kill etcd
+                # before we shut down cleanly; but it dies with us if we are killed.
+                preexec_fn=detached_but_tied,
             )
         # Safety net: never leave an orphaned etcd behind if the owner forgets stop().
         self._finalizer = weakref.finalize(self, _terminate, self._proc, 5.0)
@@ -217,7 +218,7 @@ class EmbeddedEtcd:
             while True:
                 code = self._proc.poll()
                 if code is not None:
-                    self._proc = None
+                    self.stop()
                     raise EtcdStartError(
                         f"etcd exited with code {code} during startup "
                         f"(log {self.log_path}):\n{self._log_tail(log_offset)}"

@@ -3,7 +3,8 @@
 /pipetransformer/jobs/<job>/spec             JobSpec JSON (controller writes)
 /pipetransformer/jobs/<job>/layout           current Layout JSON (controller writes)
 /pipetransformer/jobs/<job>/assignment       Assignment: generation, checkpoint dir, start state
-/pipetransformer/jobs/<job>/control          {"action": "run"|"stop"} read by rank 0 at step boundaries
+/pipetransformer/jobs/<job>/controller       {"host", "pid"} of the live controller, on its lease
+/pipetransformer/jobs/<job>/control          "run" | "stop", read by rank 0 at control points
 /pipetransformer/jobs/<job>/events/<g>-<r>-<n> WorkerEvent JSON queue (workers put, controller drains)
 /pipetransformer/jobs/<job>/workers/<rank>   liveness, attached to the worker's lease
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
@@ -28,6 +29,10 @@ def layout(job_id: str) -> str:
 
 def assignment(job_id: str) -> str:
     return f"{job(job_id)}/assignment"
+
+
+def controller(job_id: str) -> str:
+    return f"{job(job_id)}/controller"
 
 
 def control(job_id: str) -> str:

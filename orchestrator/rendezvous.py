@@ -29,8 +29,11 @@ The store (why an etcd-backed c10d ``Store``)
     operations are few, and polling is immune to lost watch events across etcd restarts.
 
     The *workers'* store is not this one: with torch's default ``use_agent_store`` the rank-0
-    agent hosts a TCPStore per round and the workers' ``init_process_group`` talks to that,
-    so the hot path of process-group setup never touches etcd.
+    agent hosts a TCPStore and the workers' ``init_process_group`` talks to that (under a
+    per-attempt prefix), so the hot path of process-group setup never touches etcd.
+
+    Trust: the state blob is a pickle (torch's format), so whoever can write these etcd keys
+    can run code in every agent, exactly as with c10d's TCPStore; restrict access to etcd.
 
 Re-rendezvous fix
     torch 2.13 computes ``RendezvousStoreInfo`` (MASTER_ADDR/PORT) in the first round and then
@@ -67,7 +70,6 @@ def _create_etcd3_handler_deferred(params: RendezvousParameters) -> RendezvousHa
 
 
 import binascii
-import logging
 import random
 import time
 from base64 import b64decode, b64encode
@@ -105,8 +107,6 @@ __all__ = [
     "state_key",
     "store_prefix",
 ]
-
-log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd3"
 DEFAULT_READ_TIMEOUT = 60

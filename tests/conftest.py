@@ -1,3 +1,3 @@
 """Shared fixtures. Each area keeps its fixtures in its own module, pulled in here."""
 
-pytest_plugins = ["tests.fixtures_etcd", "tests.fixtures_store"]
+pytest_plugins = ["tests.fixtures_etcd", "tests.fixtures_store", "tests.fixtures_run"]

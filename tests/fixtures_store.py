@@ -129,9 +129,3 @@ def populated_store(store: Store, db_url: str) -> StoreRun:
     40 metrics rows, 4 evaluations, one committed checkpoint and some events."""
     populate(store)
     return StoreRun(store=store, db_url=db_url, job_id=POPULATED_JOB_ID)
-
-
-@pytest.fixture
-def finished_run(populated_store: StoreRun) -> StoreRun:
-    """A finished job for the dashboard. Stand-in until a real training run provides one."""
-    return populated_store

@@ -124,7 +124,9 @@ def test_revision_fenced_writes(etcd: EtcdClient, etcd_prefix: str) -> None:
     assert etcd.get_with_revision(key) == ("b", rev_b)
 
 
-def test_concurrent_cas_increments_are_not_lost(etcd_server: EmbeddedEtcd, etcd: EtcdClient) -> None:
+def test_concurrent_cas_increments_are_not_lost(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient
+) -> None:
     key = "/counter"
     etcd.put(key, "0")
 

@@ -1,0 +1,117 @@
+"""A real training run through the `pipetransformer` CLI, shared by the end-to-end and dashboard
+tests (one run per session; tests that write get their own copy of its store)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.store import Store, sqlite_url
+from tests.fixtures_store import StoreRun
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_SPEC: dict[str, Any] = {
+    "name": "tiny",
+    "model": {"depth": 2, "dim": 32, "heads": 4, "mlp_ratio": 2.0},
+    "data": {"dataset": "digits"},
+    "training": {"epochs": 2, "global_batch_size": 64, "lr": 0.003, "warmup_steps": 5},
+    "parallel": {"stages": 2, "microbatches": 4},
+    "checkpoint": {"every_epochs": 1, "keep": 3},
+}
+STEPS_PER_EPOCH = 23  # ceil(1437 training digits / 64)
+
+
+def write_spec(path: Path, **sections: dict[str, Any]) -> Path:
+    spec = {k: dict(v) if isinstance(v, dict) else v for k, v in TINY_SPEC.items()}
+    for key, value in sections.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def cli(*args: str, timeout: float = 240, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """Run the `pipetransformer` CLI as a user would, in a fresh process."""
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+    return proc
+
+
+def start_cli(*args: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "COLUMNS": "200"}
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, log: Path | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    detail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{detail}")
+
+
+@dataclass(frozen=True)
+class RealRun:
+    workdir: Path
+    db_url: str
+    job_id: str
+    result: subprocess.CompletedProcess[str]
+
+    def store(self) -> Store:
+        return Store.open(self.db_url, migrate=False)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> RealRun:
+    root = tmp_path_factory.mktemp("trained")
+    spec = write_spec(root / "tiny.yaml")
+    workdir = root / "runs"
+    result = cli("run", str(spec), "--workdir", str(workdir), "--job-id", "tiny-e2e")
+    assert result.returncode == 0, f"run failed:\n{result.stdout}\n{result.stderr}"
+    return RealRun(workdir, sqlite_url(workdir / "store.db"), "tiny-e2e", result)
+
+
+@pytest.fixture
+def finished_run(trained_run: RealRun, tmp_path: Path) -> Iterator[StoreRun]:
+    """A private copy of the real run's store (tests may write to it)."""
+    target = tmp_path / "store.db"
+    src = sqlite3.connect(trained_run.workdir / "store.db")
+    dst = sqlite3.connect(target)
+    with dst:
+        src.backup(dst)  # consistent copy, WAL included
+    src.close()
+    dst.close()
+    url = sqlite_url(target)
+    store = Store.open(url, migrate=False)
+    try:
+        yield StoreRun(store, url, trained_run.job_id)
+    finally:
+        store.close()

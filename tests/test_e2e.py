@@ -1,0 +1,153 @@
+"""End to end through the CLI: a real job (embedded etcd, SQLite, torchrun workers over gloo)
+trains, is recorded in the store, and resumes after Ctrl-C or a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from orchestrator.manifest import verify_checkpoint
+from orchestrator.store import Store, sqlite_url
+from tests.fixtures_run import STEPS_PER_EPOCH, RealRun, cli, start_cli, wait_for, write_spec
+
+pytestmark = pytest.mark.slow
+
+
+def test_run_records_job_layout_metrics_and_checkpoint(trained_run: RealRun) -> None:
+    out = trained_run.result.stdout
+    assert "held-out accuracy" in out and "pipetransformer dashboard" in out
+    store = trained_run.store()
+    job = store.get_job(trained_run.job_id)
+    assert job.state == "completed"
+    assert (job.epoch, job.step) == (2, 2 * STEPS_PER_EPOCH)
+
+    layout = store.current_layout(job.id)
+    assert [(s.start, s.end, s.ranks) for s in layout.stages] == [(0, 1, [0]), (1, 2, [1])]
+
+    steps = [m["step"] for m in store.metrics(job.id)]
+    assert steps == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    assert all(m["loss"] > 0 and m["samples_per_s"] > 0 for m in store.metrics(job.id))
+
+    evals = store.evaluations(job.id)
+    assert [e["epoch"] for e in evals] == [1, 2]
+    assert all(0.0 <= e["accuracy"] <= 1.0 for e in evals)
+    assert job.accuracy == evals[-1]["accuracy"]
+
+    ckpts = store.checkpoints(job.id)
+    assert [c.step for c in ckpts] == [2 * STEPS_PER_EPOCH, STEPS_PER_EPOCH]
+    for c in ckpts:
+        assert verify_checkpoint(c.path, c.checksum) == c.size_bytes > 0
+
+    kinds = [e["kind"] for e in store.events(job.id)]
+    assert kinds.count("worker_started") == 2 and "job_completed" in kinds
+    assert [g["state"] for g in store.generations(job.id)] == ["completed"]
+
+
+def test_status_json_reports_accuracy(trained_run: RealRun) -> None:
+    res = cli("status", "--json", "--workdir", str(trained_run.workdir))
+    assert res.returncode == 0, res.stderr
+    status = json.loads(res.stdout)
+    assert status["id"] == trained_run.job_id and status["state"] == "completed"
+    assert 0.0 <= status["accuracy"] <= 1.0
+    assert status["layout"]["stages"][0]["ranks"] == [0]
+
+    res = cli("status", "no-such-job", "--workdir", str(trained_run.workdir))
+    assert res.returncode == 2
+    assert "no-such-job" in res.stderr and trained_run.job_id in res.stderr
+
+
+def test_resume_refuses_a_completed_job(trained_run: RealRun) -> None:
+    res = cli("resume", trained_run.job_id, "--workdir", str(trained_run.workdir))
+    assert res.returncode == 2 and "already completed" in res.stderr
+
+
+def _first_checkpoint(db: Path, job_id: str):
+    def check():
+        if not db.exists():
+            return None
+        store = Store.open(sqlite_url(db), migrate=False)
+        try:
+            if store.revision() is None or not store.list_jobs():  # not migrated/created yet
+                return None
+            return store.latest_checkpoint(job_id)
+        finally:
+            store.close()
+
+    return check
+
+
+def _resume_and_check(workdir: Path, job_id: str, resumed_from: int, total: int) -> Store:
+    res = cli("resume", job_id, "--workdir", str(workdir))
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    assert f"step {resumed_from}" in res.stdout
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    job = store.get_job(job_id)
+    assert job.state == "completed" and job.step == total
+    steps = [m["step"] for m in store.metrics(job_id)]
+    assert steps == list(range(1, total + 1)), "every step recorded exactly once"
+    gens = store.generations(job_id)
+    assert [g["state"] for g in gens][-1] == "completed" and len(gens) == 2
+    return store
+
+
+def test_ctrl_c_checkpoints_and_resume_finishes(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 3})
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "ctrlc", log=log)
+    try:
+        wait_for(_first_checkpoint(workdir / "store.db", "ctrlc"), 120, "a checkpoint", log)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, log.read_text()
+    finally:
+        proc.kill()
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    job = store.get_job("ctrlc")
+    assert job.state == "interrupted"
+    stopped_at = store.latest_checkpoint("ctrlc").step
+    assert stopped_at == job.step, "a graceful stop checkpoints the step it stopped at"
+    assert stopped_at < 3 * STEPS_PER_EPOCH
+    _resume_and_check(workdir, "ctrlc", stopped_at, 3 * STEPS_PER_EPOCH)
+
+
+def test_sigkill_of_run_resumes_from_last_committed_checkpoint(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 3})
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "killed", log=log)
+    try:
+        ckpt = wait_for(_first_checkpoint(workdir / "store.db", "killed"), 120, "a checkpoint", log)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    pids = [e["data"]["pid"] for e in store.events("killed") if e["kind"] == "worker_started"]
+
+    def workers_gone() -> bool:  # they die with `run` (parent-death signal), not linger
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        return not alive
+
+    wait_for(workers_gone, 30, "orphaned workers to exit")
+    assert store.get_job("killed").state == "running"  # nobody lived to record the end
+    committed = store.latest_checkpoint("killed").step
+    assert committed >= ckpt.step
+    _resume_and_check(workdir, "killed", committed, 3 * STEPS_PER_EPOCH)
+
+
+def test_bad_spec_is_rejected_before_anything_starts(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "bad.yaml", training={"global_batch_size": -4}, colour="blue")
+    workdir = tmp_path / "runs"
+    res = cli("run", str(spec), "--workdir", str(workdir))
+    assert res.returncode == 2
+    assert "training.global_batch_size" in res.stderr and "greater than 0" in res.stderr
+    assert "colour: unknown field" in res.stderr
+    assert not workdir.exists(), "nothing was created"
