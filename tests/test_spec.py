@@ -1,0 +1,94 @@
+"""Job spec validation: good specs parse, bad ones name the field and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.spec import JobSpec, SpecError, load_spec, parse_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _problems(data: dict) -> dict[str, str]:
+    with pytest.raises(SpecError) as info:
+        parse_spec(data)
+    return dict(info.value.problems)
+
+
+def test_examples_are_valid() -> None:
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        spec = load_spec(path)
+        assert isinstance(spec, JobSpec)
+    spec = load_spec(REPO / "examples" / "vit-digits.yaml")
+    assert (spec.parallel.stages, spec.model.depth, spec.data.dataset) == (2, 6, "digits")
+
+
+def test_defaults_fill_everything_but_the_name() -> None:
+    spec = parse_spec({"name": "minimal"})
+    assert spec.training.global_batch_size == 64 and spec.parallel.schedule == "gpipe"
+    assert "name" in _problems({})
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "phrase"),
+    [
+        ({"name": "x", "colour": 1}, "colour", "unknown field"),
+        (
+            {"name": "x", "training": {"global_batch_sise": 8}},
+            "training.global_batch_sise",
+            "unknown field",
+        ),
+        (
+            {"name": "x", "training": {"global_batch_size": -64}},
+            "training.global_batch_size",
+            "greater than 0",
+        ),
+        ({"name": "x", "training": {"lr": 0}}, "training.lr", "greater than 0"),
+        ({"name": "x", "parallel": {"stages": 7}}, "<spec>", "exceeds model.depth"),
+        ({"name": "x", "data": {"dataset": "imagenet"}}, "data", "'imagenet' is not available"),
+        ({"name": "x", "parallel": {"schedule": "pipedream"}}, "parallel", "choose one of gpipe"),
+        ({"name": "x", "training": {"global_batch_size": 30}}, "<spec>", "multiple of"),
+        (
+            {"name": "x", "model": {"dim": 30, "heads": 4}},
+            "model",
+            "heads (4) must divide dim (30)",
+        ),
+        ({"name": "Bad Name"}, "<spec>", "lowercase"),
+        ({"name": "x", "training": {"epochs": "many"}}, "training.epochs", "valid integer"),
+    ],
+)
+def test_bad_specs_name_the_field(data: dict, field: str, phrase: str) -> None:
+    problems = _problems(data)
+    assert field in problems, problems
+    assert phrase in problems[field]
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    problems = _problems({"name": "x", "colour": 1, "training": {"epochs": 0, "lr": -1}})
+    assert {"colour", "training.epochs", "training.lr"} <= set(problems)
+
+
+def test_error_message_is_readable(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"name": "x", "training": {"global_batch_size": -1}}))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    text = str(info.value)
+    assert text.startswith(f"invalid job spec in {path}:")
+    assert "training.global_batch_size: Input should be greater than 0 (got -1)" in text
+
+
+def test_missing_or_unparsable_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="no such file"):
+        load_spec(tmp_path / "absent.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(broken)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="must be a mapping"):
+        load_spec(listy)
