@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,9 +61,11 @@ def open_store(args: argparse.Namespace, create: bool = False) -> Store:
 
 
 @contextlib.contextmanager
-def etcd_for(args: argparse.Namespace, job_id: str) -> Iterator[EtcdClient]:
-    """The etcd to coordinate through: `--etcd` if given, else an embedded server whose data
-    lives with the job (so `resume` finds the same keyspace)."""
+def etcd_for(
+    args: argparse.Namespace, job_id: str, port: int | None = None
+) -> Iterator[EtcdClient]:
+    """The etcd to coordinate through: `--etcd` if given, else an embedded server (on `port`, or
+    a free one) whose data lives with the job, so `resume` finds the same keyspace."""
     if args.etcd:
         client = EtcdClient(args.etcd)
         try:
@@ -72,7 +75,7 @@ def etcd_for(args: argparse.Namespace, job_id: str) -> Iterator[EtcdClient]:
         with client:
             yield client
         return
-    server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd")
+    server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd", client_port=port or None)
     with server, EtcdClient(server.endpoint) as client:
         yield client
 
@@ -103,14 +106,14 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
                 f"resuming from [bold]{start.checkpoint}[/] (epoch {start.epoch}, step {start.step})"
             )
         console.print(f"workers: {' '.join(cmd[2:9])} ... (log: {log_path})")
-        with open(log_path, "ab") as log, ProgressView(console, layout.describe()) as view:
+        with open(log_path, "ab") as log, ProgressView(console, layout) as view:
             # own session: a terminal Ctrl-C reaches only us, and we stop the workers gracefully
             proc = subprocess.Popen(
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=worker_env(ctrl.spec.runtime.threads_per_worker),
-                preexec_fn=detached_but_tied,
+                preexec_fn=detached_but_tied(),
             )
             interrupts = 0
 
@@ -247,10 +250,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     store = open_store(args, create=True)
     job_id = args.job_id or new_job_id(spec)
     started = time.monotonic()
-    if args.etcd_port and not args.etcd:
-        server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd", client_port=args.etcd_port)
-        args.etcd = server.start().endpoint
-    with etcd_for(args, job_id) as etcd:
+    with etcd_for(args, job_id, port=args.etcd_port) as etcd:
         try:
             ctrl = Controller(store, etcd, job_id)
         except UnknownJob:
@@ -273,9 +273,14 @@ def cmd_controller(args: argparse.Namespace) -> int:
                     return 1  # workers never came, or all of them are gone without a word
                 return None
 
-            with ProgressView(console, ctrl.layout.describe()) as view:
+            with ProgressView(console, ctrl.layout) as view:
                 code = ctrl.supervise(poll, view.update)
             ctrl.finish(code)
+            # The trainers' torchrun agents still use etcd after the last report (exit barrier,
+            # closing the rendezvous, revoking leases): an embedded etcd must outlive them.
+            gone = time.monotonic() + args.join_timeout
+            while etcd.count_prefix(keys.agents(job_id)) and time.monotonic() < gone:
+                time.sleep(0.2)
         finally:
             ctrl.release()
         return _summary(store, ctrl, args, started)
@@ -294,12 +299,19 @@ def cmd_workers(args: argparse.Namespace) -> int:
     cmd = torchrun_command(
         args.etcd, args.job_id, assignment.generation, args.nproc_per_node, nnodes=args.nnodes
     )
-    return subprocess.call(cmd, env=worker_env(1))
+    # presence for the controller, which keeps its embedded etcd up until every launcher left
+    lease = client.lease(ttl=10)
+    client.put(f"{keys.agents(args.job_id)}{socket.gethostname()}-{os.getpid()}", "", lease=lease)
+    keepalive = client.keep_alive(lease)
+    try:
+        return subprocess.call(cmd, env=worker_env(1))
+    finally:
+        keepalive.stop(revoke=True)
 
 
 def cmd_etcd(args: argparse.Namespace) -> int:
     """Serve an embedded etcd in the foreground (for multi-role local launches)."""
-    server = EmbeddedEtcd(Path(args.data_dir), port=args.port).start()
+    server = EmbeddedEtcd(Path(args.data_dir), client_port=args.port).start()
     console.print(f"etcd serving on {server.endpoint} (data {args.data_dir}); Ctrl-C to stop")
     try:
         while True:

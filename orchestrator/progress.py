@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orchestrator.controller import Progress as JobProgress
+from orchestrator.state import Layout
 
 
-def _fmt(p: JobProgress) -> str:
+def _fmt(p: JobProgress, layout: Layout) -> str:
     parts = [f"epoch {p.epoch}", f"step {p.step}" + (f"/{p.total_steps}" if p.total_steps else "")]
     if p.loss is not None:
         parts.append(f"loss {p.loss:.4f}")
@@ -19,11 +21,12 @@ def _fmt(p: JobProgress) -> str:
         parts.append(f"{p.samples_per_s:,.0f} samples/s")
     if p.accuracy is not None:
         parts.append(f"held-out acc {p.accuracy:.1%}")
+    parts.append(f"layout {layout.short}")
     return "  ".join(parts)
 
 
 class ProgressView:
-    def __init__(self, console: Console, layout: str, every_s: float = 5.0):
+    def __init__(self, console: Console, layout: Layout, every_s: float = 5.0):
         self.console, self.layout, self.every_s = console, layout, every_s
         self._bar: Progress | None = None
         self._task = None
@@ -31,7 +34,7 @@ class ProgressView:
         self._last_acc: float | None = None
 
     def __enter__(self) -> ProgressView:
-        self.console.print(f"[bold]layout[/] {self.layout}")
+        self.console.print(f"[bold]layout[/] {escape(self.layout.describe())}")
         if self.console.is_terminal:
             self._bar = Progress(
                 TextColumn("[bold blue]training"),
@@ -47,13 +50,15 @@ class ProgressView:
 
     def update(self, p: JobProgress) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, completed=p.step, total=p.total_steps, info=_fmt(p))
+            self._bar.update(
+                self._task, completed=p.step, total=p.total_steps, info=escape(_fmt(p, self.layout))
+            )
             if p.accuracy is not None and p.accuracy != self._last_acc:
                 self._bar.console.print(f"epoch {p.epoch}: held-out accuracy {p.accuracy:.1%}")
         elif p.step and (
             time.monotonic() - self._last_line >= self.every_s or p.accuracy != self._last_acc
         ):
-            self.console.print(_fmt(p))
+            self.console.print(escape(_fmt(p, self.layout)))
             self._last_line = time.monotonic()
         self._last_acc = p.accuracy
 

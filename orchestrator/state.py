@@ -77,6 +77,14 @@ class Layout(_Model):
                 return s, s.ranks.index(rank)
         raise KeyError(f"rank {rank} has no stage in layout v{self.version}")
 
+    @property
+    def short(self) -> str:
+        """Compact form for progress lines, e.g. `2x1 [0-2|3-5] F=0 v1`."""
+        ranges = "|".join(f"{s.start}-{s.end - 1}" for s in self.stages)
+        return (
+            f"{self.num_stages}x{self.replicas} [{ranges}] F={self.freeze_boundary} v{self.version}"
+        )
+
     def describe(self) -> str:
         parts = [
             f"S{s.index}[blocks {s.start}-{s.end - 1}]@ranks{','.join(map(str, s.ranks))}"
