@@ -151,3 +151,22 @@ def test_bad_spec_is_rejected_before_anything_starts(tmp_path: Path) -> None:
     assert "training.global_batch_size" in res.stderr and "greater than 0" in res.stderr
     assert "colour: unknown field" in res.stderr
     assert not workdir.exists(), "nothing was created"
+
+
+def test_external_etcd_and_db(tmp_path: Path, etcd_factory) -> None:
+    server = etcd_factory()
+    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 1, "max_steps": 4})
+    db = sqlite_url(tmp_path / "elsewhere.db")
+    workdir = tmp_path / "runs"
+    args = ("--workdir", str(workdir), "--etcd", server.endpoint, "--db", db)
+    res = cli("run", str(spec), "--job-id", "ext", *args)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    assert f"etcd {server.endpoint}" in res.stdout
+    assert not (workdir / "jobs" / "ext" / "etcd").exists(), "no embedded etcd was started"
+    assert not (workdir / "store.db").exists(), "the store is the --db one"
+    store = Store.open(db, migrate=False)
+    job = store.get_job("ext")
+    assert job.state == "completed" and job.step == 4
+    assert store.latest_checkpoint("ext").step == 4  # ended mid-epoch at max_steps: saved
+    status = cli("status", "ext", "--json", "--db", db)
+    assert json.loads(status.stdout)["step"] == 4
