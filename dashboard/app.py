@@ -104,9 +104,10 @@ def header(store: Store, job: JobInfo) -> None:
     st.title(job.id)
     st.caption(f"{job.name} · workdir `{job.workdir}` · created {fmt_time(job.created_at)}")
     epochs = job.spec.training.epochs
-    c = st.columns(5)
-    c[0].metric("State", f"{STATE_ICONS.get(job.state, '')} {job.state}")
-    c[1].metric("Epoch", f"{job.epoch + 1 if job.step else 0}/{epochs}")
+    c = st.columns([1.6, 1, 1, 1, 1])  # state names are the longest values
+    c[0].metric("State", job.state)
+    # job.epoch counts finished epochs (a resume point), so a done job reads epochs/epochs
+    c[1].metric("Epochs done", f"{job.epoch}/{epochs}")
     c[2].metric("Step", job.step)
     c[3].metric("Accuracy", "—" if job.accuracy is None else f"{job.accuracy:.1%}")
     c[4].metric("Frozen blocks", f"{job.freeze_boundary}/{job.spec.model.depth}")

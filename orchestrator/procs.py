@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
+import shutil
 import sys
 import threading
-from collections.abc import Callable
-
-_PR_SET_PDEATHSIG = 1
 
 
-def _session_and_parent_death_signal() -> None:
-    os.setsid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def tied_to_parent(cmd: list[str]) -> list[str]:
+    """`cmd` prefixed with `setpriv --pdeathsig TERM --`, so the child gets SIGTERM when this
+    process dies, even by SIGKILL: no orphaned etcd or workers. Start it with
+    `start_new_session=True` too, so a terminal Ctrl-C reaches only us and we stop it gracefully.
 
-
-def detached_but_tied() -> Callable[[], None]:
-    """A `preexec_fn` for a child that must ignore the terminal's Ctrl-C (its own session, so the
-    parent can stop it gracefully) yet not outlive its parent: on Linux the kernel sends it
-    SIGTERM when the parent dies, even by SIGKILL.
-
-    The kernel ties that signal to the *thread* that forked, so it is only armed when spawning
-    from the main thread; a child started from a short-lived thread just gets its own session."""
-    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-        return _session_and_parent_death_signal
-    return os.setsid
+    Not a `preexec_fn`: that makes CPython fork (not vfork) and run Python in the child, and with
+    a gRPC call in flight on another thread the child then sometimes aborts before exec. The
+    kernel ties the signal to the forking *thread*, so it is armed from the main thread only."""
+    if not sys.platform.startswith("linux"):
+        return cmd
+    if threading.current_thread() is not threading.main_thread():
+        return cmd
+    setpriv = shutil.which("setpriv")  # util-linux
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd

@@ -7,14 +7,22 @@ before a process starts, with an error that names the field and what it allows.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-DATASETS = ("digits", "synthetic")
-SCHEDULES = ("gpipe",)  # more schedules arrive with the pipeline-engine issue
+DATASETS = ("digits", "synthetic", "synthetic-text")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 
 
@@ -37,12 +45,25 @@ PositiveInt = Annotated[int, Field(gt=0)]
 
 
 class ModelSpec(_Strict):
-    """A ViT over small images. Its transformer blocks (`blocks.<i>`) are the partition units."""
+    """A transformer encoder whose blocks (`blocks.<i>`) are the partition units: a ViT over small
+    images (`family: vit`) or a BERT-style text encoder (`family: bert`).
 
-    family: Literal["vit"] = "vit"
+    Shared: dim, depth, heads, mlp_ratio, num_classes, dropout. ViT only: image_size, patch_size,
+    channels. BERT only (required for it): vocab_size, seq_len. The other family's fields are
+    ignored (not validated), so a spec dumped with every field parses back unchanged."""
+
+    family: Literal["vit", "bert"] = "vit"
     image_size: PositiveInt = 8
     patch_size: PositiveInt = 2
     channels: PositiveInt = 1
+    vocab_size: PositiveInt | None = Field(
+        None, validate_default=True, description="bert: token ids are 0 .. vocab_size-1"
+    )
+    seq_len: PositiveInt | None = Field(
+        None,
+        validate_default=True,
+        description="bert: tokens per input sequence (a learned CLS vector is prepended)",
+    )
     dim: PositiveInt = 64
     depth: PositiveInt = Field(6, description="number of transformer blocks")
     heads: PositiveInt = 4
@@ -50,9 +71,16 @@ class ModelSpec(_Strict):
     num_classes: PositiveInt = 10
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
 
+    @field_validator("vocab_size", "seq_len")
+    @classmethod
+    def _bert_needs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None and info.data.get("family") == "bert":
+            raise ValueError(f"required when family is 'bert' (set model.{info.field_name})")
+        return value
+
     @model_validator(mode="after")
     def _shapes(self) -> ModelSpec:
-        if self.image_size % self.patch_size:
+        if self.family == "vit" and self.image_size % self.patch_size:
             raise ValueError(
                 f"patch_size ({self.patch_size}) must divide image_size ({self.image_size})"
             )
@@ -62,8 +90,10 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    """`digits`: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes).
-    `synthetic`: seeded random images/labels of the model's shape, for benchmarks."""
+    """`digits`: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes; vit).
+    `synthetic`: seeded random images/labels of the model's shape, for benchmarks (vit).
+    `synthetic-text`: seeded token sequences of the model's seq_len; the label is whichever of the
+    num_classes keyword tokens (ids 0 .. num_classes-1) occurs most often (bert)."""
 
     dataset: str = "digits"
     test_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
@@ -77,6 +107,41 @@ class DataSpec(_Strict):
                 f"dataset {self.dataset!r} is not available; choose one of {', '.join(DATASETS)}"
             )
         return self
+
+    def model_problem(self, model: ModelSpec) -> str | None:
+        """Why this data set cannot feed `model` (a message naming the fields), or None."""
+        if self.dataset in ("digits", "synthetic") and model.family != "vit":
+            return (
+                f"data.dataset {self.dataset!r} is images and needs model.family 'vit' "
+                f"(got {model.family!r}); for bert use 'synthetic-text'"
+            )
+        digit_shape = (model.image_size, model.channels, model.num_classes)
+        if self.dataset == "digits" and digit_shape != (8, 1, 10):
+            return (
+                "dataset 'digits' is 8x8 grey images of 10 classes: set model.image_size=8, "
+                "model.channels=1, model.num_classes=10"
+            )
+        if self.dataset == "synthetic-text":
+            if model.family != "bert":
+                return (
+                    f"data.dataset 'synthetic-text' is token sequences and needs model.family "
+                    f"'bert' (got {model.family!r})"
+                )
+            k = model.num_classes
+            if k < 2:
+                return "dataset 'synthetic-text' needs model.num_classes >= 2"
+            if model.vocab_size is None or model.vocab_size <= k:
+                return (
+                    f"dataset 'synthetic-text' uses ids 0..{k - 1} as class keywords and needs "
+                    f"filler tokens: model.vocab_size ({model.vocab_size}) must exceed "
+                    f"model.num_classes ({k})"
+                )
+            if model.seq_len is None or model.seq_len < 2 * k:
+                return (
+                    f"dataset 'synthetic-text' needs room for the keywords: model.seq_len "
+                    f"({model.seq_len}) must be at least 2 x model.num_classes ({2 * k})"
+                )
+        return None
 
 
 class TrainingSpec(_Strict):
@@ -98,11 +163,78 @@ class TrainingSpec(_Strict):
     )
 
 
+@dataclass(frozen=True)
+class ScheduleRule:
+    """What a pipeline schedule needs of a layout (mirrors torch.distributed.pipelining)."""
+
+    placement: Literal["loop", "v"]  # stage i on pipeline rank i % P, or V-shaped (0..P-1, P-1..0)
+    min_virtual: int = 1  # stages per rank
+    max_virtual: int | None = None
+    microbatches: Literal["any", "at_least_stages", "multiple_of_rounds"] = "any"
+    about: str = ""
+
+
+SCHEDULES: dict[str, ScheduleRule] = {
+    "gpipe": ScheduleRule("loop", 1, 1, about="all forwards, then all backwards"),
+    "1f1b": ScheduleRule(
+        "loop", 1, 1, "at_least_stages", "PipeDream-Flush: one forward, one backward"
+    ),
+    "interleaved-1f1b": ScheduleRule(
+        "loop", 2, None, "multiple_of_rounds", "1F1B over several stages per rank"
+    ),
+    "looped-bfs": ScheduleRule("loop", 2, None, about="breadth-first over several stages per rank"),
+    "interleaved-zb": ScheduleRule(
+        "loop", 2, None, "multiple_of_rounds", "zero-bubble: weight gradients fill the bubbles"
+    ),
+    "zbv": ScheduleRule("v", 2, 2, about="zero-bubble with two V-placed stages per rank"),
+    "dualpipev": ScheduleRule(
+        "v", 2, 2, "at_least_stages", "DualPipe with two V-placed stages per rank"
+    ),
+}
+
+
+def schedule_problem(schedule: str, ranks: int, virtual: int, microbatches: int) -> str | None:
+    """Why `schedule` cannot run `virtual` stages on each of `ranks` pipeline ranks with
+    `microbatches` micro-batches, or None if it can."""
+    rule = SCHEDULES[schedule]
+    if virtual < rule.min_virtual or (rule.max_virtual and virtual > rule.max_virtual):
+        want = (
+            f"exactly {rule.min_virtual}"
+            if rule.min_virtual == rule.max_virtual
+            else f"at least {rule.min_virtual}"
+        )
+        return (
+            f"schedule {schedule!r} ({rule.about}) needs {want} stage(s) per rank; "
+            f"set parallel.virtual_stages accordingly (got {virtual})"
+        )
+    stages = ranks * virtual
+    if rule.microbatches == "at_least_stages" and microbatches < stages:
+        return (
+            f"schedule {schedule!r} needs at least as many micro-batches as stages "
+            f"({stages}); got parallel.microbatches={microbatches}"
+        )
+    if rule.microbatches == "multiple_of_rounds":
+        rounds = max(1, microbatches // ranks)
+        if microbatches % rounds:
+            return (
+                f"schedule {schedule!r} needs parallel.microbatches to be a multiple of its "
+                f"rounds (microbatches // stages-ranks = {rounds}); got {microbatches}"
+            )
+    return None
+
+
 class ParallelSpec(_Strict):
+    """`stages` pipeline ranks x `replicas` data-parallel replicas; each rank runs
+    `virtual_stages` model chunks (interleaved and zero-bubble schedules need 2 or more)."""
+
     stages: PositiveInt = 2
     replicas: PositiveInt = 1
     microbatches: PositiveInt = 4
     schedule: str = "gpipe"
+    virtual_stages: PositiveInt = 1
+    recompute: bool | list[bool] = Field(
+        False, description="activation recomputation, for all stages or per stage"
+    )
 
     @model_validator(mode="after")
     def _known(self) -> ParallelSpec:
@@ -110,11 +242,29 @@ class ParallelSpec(_Strict):
             raise ValueError(
                 f"schedule {self.schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}"
             )
+        problem = schedule_problem(
+            self.schedule, self.stages, self.virtual_stages, self.microbatches
+        )
+        if problem:
+            raise ValueError(problem)
+        if isinstance(self.recompute, list) and len(self.recompute) != self.num_stages:
+            raise ValueError(
+                f"recompute lists one flag per stage: {self.num_stages} needed "
+                f"(stages x virtual_stages), got {len(self.recompute)}"
+            )
         return self
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages (model chunks) in one replica."""
+        return self.stages * self.virtual_stages
 
     @property
     def world_size(self) -> int:
         return self.stages * self.replicas
+
+    def recompute_for(self, stage: int) -> bool:
+        return self.recompute[stage] if isinstance(self.recompute, list) else self.recompute
 
 
 class CheckpointSpec(_Strict):
@@ -147,10 +297,11 @@ class JobSpec(_Strict):
                 "starting and ending with a letter or digit"
             )
         p, t = self.parallel, self.training
-        if p.stages > self.model.depth:
+        if p.num_stages > self.model.depth:
             raise ValueError(
-                f"parallel.stages ({p.stages}) exceeds model.depth ({self.model.depth}): "
-                "each stage needs at least one block; lower stages or raise depth"
+                f"parallel.stages x parallel.virtual_stages ({p.stages} x {p.virtual_stages}) "
+                f"exceeds model.depth ({self.model.depth}): each stage needs at least one block; "
+                "lower stages or raise depth"
             )
         per_step = p.replicas * p.microbatches
         if t.global_batch_size % per_step:

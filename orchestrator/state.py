@@ -27,7 +27,19 @@ class StageLayout(_Model):
         return self.end - self.start
 
 
+def pipeline_position(stage: int, ranks: int, num_stages: int, placement: str = "loop") -> int:
+    """Which of a replica's `ranks` pipeline ranks runs `stage`: round-robin ("loop", as for
+    interleaved schedules) or V-shaped ("v": 0..P-1 then P-1..0, as ZBV and DualPipeV expect)."""
+    if placement == "v":
+        return stage if stage < ranks else num_stages - 1 - stage
+    return stage % ranks
+
+
 class Layout(_Model):
+    """Stages (contiguous block ranges, in pipeline order) and the rank running each stage in
+    each replica. A rank may run several stages (`virtual_stages`), as interleaved and
+    zero-bubble schedules need; with R replicas of P ranks, rank = replica * P + position."""
+
     version: int = 1
     num_blocks: int
     freeze_boundary: int = 0
@@ -35,6 +47,45 @@ class Layout(_Model):
     replicas: int = 1
     microbatches: int
     schedule: str = "gpipe"
+    virtual_stages: int = 1
+
+    @classmethod
+    def build(
+        cls,
+        ranges: list[tuple[int, int]],
+        *,
+        num_blocks: int,
+        replicas: int,
+        microbatches: int,
+        schedule: str = "gpipe",
+        virtual_stages: int = 1,
+        placement: str = "loop",
+        **extra: Any,
+    ) -> Layout:
+        """A layout from stage block ranges, placing stages on ranks as `placement` says."""
+        if len(ranges) % virtual_stages:
+            raise ValueError(f"{len(ranges)} stages do not split into {virtual_stages} per rank")
+        p = len(ranges) // virtual_stages
+        stages = [
+            StageLayout(
+                index=i,
+                start=a,
+                end=b,
+                ranks=[
+                    r * p + pipeline_position(i, p, len(ranges), placement) for r in range(replicas)
+                ],
+            )
+            for i, (a, b) in enumerate(ranges)
+        ]
+        return cls(
+            num_blocks=num_blocks,
+            stages=stages,
+            replicas=replicas,
+            microbatches=microbatches,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            **extra,
+        )
 
     @model_validator(mode="after")
     def _contiguous(self) -> Layout:
@@ -60,6 +111,18 @@ class Layout(_Model):
             pos = s.end
         if pos != self.num_blocks:
             raise ValueError(f"stages end at block {pos}, model has {self.num_blocks}")
+        if len(self.stages) % self.virtual_stages:
+            raise ValueError(
+                f"{len(self.stages)} stages do not split into {self.virtual_stages} per rank"
+            )
+        per_rank: dict[int, int] = {}
+        for s in self.stages:
+            for r in s.ranks:
+                per_rank[r] = per_rank.get(r, 0) + 1
+        if set(per_rank.values()) != {self.virtual_stages}:
+            raise ValueError(f"every rank must run exactly {self.virtual_stages} stage(s)")
+        if sorted(per_rank) != list(range(len(per_rank))):
+            raise ValueError(f"ranks must be 0..N-1, got {sorted(per_rank)}")
         return self
 
     @property
@@ -67,22 +130,33 @@ class Layout(_Model):
         return len(self.stages)
 
     @property
+    def pipeline_ranks(self) -> int:
+        """Ranks in one replica's pipeline."""
+        return self.num_stages // self.virtual_stages
+
+    @property
     def world_size(self) -> int:
-        return self.num_stages * self.replicas
+        return self.pipeline_ranks * self.replicas
+
+    def placements(self, rank: int) -> list[tuple[StageLayout, int]]:
+        """The stages (in pipeline order) and the replica index that `rank` runs."""
+        found = [(s, s.ranks.index(rank)) for s in self.stages if rank in s.ranks]
+        if not found:
+            raise KeyError(f"rank {rank} has no stage in layout v{self.version}")
+        return found
 
     def placement(self, rank: int) -> tuple[StageLayout, int]:
-        """The stage and replica index that `rank` runs."""
-        for s in self.stages:
-            if rank in s.ranks:
-                return s, s.ranks.index(rank)
-        raise KeyError(f"rank {rank} has no stage in layout v{self.version}")
+        """The first stage and the replica index that `rank` runs."""
+        return self.placements(rank)[0]
 
     @property
     def short(self) -> str:
         """Compact form for progress lines, e.g. `2x1 [0-2|3-5] F=0 v1`."""
         ranges = "|".join(f"{s.start}-{s.end - 1}" for s in self.stages)
+        virtual = f" {self.schedule}/{self.virtual_stages}v" if self.virtual_stages > 1 else ""
         return (
-            f"{self.num_stages}x{self.replicas} [{ranges}] F={self.freeze_boundary} v{self.version}"
+            f"{self.pipeline_ranks}x{self.replicas} [{ranges}]{virtual} "
+            f"F={self.freeze_boundary} v{self.version}"
         )
 
     def describe(self) -> str:
@@ -91,8 +165,8 @@ class Layout(_Model):
             for s in self.stages
         ]
         return (
-            f"v{self.version} {self.num_stages}x{self.replicas} F={self.freeze_boundary} "
-            f"m={self.microbatches} " + " ".join(parts)
+            f"v{self.version} {self.pipeline_ranks}x{self.replicas} {self.schedule} "
+            f"F={self.freeze_boundary} m={self.microbatches} " + " ".join(parts)
         )
 
 

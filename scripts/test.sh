@@ -3,6 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [ "$(id -u)" = 0 ]; then
+  bash scripts/system-deps.sh   # Debian packages the tests use (chromium)
+else
+  echo "[test] not root: skipping Debian packages; browser tests skip without /usr/bin/chromium"
+fi
 echo "[test] ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -2,7 +2,7 @@
 rendered by headless Chromium (Streamlit builds the page client side over a websocket, so only a
 browser shows what is really on it).
 
-Needs /usr/bin/chromium (`scripts/ci-deps.sh` installs it); skipped without it.
+Needs /usr/bin/chromium (`scripts/system-deps.sh` installs it); skipped without it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not CHROMIUM.exists(),
-        reason=f"{CHROMIUM} not installed (scripts/ci-deps.sh installs it)",
+        reason=f"{CHROMIUM} not installed (scripts/system-deps.sh installs it)",
     ),
 ]
 
@@ -174,12 +174,16 @@ def render(url: str, workdir: Path, ready: str) -> Render:
             "--dump-dom",
             url,
         ]
+        browser = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
         try:
-            out = subprocess.run(cmd, capture_output=True, timeout=ATTEMPT_TIMEOUT_S)
-            html, err = out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace")
-        except subprocess.TimeoutExpired as exc:
-            html, err = "", f"chromium timed out after {ATTEMPT_TIMEOUT_S}s: {exc.stderr!r}"
+            stdout, stderr = browser.communicate(timeout=ATTEMPT_TIMEOUT_S)
+            html, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            html, err = "", f"chromium timed out after {ATTEMPT_TIMEOUT_S}s"
         finally:
+            stop(browser)  # chromium's renderer and helper processes too
             shutil.rmtree(profile, ignore_errors=True)
         dom = Dom.parse(html)
         if dom.script_done and ready in html and shot.is_file():
@@ -198,7 +202,8 @@ def render(url: str, workdir: Path, ready: str) -> Render:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """The CLI runs streamlit as its child: end the whole process group it leads."""
+    """End the process group `proc` leads (started with `start_new_session`): the CLI runs
+    streamlit as its child, and chromium has helper processes."""
     if proc.poll() is None or _group_alive(proc.pid):
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             try:

@@ -275,6 +275,19 @@ def test_startup_failure_reports_the_etcd_log(tmp_path) -> None:
     assert not server.is_running()
 
 
+def test_taken_port_is_repicked_but_a_given_port_is_kept(tmp_path) -> None:
+    client_port = free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        server = EmbeddedEtcd(tmp_path / "etcd", client_port=client_port, unsafe_no_fsync=True)
+        server.peer_port = taken  # as if someone grabbed our free port before etcd bound it
+        with server:
+            assert server.endpoint == f"127.0.0.1:{client_port}"
+            assert server.peer_port != taken
+
+
 def test_wait_ready_and_status(etcd: EtcdClient) -> None:
     status = etcd.wait_ready(timeout=5.0)
     assert status.version.startswith("3.")

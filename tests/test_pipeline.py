@@ -1,4 +1,5 @@
-"""Pipeline-parallel gradients equal single-process gradients for the same batch (DESIGN §4.2)."""
+"""Pipeline-parallel gradients equal single-process gradients for the same batch (DESIGN §4.2),
+for every schedule and for S x R layouts 2x1, 4x1, 2x2 and 1x4."""
 
 from __future__ import annotations
 
@@ -6,70 +7,97 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orchestrator.spec import JobSpec
+from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem
+from orchestrator.state import Layout
 from tests.mp import run_distributed
-from trainer.models import build_model, build_stage
-from trainer.partition import plan_layout
-from trainer.pipeline import StagePipeline, build_groups
+from trainer.models import build_model
+from trainer.partition import balanced_partition
+from trainer.pipeline import build_rank_pipeline
 from trainer.sampler import IGNORE
 
 # float32 sums in a different order (per micro-batch, per stage) differ in the last bits only
 RTOL, ATOL = 1e-4, 1e-6
+MODEL = ModelSpec(depth=8, dim=16, heads=2)
+BATCH, N_VALID = 32, 29  # the tail is padding, as in an epoch's last batch
 
 
-def _spec(stages: int, replicas: int, microbatches: int) -> JobSpec:
-    return JobSpec(
-        name="pipe-test",
-        model={"depth": 4, "dim": 32, "heads": 4},
-        training={"global_batch_size": 16},
-        parallel={"stages": stages, "replicas": replicas, "microbatches": microbatches},
-    )
-
-
-def _batch(n_valid: int = 16):
+def _batch():
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 1, 8, 8, generator=g)
-    y = torch.randint(0, 10, (16,), generator=g)
-    y[n_valid:] = IGNORE  # padded tail of an epoch
+    x = torch.randn(BATCH, 1, 8, 8, generator=g)
+    y = torch.randint(0, 10, (BATCH,), generator=g)
+    y[N_VALID:] = IGNORE
     return x, y
 
 
-def _pipeline_grads(rank: int, world: int, spec_json: str, n_valid: int):
-    spec = JobSpec.model_validate_json(spec_json)
-    layout = plan_layout(spec)
-    stage, replica = layout.placement(rank)
-    groups = build_groups(layout, rank)
-    module = build_stage(spec.model, 0, stage.start, stage.end)
-    per = spec.training.global_batch_size // layout.replicas
-    pipe = StagePipeline(module, spec.model, stage, layout, groups, per)
-    x, y = _batch(n_valid)
-    sl = slice(replica * per, (replica + 1) * per)
-    loss = pipe.train_step(x[sl], y[sl], global_valid=n_valid)
-    pipe.sync_and_clip(max_norm=0.0)
-    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
-    return {"loss": loss, "grads": grads, "replica": replica}
+def _layouts(stages: int, replicas: int) -> dict[str, Layout]:
+    """Every schedule that can run this S x R shape, with its layout."""
+    microbatches = max(4, 2 * stages)
+    out = {}
+    for name, rule in SCHEDULES.items():
+        virtual = rule.min_virtual
+        if schedule_problem(name, stages, virtual, microbatches):
+            continue
+        ranges = balanced_partition([1.0] * MODEL.depth, stages * virtual)
+        out[name] = Layout.build(
+            ranges,
+            num_blocks=MODEL.depth,
+            replicas=replicas,
+            microbatches=microbatches,
+            schedule=name,
+            virtual_stages=virtual,
+            placement=rule.placement,
+        )
+    return out
+
+
+def _grads_per_schedule(rank: int, world: int, stages: int, replicas: int):
+    x, y = _batch()
+    per = BATCH // replicas
+    results = {}
+    for name, layout in _layouts(stages, replicas).items():
+        pipe = build_rank_pipeline(MODEL, 0, layout, rank, per)
+        replica = layout.placement(rank)[1]
+        sl = slice(replica * per, (replica + 1) * per)
+        loss = pipe.train_step(x[sl] if pipe.is_first else None, y[sl], global_valid=N_VALID)
+        pipe.sync_and_clip(max_norm=0.0)
+        grads = {n: p.grad.clone() for n, p in pipe.model.named_parameters()}
+        results[name] = {"loss": loss, "grads": grads, "replica": replica}
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = build_model(MODEL, 0)
+    x, y = _batch()
+    loss = F.cross_entropy(ref(x[:N_VALID]), y[:N_VALID])
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("stages", "replicas", "microbatches", "n_valid"),
-    [(2, 1, 4, 16), (2, 1, 2, 11), (2, 2, 2, 13)],
-)
-def test_pipeline_gradients_equal_single_process(stages, replicas, microbatches, n_valid):
-    spec = _spec(stages, replicas, microbatches)
-    results = run_distributed(_pipeline_grads, stages * replicas, spec.model_dump_json(), n_valid)
+@pytest.mark.parametrize(("stages", "replicas"), [(2, 1), (4, 1), (2, 2), (1, 4)])
+def test_every_schedule_matches_single_process(stages: int, replicas: int, reference) -> None:
+    ref_loss, ref_grads = reference
+    per_rank = run_distributed(_grads_per_schedule, stages * replicas, stages, replicas)
+    expected = set(_layouts(stages, replicas))
+    assert {"gpipe", "1f1b"} <= expected and len(expected) >= 5, expected
+    for name in expected:
+        seen: dict[str, int] = {}
+        for res in (r[name] for r in per_rank):
+            for pname, g in res["grads"].items():
+                torch.testing.assert_close(
+                    g, ref_grads[pname], rtol=RTOL, atol=ATOL, msg=f"{name}: {pname}"
+                )
+                seen[pname] = seen.get(pname, 0) + 1
+        # every parameter lives on exactly one rank of each replica
+        assert seen == dict.fromkeys(ref_grads, replicas), name
+        replica0 = [r[name]["loss"] for r in per_rank if r[name]["replica"] == 0]
+        losses = [r[name]["loss"] for r in per_rank if r[name]["loss"] is not None]
+        assert len(losses) == replicas and len([v for v in replica0 if v is not None]) == 1
+        assert sum(losses) == pytest.approx(ref_loss, rel=1e-5), name
 
-    ref = build_model(spec.model, 0)
-    x, y = _batch(n_valid)
-    ref_loss = F.cross_entropy(ref(x[:n_valid]), y[:n_valid])
-    ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-    seen = set()
-    for res in results:
-        for name, g in res["grads"].items():
-            torch.testing.assert_close(g, ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
-            seen.add(name)
-    assert seen == set(ref_grads), "every parameter is owned by some stage"
-    total_loss = sum(r["loss"] for r in results if r["loss"] is not None)
-    assert total_loss == pytest.approx(ref_loss.item(), rel=1e-5)
+def test_layouts_cover_the_expected_schedules() -> None:
+    assert set(_layouts(2, 1)) == set(SCHEDULES)
+    # one rank per pipeline: V-shaped schedules still fit (both stages on that rank)
+    assert {"gpipe", "1f1b", "interleaved-1f1b"} <= set(_layouts(1, 4))

@@ -1,5 +1,6 @@
 """Data sets, loaded whole into memory (they are small): scikit-learn's bundled handwritten
-digits, or seeded synthetic images for benchmarks."""
+digits, seeded synthetic images for benchmarks (both for the ViT), and a seeded synthetic
+sequence-classification task for the BERT-style encoder. Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from orchestrator.spec import DataSpec, ModelSpec
 
 @dataclass(frozen=True)
 class Split:
-    images: torch.Tensor  # float32, N x C x H x W
+    inputs: torch.Tensor  # vit: float32 N x C x H x W images; bert: int64 N x seq_len token ids
     labels: torch.Tensor  # int64, N
 
     def __len__(self) -> int:
@@ -39,18 +40,45 @@ def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int):
     return np.flatnonzero(~test), np.flatnonzero(test)
 
 
+def synthetic_text(
+    n: int, num_classes: int, vocab_size: int, seq_len: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`n` token sequences (int64, n x seq_len) and their labels (int64, n).
+
+    Ids 0 .. num_classes-1 are keywords, the rest filler. A sequence of class c holds keyword c
+    `m` times (2 <= m, as many as fit) and every other keyword fewer than `m` times, at random
+    positions among uniform filler tokens; so the label is the keyword that occurs most often,
+    a strict majority a small encoder learns by attending from CLS to the keywords."""
+    k = num_classes
+    if k < 2 or vocab_size <= k or seq_len < 2 * k:
+        raise ValueError(
+            f"synthetic text needs num_classes >= 2, vocab_size > num_classes and "
+            f"seq_len >= 2 x num_classes (got {k}, {vocab_size}, {seq_len})"
+        )
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, k, n).astype(np.int64)
+    # the most a label keyword may occur with every other keyword below it still fitting
+    m_max = (seq_len + k - 1) // k
+    m = rng.integers(2, m_max + 1, n)
+    counts = (rng.random((n, k)) * m[:, None]).astype(np.int64)  # others: 0 .. m-1
+    counts[np.arange(n), labels] = m
+    ids = rng.integers(k, vocab_size, (n, seq_len)).astype(np.int64)  # filler everywhere
+    for i in range(n):
+        keywords = np.repeat(np.arange(k, dtype=np.int64), counts[i])
+        ids[i, rng.permutation(seq_len)[: len(keywords)]] = keywords
+    return ids, labels
+
+
 def load_dataset(data: DataSpec, model: ModelSpec) -> Dataset:
+    problem = data.model_problem(model)
+    if problem:
+        raise ValueError(problem)
     if data.dataset == "digits":
         from sklearn.datasets import load_digits  # ships the data; nothing is downloaded
 
-        if (model.image_size, model.channels, model.num_classes) != (8, 1, 10):
-            raise ValueError(
-                "dataset 'digits' is 8x8 grey images of 10 classes: set model.image_size=8, "
-                "model.channels=1, model.num_classes=10"
-            )
         raw = load_digits()
-        images = (raw.images.astype(np.float32) / 16.0 - 0.5) / 0.5  # pixels 0..16 -> -1..1
-        images = images[:, None, :, :]
+        inputs = (raw.images.astype(np.float32) / 16.0 - 0.5) / 0.5  # pixels 0..16 -> -1..1
+        inputs = inputs[:, None, :, :]
         labels = raw.target.astype(np.int64)
     elif data.dataset == "synthetic":
         rng = np.random.default_rng(data.seed)
@@ -58,13 +86,17 @@ def load_dataset(data: DataSpec, model: ModelSpec) -> Dataset:
         labels = rng.integers(0, model.num_classes, n).astype(np.int64)
         shape = (n, model.channels, model.image_size, model.image_size)
         # a learnable signal: class-dependent mean plus noise
-        images = rng.standard_normal(shape).astype(np.float32) * 0.5
-        images += (labels[:, None, None, None] / model.num_classes - 0.5).astype(np.float32)
+        inputs = rng.standard_normal(shape).astype(np.float32) * 0.5
+        inputs += (labels[:, None, None, None] / model.num_classes - 0.5).astype(np.float32)
+    elif data.dataset == "synthetic-text":
+        inputs, labels = synthetic_text(
+            data.synthetic_samples, model.num_classes, model.vocab_size, model.seq_len, data.seed
+        )
     else:  # JobSpec validation makes this unreachable; keep the error explicit anyway
         raise ValueError(f"unknown dataset {data.dataset!r}")
     train_idx, test_idx = _stratified_split(labels, data.test_fraction, data.seed)
 
     def split(idx: np.ndarray) -> Split:
-        return Split(torch.from_numpy(images[idx].copy()), torch.from_numpy(labels[idx].copy()))
+        return Split(torch.from_numpy(inputs[idx].copy()), torch.from_numpy(labels[idx].copy()))
 
     return Dataset(split(train_idx), split(test_idx))

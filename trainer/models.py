@@ -1,11 +1,14 @@
 """Models as an embedding, a stack of residual blocks and a head, so a pipeline stage is a
 contiguous range of blocks and every parameter keeps one stable name (`embed.*`, `blocks.<i>.*`,
-`head.*`) whatever the partition. Pure: no I/O, no process groups."""
+`head.*`) whatever the partition. Two families share the blocks and the head: a ViT (`PatchEmbed`
+over images) and a BERT-style text encoder (`TextEmbed` over token ids). Pure: no I/O, no process
+groups."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from orchestrator.spec import ModelSpec
 
@@ -29,6 +32,32 @@ class PatchEmbed(nn.Module):
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, (h // p) * (w // p), c * p * p)
         tokens = torch.cat([self.cls.expand(b, -1, -1), self.proj(patches)], dim=1)
         return self.drop(tokens + self.pos)
+
+
+class TextEmbed(nn.Module):
+    """Token ids [B, seq_len] -> hidden states [B, seq_len + 1, dim], BERT style: token embedding
+    plus a learned position embedding, a learned CLS vector prepended at position 0 (the token the
+    head reads), then LayerNorm and dropout. Sequences are fixed-length (no padding mask)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.seq_len = spec.seq_len
+        self.tok = nn.Embedding(spec.vocab_size, spec.dim)
+        self.cls = nn.Parameter(torch.zeros(1, 1, spec.dim))
+        self.pos = nn.Parameter(torch.randn(1, spec.seq_len + 1, spec.dim) * 0.02)
+        self.norm = nn.LayerNorm(spec.dim)
+        self.drop = nn.Dropout(spec.dropout)
+        nn.init.normal_(self.tok.weight, std=0.02)  # BERT's initialiser
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.shape[1] != self.seq_len:
+            raise ValueError(
+                f"expected token ids of shape [batch, {self.seq_len}] (model.seq_len), "
+                f"got {list(ids.shape)}"
+            )
+        b = ids.shape[0]
+        tokens = torch.cat([self.cls.expand(b, -1, -1), self.tok(ids)], dim=1)
+        return self.drop(self.norm(tokens + self.pos))
 
 
 class Block(nn.Module):
@@ -71,7 +100,11 @@ class StageModule(nn.Module):
     """Blocks [start, end) of a model, with the embedding if start == 0 and the head if end == L.
 
     `blocks` is a ModuleDict keyed by the global block index, so parameter names are identical to
-    the full model's and a checkpoint written under one partition loads under any other."""
+    the full model's and a checkpoint written under one partition loads under any other.
+
+    With `recompute` (GPipe's re-materialisation), each block runs under activation checkpointing
+    while training: only block inputs are kept for backward and the activations inside a block are
+    recomputed. The blocks are not wrapped, so parameter names do not change."""
 
     def __init__(
         self,
@@ -81,12 +114,14 @@ class StageModule(nn.Module):
         embed: nn.Module | None = None,
         blocks: dict[int, nn.Module] | None = None,
         head: nn.Module | None = None,
+        recompute: bool = False,
     ):
         super().__init__()
         if not 0 <= start < end <= spec.depth:
             raise ValueError(f"block range [{start}, {end}) outside a model of {spec.depth} blocks")
         self.spec, self.start, self.end = spec, start, end
         self.is_first, self.is_last = start == 0, end == spec.depth
+        self.recompute = recompute
         self.embed = embed if self.is_first else None
         self.blocks = nn.ModuleDict(
             {str(i): blocks[i] for i in range(start, end)} if blocks else {}
@@ -96,28 +131,38 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
+        remat = self.recompute and self.training and torch.is_grad_enabled()
         for i in range(self.start, self.end):
-            x = self.blocks[str(i)](x)
+            block = self.blocks[str(i)]
+            x = checkpoint(block, x, use_reentrant=False) if remat else block(x)
         if self.head is not None:
             x = self.head(x)
         return x
 
 
-def build_model(spec: ModelSpec, seed: int) -> StageModule:
+def _embed(spec: ModelSpec) -> nn.Module:
+    if spec.family == "bert":
+        return TextEmbed(spec)
+    return PatchEmbed(spec)
+
+
+def build_model(spec: ModelSpec, seed: int, recompute: bool = False) -> StageModule:
     """The whole model as one stage, initialised from `seed` (the same on every rank, so every
     layout starts from identical weights)."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        embed = PatchEmbed(spec)
+        embed = _embed(spec)
         blocks = {i: Block(spec) for i in range(spec.depth)}
         head = ClassifierHead(spec)
     finally:
         torch.random.set_rng_state(gen_state)
-    return StageModule(spec, 0, spec.depth, embed, blocks, head)
+    return StageModule(spec, 0, spec.depth, embed, blocks, head, recompute=recompute)
 
 
-def build_stage(spec: ModelSpec, seed: int, start: int, end: int) -> StageModule:
+def build_stage(
+    spec: ModelSpec, seed: int, start: int, end: int, recompute: bool = False
+) -> StageModule:
     """Blocks [start, end) with exactly the weights they have in `build_model(spec, seed)`."""
     full = build_model(spec, seed)
     return StageModule(
@@ -127,17 +172,41 @@ def build_stage(spec: ModelSpec, seed: int, start: int, end: int) -> StageModule
         full.embed,
         {i: full.blocks[str(i)] for i in range(start, end)},
         full.head,
+        recompute=recompute,
     )
+
+
+def num_tokens(spec: ModelSpec) -> int:
+    """Tokens in the hidden states between blocks: patches + CLS (vit), seq_len + CLS (bert)."""
+    if spec.family == "bert":
+        return spec.seq_len + 1
+    return (spec.image_size // spec.patch_size) ** 2 + 1
+
+
+def model_input_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
+    """Shape of one batch of model inputs: images [B, C, H, W] (vit), token ids [B, L] (bert)."""
+    if spec.family == "bert":
+        return (batch, spec.seq_len)
+    return (batch, spec.channels, spec.image_size, spec.image_size)
 
 
 def stage_input_shape(spec: ModelSpec, start: int, batch: int) -> tuple[int, ...]:
     """Shape of the tensor entering the stage that begins at block `start`."""
     if start == 0:
-        return (batch, spec.channels, spec.image_size, spec.image_size)
-    return (batch, (spec.image_size // spec.patch_size) ** 2 + 1, spec.dim)
+        return model_input_shape(spec, batch)
+    return (batch, num_tokens(spec), spec.dim)
+
+
+def stage_input_dtype(spec: ModelSpec, start: int) -> torch.dtype:
+    """Dtype of the tensor entering the stage that begins at block `start`: int64 token ids for
+    the first bert stage, float32 otherwise (images, hidden states)."""
+    if start == 0 and spec.family == "bert":
+        return torch.int64
+    return torch.float32
 
 
 def stage_output_shape(spec: ModelSpec, end: int, batch: int) -> tuple[int, ...]:
+    """Shape of the tensor leaving the stage that ends at block `end` (logits on the last)."""
     if end == spec.depth:
         return (batch, spec.num_classes)
-    return (batch, (spec.image_size // spec.patch_size) ** 2 + 1, spec.dim)
+    return (batch, num_tokens(spec), spec.dim)

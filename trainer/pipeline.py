@@ -1,11 +1,12 @@
-"""Pipeline runtime for one rank: training process groups for a layout, the `PipelineStage` and
-schedule from `torch.distributed.pipelining`, and the per-step gradient work around it (replica
-all-reduce, global gradient clipping).
+"""Pipeline runtime for one rank: training process groups for a layout, the rank's stages as
+`PipelineStage`s, the schedule from `torch.distributed.pipelining`, and the per-step gradient work
+around it (replica all-reduce, global gradient clipping).
 
 Process groups: the default group spans all ranks and is the stable *control* group. For each
-layout we build *training* groups: one pipeline group per replica (its S stages) and one
-data-parallel group per stage (its R replicas). `new_group` must be called by every rank for every
-group, in the same order, so all of them are created everywhere and each rank keeps its own.
+layout we build *training* groups: one pipeline group per replica (its P ranks) and one
+data-parallel group per pipeline position (the R ranks that run the same stages). `new_group`
+must be called by every rank for every group, in the same order, so all are created everywhere
+and each rank keeps its own.
 """
 
 from __future__ import annotations
@@ -15,104 +16,156 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 
-from orchestrator.spec import ModelSpec
+from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem
 from orchestrator.state import Layout, StageLayout
-from trainer.models import StageModule, stage_input_shape, stage_output_shape
+from trainer.models import StageModule, build_model, stage_input_shape, stage_output_shape
 from trainer.sampler import IGNORE
 
-SCHEDULES = {"gpipe": ScheduleGPipe}
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "looped-bfs": ScheduleLoopedBFS,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+assert set(SCHEDULE_CLASSES) == set(SCHEDULES), "spec rules and runtime classes must agree"
 
 
 @dataclass
 class TrainingGroups:
-    pipeline: dist.ProcessGroup  # this rank's replica: one rank per stage
-    data_parallel: dist.ProcessGroup | None  # this rank's stage: one rank per replica (None if R=1)
+    pipeline: dist.ProcessGroup  # this rank's replica: its P pipeline ranks
+    data_parallel: dist.ProcessGroup | None  # same pipeline position in every replica (None if R=1)
     pipeline_ranks: list[int]
     data_parallel_ranks: list[int]
 
 
 def build_groups(layout: Layout, rank: int) -> TrainingGroups:
-    mine: TrainingGroups | None = None
-    pipe_by_replica = []
-    for r in range(layout.replicas):
-        ranks = [s.ranks[r] for s in layout.stages]
-        pipe_by_replica.append((ranks, dist.new_group(ranks)))
-    dp_by_stage = []
-    for s in layout.stages:
+    p, r_count = layout.pipeline_ranks, layout.replicas
+    pipes = []
+    for r in range(r_count):
+        ranks = list(range(r * p, (r + 1) * p))
+        pipes.append((ranks, dist.new_group(ranks)))
+    dps = []
+    for pos in range(p):
+        ranks = [r * p + pos for r in range(r_count)]
         # a one-rank group would only cost a no-op collective; skip it
-        dp_by_stage.append((s.ranks, dist.new_group(s.ranks) if layout.replicas > 1 else None))
-    stage, replica = layout.placement(rank)
-    pipe_ranks, pipe_group = pipe_by_replica[replica]
-    dp_ranks, dp_group = dp_by_stage[stage.index]
-    mine = TrainingGroups(pipe_group, dp_group, pipe_ranks, dp_ranks)
-    return mine
+        dps.append((ranks, dist.new_group(ranks) if r_count > 1 else None))
+    replica, position = divmod(rank, p)
+    return TrainingGroups(pipes[replica][1], dps[position][1], pipes[replica][0], dps[position][0])
 
 
-class MaskedCrossEntropy:
-    """Sum of per-sample cross-entropy over real samples divided by the number of real samples in
-    the whole global batch. With the schedule's own grad scaling off, summing this over
-    micro-batches (and replicas) gives exactly the full-batch mean loss and its gradient."""
+class RankModel(nn.Module):
+    """The blocks this rank owns, under the full model's parameter names (`embed.*`,
+    `blocks.<i>.*`, `head.*`), for the optimizer, gradient work and checkpoints. The per-stage
+    `StageModule`s that the schedule runs share these submodules."""
 
-    def __init__(self) -> None:
-        self.denominator = 1
-
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum") / max(
-            self.denominator, 1
+    def __init__(
+        self, spec: ModelSpec, seed: int, stages: list[StageLayout], recompute: list[bool]
+    ):
+        super().__init__()
+        full = build_model(spec, seed)  # same init on every rank, whatever the layout
+        firsts = [s for s in stages if s.start == 0]
+        lasts = [s for s in stages if s.end == spec.depth]
+        self.embed = full.embed if firsts else None
+        self.blocks = nn.ModuleDict(
+            {str(i): full.blocks[str(i)] for s in stages for i in range(s.start, s.end)}
         )
+        self.head = full.head if lasts else None
+        parts = [
+            StageModule(
+                spec,
+                s.start,
+                s.end,
+                full.embed,
+                {i: full.blocks[str(i)] for i in range(s.start, s.end)},
+                full.head,
+                recompute=flag,
+            )
+            for s, flag in zip(stages, recompute, strict=True)
+        ]
+        # a plain list, not a ModuleList: the same parameters must not register twice
+        self.stage_modules: list[StageModule] = parts
 
 
-class StagePipeline:
-    """One rank's stage of a pipeline replica and its schedule."""
+class RankPipeline:
+    """This rank's stages of one pipeline replica, and the schedule that runs them."""
 
     def __init__(
         self,
-        module: StageModule,
+        model: RankModel,
         model_spec: ModelSpec,
-        stage: StageLayout,
         layout: Layout,
+        rank: int,
         groups: TrainingGroups,
         replica_batch: int,
     ):
+        problem = schedule_problem(
+            layout.schedule, layout.pipeline_ranks, layout.virtual_stages, layout.microbatches
+        )
+        if problem:
+            raise ValueError(problem)
         if replica_batch % layout.microbatches:
             raise ValueError(
                 f"replica batch {replica_batch} is not divisible by {layout.microbatches} micro-batches"
             )
-        self.module, self.stage_layout, self.layout, self.groups = module, stage, layout, groups
-        self.is_first = stage.index == 0
-        self.is_last = stage.index == layout.num_stages - 1
+        self.model, self.layout, self.groups = model, layout, groups
+        self.local = [s for s, _ in layout.placements(rank)]
+        self.is_first = self.local[0].index == 0
+        self.is_last = any(s.index == layout.num_stages - 1 for s in self.local)
         self.loss_fn = MaskedCrossEntropy()
         mb = replica_batch // layout.microbatches
-        # Static example shapes: inferred shapes break with replica gradient sync (DESIGN §5).
-        example_in = torch.zeros(stage_input_shape(model_spec, stage.start, mb))
-        # requires_grad on the examples tells the stage which tensors carry gradients back
-        example_out = torch.zeros(stage_output_shape(model_spec, stage.end, mb), requires_grad=True)
-        if not self.is_first:
-            example_in.requires_grad_(True)
-        self.stage = PipelineStage(
-            module,
-            stage_index=stage.index,
-            num_stages=layout.num_stages,
-            device=torch.device("cpu"),
-            input_args=(example_in,),
-            output_args=(example_out,),
-            group=groups.pipeline,
-        )
-        schedule_cls = SCHEDULES[layout.schedule]
-        self.schedule = schedule_cls(
-            self.stage, n_microbatches=layout.microbatches, loss_fn=self.loss_fn, scale_grads=False
+        self.stages = []
+        for stage, module in zip(self.local, model.stage_modules, strict=True):
+            # Static example shapes: inferred shapes break with replica gradient sync (DESIGN §5);
+            # requires_grad marks the tensors that carry gradients between stages.
+            example_in = torch.zeros(stage_input_shape(model_spec, stage.start, mb))
+            if stage.index > 0:
+                example_in.requires_grad_(True)
+            example_out = torch.zeros(
+                stage_output_shape(model_spec, stage.end, mb), requires_grad=True
+            )
+            self.stages.append(
+                PipelineStage(
+                    module,
+                    stage_index=stage.index,
+                    num_stages=layout.num_stages,
+                    device=torch.device("cpu"),
+                    input_args=(example_in,),
+                    output_args=(example_out,),
+                    group=groups.pipeline,
+                )
+            )
+        cls = SCHEDULE_CLASSES[layout.schedule]
+        single = SCHEDULES[layout.schedule].max_virtual == 1
+        self.schedule = cls(
+            self.stages[0] if single else self.stages,
+            n_microbatches=layout.microbatches,
+            loss_fn=self.loss_fn,
+            scale_grads=False,
         )
 
     def train_step(
-        self, images: torch.Tensor | None, targets: torch.Tensor | None, global_valid: int
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None, global_valid: int
     ) -> float | None:
-        """Forward and backward of one global batch; returns this replica's loss share on the
-        last stage (sum over replicas = the global mean loss), None elsewhere."""
+        """Forward and backward of one replica batch; returns this replica's loss share on the
+        rank holding the last stage (sum over replicas = the global mean loss), None elsewhere."""
         self.loss_fn.denominator = global_valid
         losses: list[torch.Tensor] = []
-        args = (images,) if self.is_first else ()
+        args = (inputs,) if self.is_first else ()
         if self.is_last:
             self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
             return float(sum(loss.detach() for loss in losses))
@@ -121,11 +174,11 @@ class StagePipeline:
 
     @torch.no_grad()
     def forward_only(
-        self, images: torch.Tensor | None, targets: torch.Tensor | None
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """Logits for one replica batch on the last stage (None elsewhere), no autograd. The
-        schedule evaluates its loss function too, so the last stage needs the targets."""
-        args = (images,) if self.is_first else ()
+        """Logits for one replica batch on the last stage's rank (None elsewhere), no autograd.
+        The schedule evaluates its loss function too, so the last stage needs the targets."""
+        args = (inputs,) if self.is_first else ()
         if self.is_last:
             return self.schedule.eval(*args, target=targets, losses=[])
         self.schedule.eval(*args)
@@ -134,7 +187,7 @@ class StagePipeline:
     def sync_and_clip(self, max_norm: float) -> float:
         """All-reduce gradients across replicas, then clip by the norm over *all* stages (the same
         norm a single process would compute). Returns that norm."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if self.groups.data_parallel is not None and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.groups.data_parallel)  # sum: loss shares add up
@@ -152,3 +205,33 @@ class StagePipeline:
             for g in grads:
                 g.mul_(scale)
         return norm
+
+
+class MaskedCrossEntropy:
+    """Sum of per-sample cross-entropy over real samples divided by the number of real samples in
+    the whole global batch. With the schedule's own grad scaling off, summing this over
+    micro-batches (and replicas) gives exactly the full-batch mean loss and its gradient."""
+
+    def __init__(self) -> None:
+        self.denominator = 1
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum") / max(
+            self.denominator, 1
+        )
+
+
+def build_rank_pipeline(
+    spec_model: ModelSpec,
+    seed: int,
+    layout: Layout,
+    rank: int,
+    replica_batch: int,
+    recompute: list[bool] | None = None,
+) -> RankPipeline:
+    """Groups, model share and schedule for `rank` under `layout` (collective: every rank calls)."""
+    groups = build_groups(layout, rank)
+    local = [s for s, _ in layout.placements(rank)]
+    flags = [recompute[s.index] for s in local] if recompute else [False] * len(local)
+    model = RankModel(spec_model, seed, local, flags)
+    return RankPipeline(model, spec_model, layout, rank, groups, replica_batch)

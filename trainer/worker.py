@@ -28,9 +28,8 @@ from orchestrator.spec import JobSpec
 from orchestrator.state import Assignment, Layout, StageLayout, TrainingState, WorkerEvent
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.data import Dataset, Split, load_dataset
-from trainer.models import build_stage
 from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.pipeline import StagePipeline, build_groups
+from trainer.pipeline import RankPipeline, build_rank_pipeline
 from trainer.sampler import IGNORE, ElasticSampler
 
 log = logging.getLogger("pipetransformer.worker")
@@ -57,7 +56,7 @@ class Context:
     layout: Layout
     assignment: Assignment
     rank: int
-    stage: StageLayout
+    stages: list[StageLayout]
     replica: int
     etcd: EtcdClient
     reporter: Reporter
@@ -94,8 +93,8 @@ def _control(ctx: Context) -> str:
     return str(box[0])
 
 
-def _replica_inputs(ctx: Context, pipe: StagePipeline, split: Split, indices, valid):
-    images = split.images[indices] if pipe.is_first else None
+def _replica_inputs(ctx: Context, pipe: RankPipeline, split: Split, indices, valid):
+    images = split.inputs[indices] if pipe.is_first else None
     targets = None
     if pipe.is_last:
         targets = split.labels[indices].clone()
@@ -103,7 +102,7 @@ def _replica_inputs(ctx: Context, pipe: StagePipeline, split: Split, indices, va
     return images, targets
 
 
-def evaluate(ctx: Context, pipe: StagePipeline, data: Dataset) -> tuple[float, float] | None:
+def evaluate(ctx: Context, pipe: RankPipeline, data: Dataset) -> tuple[float, float] | None:
     """Held-out (accuracy, mean loss), known on the last stage (None elsewhere)."""
     spec, layout = ctx.spec, ctx.layout
     sampler = ElasticSampler(len(data.test), spec.training.global_batch_size, seed=0)
@@ -151,7 +150,10 @@ def _checkpoint(
 def train(ctx: Context) -> str:
     spec, layout, tspec = ctx.spec, ctx.layout, ctx.spec.training
     data = load_dataset(spec.data, spec.model)
-    module = build_stage(spec.model, tspec.seed, ctx.stage.start, ctx.stage.end)
+    replica_batch = tspec.global_batch_size // layout.replicas
+    recompute = [spec.parallel.recompute_for(i) for i in range(layout.num_stages)]
+    pipe = build_rank_pipeline(spec.model, tspec.seed, layout, ctx.rank, replica_batch, recompute)
+    module, groups = pipe.model, pipe.groups
     optimizer = build_optimizer(module, tspec)
     state = ctx.assignment.start
     if state.checkpoint:
@@ -159,9 +161,6 @@ def train(ctx: Context) -> str:
             verify_checkpoint(state.checkpoint, ctx.assignment.resume_checksum)
         load_checkpoint(state.checkpoint, module, optimizer)
         log.info("rank %d resumed from %s at step %d", ctx.rank, state.checkpoint, state.step)
-    groups = build_groups(layout, ctx.rank)
-    replica_batch = tspec.global_batch_size // layout.replicas
-    pipe = StagePipeline(module, spec.model, ctx.stage, layout, groups, replica_batch)
     sampler = ElasticSampler(len(data.train), tspec.global_batch_size, tspec.seed)
     total_steps = tspec.epochs * sampler.steps_per_epoch()
     if tspec.max_steps:
@@ -169,7 +168,7 @@ def train(ctx: Context) -> str:
     reports = ctx.replica == 0 and pipe.is_last  # one rank owns the loss of the global batch
     ctx.reporter.emit(
         "started",
-        stage=ctx.stage.index,
+        stages=[s.index for s in ctx.stages],
         replica=ctx.replica,
         pid=os.getpid(),
         host=socket.gethostname(),
@@ -235,7 +234,7 @@ def train(ctx: Context) -> str:
     return "done"
 
 
-def _broadcast_reached(ctx: Context, pipe: StagePipeline, result) -> bool:
+def _broadcast_reached(ctx: Context, pipe: RankPipeline, result) -> bool:
     """Whether held-out accuracy reached the target; decided on the last stage, known everywhere."""
     target = ctx.spec.training.target_accuracy
     if target is None:
@@ -261,12 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != layout.world_size:
         raise SystemExit(f"layout v{layout.version} needs {layout.world_size} ranks, got {world}")
-    stage, replica = layout.placement(rank)
+    placements = layout.placements(rank)
+    stages, replica = [s for s, _ in placements], placements[0][1]
     reporter = Reporter(etcd, args.job_id, assignment.generation, rank)
     lease = etcd.lease(spec.runtime.lease_ttl_s)
     etcd.put(keys.worker(args.job_id, rank), str(os.getpid()), lease=lease)
     keepalive = etcd.keep_alive(lease)
-    ctx = Context(args.job_id, spec, layout, assignment, rank, stage, replica, etcd, reporter)
+    ctx = Context(args.job_id, spec, layout, assignment, rank, stages, replica, etcd, reporter)
     try:
         outcome = train(ctx)
         dist.barrier()
