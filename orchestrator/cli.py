@@ -34,7 +34,8 @@ from orchestrator.spec import SpecError, load_spec
 from orchestrator.state import Assignment
 from orchestrator.store import Store, UnknownJob, sqlite_url
 
-console = Console(highlight=False)
+# Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
 

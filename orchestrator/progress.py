@@ -58,7 +58,7 @@ class ProgressView:
         elif p.step and (
             time.monotonic() - self._last_line >= self.every_s or p.accuracy != self._last_acc
         ):
-            self.console.print(escape(_fmt(p, self.layout)))
+            self.console.print(escape(_fmt(p, self.layout)), soft_wrap=True)
             self._last_line = time.monotonic()
         self._last_acc = p.accuracy
 
