@@ -296,6 +296,8 @@ class JobSpec(_Strict):
                 f"name {self.name!r} must be 1-40 lowercase letters, digits or '-', "
                 "starting and ending with a letter or digit"
             )
+        if problem := self.data.model_problem(self.model):
+            raise ValueError(problem)
         p, t = self.parallel, self.training
         if p.num_stages > self.model.depth:
             raise ValueError(

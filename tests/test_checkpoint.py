@@ -17,7 +17,7 @@ from trainer.checkpoint import _optimizer_tensors, load_checkpoint, read_meta, s
 from trainer.models import build_model
 from trainer.optim import build_optimizer
 from trainer.partition import plan_layout
-from trainer.pipeline import StagePipeline, build_groups
+from trainer.pipeline import build_rank_pipeline
 
 SPEC = JobSpec(
     name="ckpt-test",
@@ -28,18 +28,14 @@ SPEC = JobSpec(
 
 
 def _train_two_steps_and_save(rank: int, world: int, spec_json: str, path: str):
-    from trainer.models import build_stage
-
     spec = JobSpec.model_validate_json(spec_json)
-    layout = plan_layout(spec)
-    stage, _ = layout.placement(rank)
-    module = build_stage(spec.model, 0, stage.start, stage.end)
+    pipe = build_rank_pipeline(spec.model, 0, plan_layout(spec), rank, 16)
+    module = pipe.model
     opt = build_optimizer(module, spec.training)
-    pipe = StagePipeline(module, spec.model, stage, layout, build_groups(layout, rank), 16)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
-        pipe.train_step(x, y, 16)
+        pipe.train_step(x if pipe.is_first else None, y, 16)
         pipe.sync_and_clip(1.0)
         opt.step()
         opt.zero_grad()

@@ -30,7 +30,13 @@ from torch.distributed.pipelining import (
 
 from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem
 from orchestrator.state import Layout, StageLayout
-from trainer.models import StageModule, build_model, stage_input_shape, stage_output_shape
+from trainer.models import (
+    StageModule,
+    build_model,
+    stage_input_dtype,
+    stage_input_shape,
+    stage_output_shape,
+)
 from trainer.sampler import IGNORE
 
 SCHEDULE_CLASSES = {
@@ -132,7 +138,10 @@ class RankPipeline:
         for stage, module in zip(self.local, model.stage_modules, strict=True):
             # Static example shapes: inferred shapes break with replica gradient sync (DESIGN §5);
             # requires_grad marks the tensors that carry gradients between stages.
-            example_in = torch.zeros(stage_input_shape(model_spec, stage.start, mb))
+            example_in = torch.zeros(
+                stage_input_shape(model_spec, stage.start, mb),
+                dtype=stage_input_dtype(model_spec, stage.start),
+            )
             if stage.index > 0:
                 example_in.requires_grad_(True)
             example_out = torch.zeros(
