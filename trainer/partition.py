@@ -253,7 +253,7 @@ class CostModel:
     def in_flight(self, stage: int, stages: int, microbatches: int) -> int:
         """Micro-batches whose activations a stage holds at its peak."""
         if self.schedule == "1f1b":
-            return min(microbatches, stages - stage)
+            return min(microbatches, stages - stage + 1)
         return microbatches
 
 
@@ -556,12 +556,12 @@ def _best_ranges(
             if j <= i:
                 continue
             if not fits(i, j, s):
-                continue  # memory only grows as the stage takes more blocks
+                break  # memory only grows as the stage takes more blocks
             rest = best(j, k - 1)
             if rest is None:
                 continue
             cand = (max(value(i, j, s), rest[0]), ((i, j), *rest[1]))
-            if found is None or cand[0] > found[0]:
+            if found is None or cand[0] < found[0]:
                 found = cand
         return found
 
