@@ -29,7 +29,13 @@ from trainer.partition import (
     profile_at,
     uniform_partition,
 )
-from trainer.profile import cache_dir, choose_microbatches, measure_profile, measure_profiles
+from trainer.profile import (
+    cache_dir,
+    choose_microbatches,
+    measure_profile,
+    measure_profiles,
+    measured_plan,
+)
 
 INF = math.inf
 
@@ -174,6 +180,32 @@ def test_planner_equals_exhaustive_search(data: st.DataObject) -> None:
         assert mem <= cfg["cap"]
         assert mem == pytest.approx(got.stage_memory_bytes[s])
         assert t == pytest.approx(got.stage_time_s[s], rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    times=st.lists(st.integers(1, 6), min_size=2, max_size=9),
+    S=st.integers(2, 4),
+    ends=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+)
+def test_ties_keep_the_most_slack(times: list[int], S: int, ends: tuple[int, int]) -> None:
+    """Among partitions with the same bottleneck the planner takes the one whose stage times,
+    sorted in decreasing order, are lexicographically smallest (integral times: exact ties)."""
+    if S > len(times):
+        return
+    prof = Profile(
+        tuple(_unit(float(t), 0.0) for t in times),
+        embed=_unit(float(ends[0]), 0.0),
+        head=_unit(float(ends[1]), 0.0),
+        microbatch=1,
+    )
+    cfg = {"F": 0, "cached": False, "bw": INF, "schedule": "gpipe", "recompute": False}
+    best = min(
+        sorted((_stage(prof, a, c, s, S, 1, cfg)[0] for s, (a, c) in enumerate(r)), reverse=True)
+        for r in _partitions(len(times), S, list(range(1, len(times))))
+    )
+    got = plan(prof, devices=S, stages=S, global_batch=1)
+    assert sorted(got.stage_time_s, reverse=True) == best
 
 
 @settings(max_examples=60, deadline=None)
@@ -403,6 +435,7 @@ def test_measure_profile_and_cache_round_trip(family: str, tmp_path, monkeypatch
     assert prof.blocks[0].output_bytes == 3 * tokens * 16 * 4
     assert prof.head.output_bytes == 3 * spec.num_classes * 4
     assert prof.blocks[0].activation_bytes > prof.blocks[0].output_bytes
+    assert prof.blocks[0] == prof.blocks[1]  # identical blocks: pooled times
     block_params = sum(p.numel() for p in profile_mod.build_model(spec, 0).blocks["0"].parameters())
     assert prof.blocks[0].param_bytes == 4 * block_params
     files = list((tmp_path / "profiles").glob("*.json"))
@@ -441,3 +474,13 @@ def test_choose_microbatches_trades_bubble_against_per_microbatch_overhead() -> 
     assert choose_microbatches(spec, 2, 8, profiles=measured(0.0)) == 8
     # a large fixed cost per micro-batch: fewer, larger micro-batches win
     assert choose_microbatches(spec, 2, 8, profiles=measured(1.0)) == 2
+
+
+def test_measured_plan_end_to_end(tmp_path) -> None:
+    spec = TINY["bert"]
+    p = measured_plan(spec, devices=2, global_batch=8, device="cpu", cache_path=tmp_path, repeats=2)
+    assert p.devices <= 2 and 8 % (p.replicas * p.microbatches) == 0
+    layout = p.to_layout()
+    assert layout.num_blocks == spec.depth and layout.world_size == p.devices
+    # every micro-batch size the search can reach was measured once and cached
+    assert len(list(tmp_path.glob("*.json"))) == 4

@@ -16,7 +16,8 @@ between blocks, never inside a residual connection) and a head (pinned to the la
   Point-to-point sends and receives are blocking in a synchronous pipeline, so a stage pays the
   transfers on both of its boundaries.
 * Stage time `t_s = compute(stage) + transfer(in cut) + transfer(out cut)`; bottleneck
-  `T = max_s t_s`. The DP below minimises T over contiguous ranges (PipeDream's planner).
+  `T = max_s t_s`. The DP below minimises T over contiguous ranges (PipeDream's planner);
+  among splits with the same T it keeps the most slack in the other stages (leximax).
 * Step time `(m + S - 1) * T + A`: GPipe's fill-drain, i.e. a bubble fraction `(S-1)/(m+S-1)`
   (1F1B has the same bubble and only holds fewer activations), plus the gradient all-reduce over
   R replicas, a ring `2 (R-1)/R * trainable_param_bytes(stage) / bandwidth` for the largest stage
@@ -253,7 +254,7 @@ class CostModel:
     def in_flight(self, stage: int, stages: int, microbatches: int) -> int:
         """Micro-batches whose activations a stage holds at its peak."""
         if self.schedule == "1f1b":
-            return min(microbatches, stages - stage + 1)
+            return min(microbatches, stages - stage)
         return microbatches
 
 
@@ -525,6 +526,9 @@ def _allowed(L: int, allowed_cuts: Iterable[int] | None) -> tuple[int, ...]:
     return tuple(cuts)
 
 
+Ranges = tuple[tuple[int, int], ...]
+
+
 def _best_ranges(
     costs: StageCosts,
     stages: int,
@@ -532,26 +536,36 @@ def _best_ranges(
     cuts: tuple[int, ...],
     memory_cap: float,
     objective: str = "time",
-) -> tuple[float, tuple[tuple[int, int], ...]] | None:
+) -> tuple[float, Ranges] | None:
     """Min over contiguous partitions (cuts only at `cuts`) of the max stage time (or stage
     memory, for `objective="memory"`) among those whose every stage fits `memory_cap`; None if
-    none fits. Ties go to the earliest cut."""
-    L, model = costs.L, costs.model
+    none fits. Returns (that max, the ranges).
 
-    def value(a: int, c: int, s: int) -> float:
+    Ties on the maximum are broken by the next-largest stage, and so on (the stage values sorted
+    in decreasing order, compared lexicographically): among equally slow bottlenecks the planner
+    keeps the most slack elsewhere, which is what protects a plan against measurement noise.
+    Inserting one stage's value into two sorted vectors keeps their order, so the DP stays exact.
+    Values are compared in whole picoseconds (bytes for memory), so float rounding in sums cannot
+    decide a tie; remaining ties go to the earliest cut."""
+    L, model = costs.L, costs.model
+    unit = 1.0 if objective == "memory" else 1e12
+
+    def value(a: int, c: int, s: int) -> int:
         if objective == "memory":
-            return costs.memory(a, c, model.in_flight(s, stages, microbatches))
-        return costs.time(a, c)
+            v = costs.memory(a, c, model.in_flight(s, stages, microbatches))
+        else:
+            v = costs.time(a, c)
+        return round(v * unit)
 
     def fits(a: int, c: int, s: int) -> bool:
         return costs.memory(a, c, model.in_flight(s, stages, microbatches)) <= memory_cap
 
     @cache
-    def best(i: int, k: int) -> tuple[float, tuple[tuple[int, int], ...]] | None:
+    def best(i: int, k: int) -> tuple[tuple[int, ...], Ranges] | None:
         s = stages - k
         if k == 1:
-            return (value(i, L, s), ((i, L),)) if fits(i, L, s) else None
-        found: tuple[float, tuple[tuple[int, int], ...]] | None = None
+            return ((value(i, L, s),), ((i, L),)) if fits(i, L, s) else None
+        found: tuple[tuple[int, ...], Ranges] | None = None
         for j in cuts:
             if j <= i:
                 continue
@@ -560,12 +574,15 @@ def _best_ranges(
             rest = best(j, k - 1)
             if rest is None:
                 continue
-            cand = (max(value(i, j, s), rest[0]), ((i, j), *rest[1]))
-            if found is None or cand[0] < found[0]:
-                found = cand
+            key = tuple(sorted((value(i, j, s), *rest[0]), reverse=True))
+            if found is None or key < found[0]:
+                found = (key, ((i, j), *rest[1]))
         return found
 
-    return best(0, stages)
+    result = best(0, stages)
+    if result is None:
+        return None
+    return result[0][0] / unit, result[1]
 
 
 def _divisors(n: int) -> list[int]:

@@ -5,7 +5,9 @@ one unit at a time (the embedding, each block, the head), for one micro-batch of
 forward and backward time (median over repeats after warm-up; each sample averages enough calls
 to be well above the timer's resolution), bytes of the unit's output (what crosses a cut after
 it), parameter bytes, and the bytes autograd saves for backward (counted with
-`torch.autograd.graph.saved_tensors_hooks`, one count per storage, parameters excluded).
+`torch.autograd.graph.saved_tensors_hooks`, one count per storage, parameters excluded). Blocks of
+identical shape have their times pooled (the median over the group), so timer noise cannot
+decide between equivalent cuts.
 
 Profiles are cached as JSON per (model spec, device name and threads, micro-batch size, torch
 version) under `$PIPETRANSFORMER_CACHE/profiles` (default `~/.cache/pipetransformer/profiles`):
@@ -28,6 +30,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,7 +47,7 @@ from trainer.partition import (
     plan,
 )
 
-PROFILE_FORMAT = 1  # bump when what is measured changes, so old cache entries are not reused
+PROFILE_FORMAT = 3  # bump when what is measured changes, so old cache entries are not reused
 _MIN_SAMPLE_S = 2e-3  # a timing sample averages calls until it lasts about this long
 
 
@@ -128,13 +131,14 @@ def _measure_unit(
     dev: torch.device,
     repeats: int,
     warmup: int,
+    input_grad: bool = True,
 ) -> tuple[BlockProfile, torch.Tensor]:
-    """Forward/backward medians of one unit on `inp`; returns its profile and its output."""
-    floating = inp.is_floating_point()
+    """Forward/backward medians of one unit on `inp`; returns its profile and its output.
+    `input_grad`: whether backward also computes the input's gradient (a block's input is an
+    activation that earlier units need a gradient for; the model's raw input is not)."""
 
     def fresh_input() -> torch.Tensor:
-        # blocks receive activations that need a gradient (the stage before sends one back)
-        return inp.detach().requires_grad_(True) if floating else inp
+        return inp.detach().requires_grad_(True) if input_grad else inp
 
     out, act_bytes = _saved_bytes(module, lambda: module(fresh_input()))
     grad = torch.randn_like(out)
@@ -179,14 +183,32 @@ def _measure(
 ) -> Profile:
     model = build_model(spec, seed).to(dev).train()
     x = _example_input(spec, microbatch, dev)
-    embed, h = _measure_unit(model.embed, x, dev, repeats, warmup)
+    embed, h = _measure_unit(model.embed, x, dev, repeats, warmup, input_grad=False)
     blocks = []
     for i in range(spec.depth):
         # chain real activations through, so each block sees the values it would in training
         prof, h = _measure_unit(model.blocks[str(i)], h, dev, repeats, warmup)
         blocks.append(prof)
     head, _ = _measure_unit(model.head, h, dev, repeats, warmup)
-    return Profile(tuple(blocks), embed, head, microbatch, device_name(dev))
+    return Profile(_pool_identical(blocks), embed, head, microbatch, device_name(dev))
+
+
+def _pool_identical(blocks: list[BlockProfile]) -> tuple[BlockProfile, ...]:
+    """Blocks of identical shape (same parameter, output and saved-activation bytes) do the same
+    work, so their times are pooled: each gets the median over the group. Without this, the
+    planner would place cuts by timer noise between twins (a 2% jitter decides which of two
+    equivalent splits "wins"); with it, twins tie and the tie-breaking rule decides."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for j, b in enumerate(blocks):
+        groups.setdefault((b.param_bytes, b.output_bytes, b.activation_bytes), []).append(j)
+    out = list(blocks)
+    for members in groups.values():
+        if len(members) > 1:
+            fwd = statistics.median(blocks[j].forward_s for j in members)
+            bwd = statistics.median(blocks[j].backward_s for j in members)
+            for j in members:
+                out[j] = replace(blocks[j], forward_s=fwd, backward_s=bwd)
+    return tuple(out)
 
 
 def measure_profile(
@@ -317,6 +339,7 @@ def measured_plan(
     device: str | torch.device | None = None,
     cache: bool = True,
     cache_path: str | Path | None = None,
+    repeats: int = 7,
 ) -> Plan:
     """AutoPipe end to end: measure the model at every micro-batch size the search can reach
     (S x R <= devices, m in [S, 6S]), then plan (S, R, m and the partition) on those
@@ -334,7 +357,9 @@ def measured_plan(
         raise PlanError(
             f"no replica count divides global batch {global_batch} on {devices} devices"
         )
-    profiles = measure_profiles(model_spec, sizes, device, cache, cache_path=cache_path)
+    profiles = measure_profiles(
+        model_spec, sizes, device, cache, repeats=repeats, cache_path=cache_path
+    )
     return plan(
         profiles,
         devices=devices,

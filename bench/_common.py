@@ -1,0 +1,94 @@
+"""Helpers shared by the benchmarks in bench/: thread pinning, progress lines, the output folder
+(bench/out/, gitignored) and the one JSON object every benchmark prints as its last line.
+
+On these 2-core machines other work runs beside a benchmark, so absolute times drift: measure the
+things being compared side by side in one run (interleaved repeats, medians) with threads pinned,
+and report ratios."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = ROOT / "bench" / "out"
+if str(ROOT) not in sys.path:  # `python bench/x.py` works without installing the project
+    sys.path.insert(0, str(ROOT))
+
+_T0 = time.perf_counter()
+
+
+def pin_threads(n: int = 1) -> None:
+    """One intra-op (and inter-op) thread per process, so timings compare like with like. Call it
+    before the first torch operation; the environment variables also cover libraries and child
+    processes started later."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:
+        pass  # already set once in this process (torch allows it only before parallel work)
+
+
+def out_dir() -> Path:
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    return OUT_DIR
+
+
+def progress(message: str) -> None:
+    """A progress line with the time since start (stdout, flushed, so logs interleave sanely)."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", flush=True)
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def geomean(values: Iterable[float]) -> float:
+    vals = [v for v in values if v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def emit(result: dict[str, Any], save_as: str | None = None) -> None:
+    """Print `result` as one JSON line (the benchmark's last line of output), and keep a copy in
+    bench/out/`save_as` when given."""
+    line = json.dumps(_jsonable(result), separators=(",", ":"))
+    if save_as:
+        (out_dir() / save_as).write_text(line + "\n")
+    print(line, flush=True)
