@@ -7,6 +7,7 @@ groups."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -60,6 +61,31 @@ class TextEmbed(nn.Module):
         return self.drop(self.norm(tokens + self.pos))
 
 
+class SelfAttention(nn.Module):
+    """Multi-head self-attention whose key projection has no bias (as in BEiT): softmax is
+    invariant to it, so its exact gradient is zero and in float32 it is rounding noise, which
+    Adam would normalise into real, layout-dependent updates."""
+
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        nn.init.xavier_uniform_(self.qkv.weight)
+        self.q_bias = nn.Parameter(torch.zeros(dim))
+        self.v_bias = nn.Parameter(torch.zeros(dim))
+        self.proj = nn.Linear(dim, dim)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        bias = torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias])
+        qkv = F.linear(x, self.qkv.weight, bias).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each b, heads, t, d/heads
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+
+
 class Block(nn.Module):
     """A pre-norm transformer encoder block: two residual units kept together, so a partition
     cut can only fall between blocks, never inside a residual connection."""
@@ -68,9 +94,7 @@ class Block(nn.Module):
         super().__init__()
         hidden = int(spec.dim * spec.mlp_ratio)
         self.norm1 = nn.LayerNorm(spec.dim)
-        self.attn = nn.MultiheadAttention(
-            spec.dim, spec.heads, dropout=spec.dropout, batch_first=True
-        )
+        self.attn = SelfAttention(spec.dim, spec.heads, spec.dropout)
         self.norm2 = nn.LayerNorm(spec.dim)
         self.mlp = nn.Sequential(
             nn.Linear(spec.dim, hidden),
@@ -82,7 +106,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
+        x = x + self.attn(h)
         return x + self.mlp(self.norm2(x))
 
 
