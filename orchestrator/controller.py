@@ -71,6 +71,7 @@ class Progress:
     error: str | None = None
     workers_started: int = 0
     checkpoints: list[str] = field(default_factory=list)
+    layout: Layout | None = None
 
 
 class Controller:
@@ -183,7 +184,7 @@ class Controller:
             data={"layout": layout.describe(), "start": start.model_dump()},
         )
         self.layout = layout
-        self.progress = Progress(step=start.step, epoch=start.epoch)
+        self.progress = Progress(step=start.step, epoch=start.epoch, layout=layout)
         return assignment
 
     def request_stop(self, reason: str) -> None:
@@ -265,11 +266,27 @@ class Controller:
             )
         elif e.kind == "checkpoint":
             self._commit_checkpoint(e)
+        elif e.kind == "layout":
+            self._adopt_layout(Layout.model_validate(d["layout"]), d["reason"], d.get("seconds"))
         elif e.kind in ("done", "stopped"):
             p.outcome = d.get("outcome", e.kind)
         elif e.kind == "failed":
             p.outcome, p.error = "failed", d.get("error", "worker failed")
             self.store.add_event(self.job_id, "worker_failed", p.error, rank=e.rank, data=d)
+
+    def _adopt_layout(self, layout: Layout, reason: str, seconds: float | None) -> None:
+        """Workers planned a layout from measurement: record it and make it the current one, so
+        a resumed generation starts with it instead of planning again."""
+        self.store.record_layout(self.job_id, layout, reason=reason)
+        self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
+        self.layout = self.progress.layout = layout
+        took = f" (measured and planned in {seconds:.1f}s)" if seconds is not None else ""
+        self.store.add_event(
+            self.job_id,
+            "layout_planned",
+            f"layout v{layout.version}: {reason}{took}",
+            data={"layout": layout.describe()},
+        )
 
     def _commit_checkpoint(self, e: WorkerEvent) -> None:
         d = e.data

@@ -49,6 +49,9 @@ class ProgressView:
         return self
 
     def update(self, p: JobProgress) -> None:
+        if p.layout is not None and p.layout != self.layout:
+            self.layout = p.layout
+            self.console.print(f"[bold]layout[/] {escape(self.layout.describe())}")
         if self._bar is not None:
             self._bar.update(
                 self._task, completed=p.step, total=p.total_steps, info=escape(_fmt(p, self.layout))

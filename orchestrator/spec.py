@@ -229,9 +229,16 @@ class ParallelSpec(_Strict):
 
     stages: PositiveInt = 2
     replicas: PositiveInt = 1
-    microbatches: PositiveInt = 4
+    microbatches: PositiveInt | Literal["auto"] = Field(
+        4, description="micro-batches per replica step, or 'auto' to choose from measurement"
+    )
     schedule: str = "gpipe"
     virtual_stages: PositiveInt = 1
+    partition: Literal["uniform", "autopipe"] = Field(
+        "uniform",
+        description="'uniform' splits blocks evenly; 'autopipe' measures the model on the "
+        "device and balances measured compute, transfers and memory",
+    )
     recompute: bool | list[bool] = Field(
         False, description="activation recomputation, for all stages or per stage"
     )
@@ -242,11 +249,18 @@ class ParallelSpec(_Strict):
             raise ValueError(
                 f"schedule {self.schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}"
             )
-        problem = schedule_problem(
-            self.schedule, self.stages, self.virtual_stages, self.microbatches
-        )
-        if problem:
-            raise ValueError(problem)
+        measured = self.partition == "autopipe" or self.microbatches == "auto"
+        if measured and self.virtual_stages > 1:
+            raise ValueError(
+                "partition 'autopipe' and microbatches 'auto' plan one stage per rank: use "
+                "virtual_stages 1 (schedules gpipe or 1f1b), or a fixed partition and count"
+            )
+        if self.microbatches != "auto":
+            problem = schedule_problem(
+                self.schedule, self.stages, self.virtual_stages, self.microbatches
+            )
+            if problem:
+                raise ValueError(problem)
         if isinstance(self.recompute, list) and len(self.recompute) != self.num_stages:
             raise ValueError(
                 f"recompute lists one flag per stage: {self.num_stages} needed "
@@ -305,11 +319,11 @@ class JobSpec(_Strict):
                 f"exceeds model.depth ({self.model.depth}): each stage needs at least one block; "
                 "lower stages or raise depth"
             )
-        per_step = p.replicas * p.microbatches
+        per_step = p.replicas * (1 if p.microbatches == "auto" else p.microbatches)
         if t.global_batch_size % per_step:
             raise ValueError(
                 f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                f"parallel.replicas x parallel.microbatches ({p.replicas} x {p.microbatches} = {per_step})"
+                f"parallel.replicas x parallel.microbatches ({per_step})"
             )
         return self
 

@@ -48,6 +48,7 @@ class Layout(_Model):
     microbatches: int
     schedule: str = "gpipe"
     virtual_stages: int = 1
+    planner: Literal["uniform", "autopipe"] = "uniform"  # autopipe: planned from measurement
 
     @classmethod
     def build(
@@ -182,7 +183,9 @@ class TrainingState(_Model):
     checkpoint: str | None = None  # path of the last committed checkpoint
 
 
-EventKind = Literal["started", "metrics", "eval", "checkpoint", "done", "failed", "stopped"]
+EventKind = Literal[
+    "started", "metrics", "eval", "checkpoint", "layout", "done", "failed", "stopped"
+]
 
 
 class WorkerEvent(_Model):

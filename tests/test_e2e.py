@@ -170,3 +170,27 @@ def test_external_etcd_and_db(tmp_path: Path, etcd_factory) -> None:
     assert store.latest_checkpoint("ext").step == 4  # ended mid-epoch at max_steps: saved
     status = cli("status", "ext", "--json", "--db", db)
     assert json.loads(status.stdout)["step"] == 4
+
+
+def test_autopipe_plans_from_measurement_and_records_the_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))  # a fresh profile cache
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        model={"depth": 4},
+        training={"epochs": 1, "max_steps": 3},
+        parallel={"partition": "autopipe", "microbatches": "auto"},
+    )
+    workdir = tmp_path / "runs"
+    res = cli("run", str(spec), "--workdir", str(workdir), "--job-id", "auto")
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    history = store.layouts("auto")
+    assert [lay.version for lay, _, _ in history] == [1, 2]
+    planned, reason, _ = history[-1]
+    assert planned.planner == "autopipe" and reason.startswith("autopipe:")
+    assert planned.microbatches in (2, 4, 8, 16, 32) and 2 <= planned.microbatches <= 12
+    assert store.current_layout("auto") == planned and store.get_job("auto").step == 3
+    assert any(e["kind"] == "layout_planned" for e in store.events("auto"))
+    assert list((tmp_path / "cache").rglob("*.json")), "the measured profile is cached"

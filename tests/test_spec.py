@@ -58,12 +58,53 @@ def test_defaults_fill_everything_but_the_name() -> None:
         ),
         ({"name": "Bad Name"}, "<spec>", "lowercase"),
         ({"name": "x", "training": {"epochs": "many"}}, "training.epochs", "valid integer"),
+        ({"name": "x", "parallel": {"schedule": "zbv"}}, "parallel", "exactly 2 stage(s) per rank"),
+        (
+            {"name": "x", "parallel": {"schedule": "1f1b", "stages": 4, "microbatches": 2}},
+            "parallel",
+            "at least as many micro-batches as stages",
+        ),
+        (
+            {
+                "name": "x",
+                "parallel": {
+                    "schedule": "interleaved-1f1b",
+                    "virtual_stages": 2,
+                    "partition": "autopipe",
+                },
+            },
+            "parallel",
+            "plan one stage per rank",
+        ),
+        ({"name": "x", "parallel": {"recompute": [True]}}, "parallel", "one flag per stage"),
+        (
+            {"name": "x", "parallel": {"microbatches": "some"}},
+            "parallel.microbatches.literal['auto']",
+            "'auto'",
+        ),
+        (
+            {"name": "x", "model": {"family": "bert"}},
+            "model.vocab_size",
+            "required when family is 'bert'",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(data: dict, field: str, phrase: str) -> None:
     problems = _problems(data)
     assert field in problems, problems
     assert phrase in problems[field]
+
+
+def test_measured_and_multi_stage_options_parse() -> None:
+    spec = parse_spec({"name": "x", "parallel": {"partition": "autopipe", "microbatches": "auto"}})
+    assert spec.parallel.microbatches == "auto" and spec.parallel.partition == "autopipe"
+    spec = parse_spec(
+        {
+            "name": "x",
+            "parallel": {"schedule": "zbv", "virtual_stages": 2, "recompute": [1, 0, 0, 1]},
+        }
+    )
+    assert spec.parallel.num_stages == 4 and spec.parallel.recompute_for(3)
 
 
 def test_every_problem_is_reported_at_once() -> None:

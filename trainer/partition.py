@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from orchestrator.spec import JobSpec
+from orchestrator.spec import SCHEDULES, JobSpec
 from orchestrator.state import Layout, StageLayout
 
 # PipeTransformer's AutoPipe weights a frozen layer at 1/6 of an active one (its `frozen_layer_cost_factor`).
@@ -86,23 +86,25 @@ def balanced_partition(costs: Sequence[float], stages: int) -> list[tuple[int, i
 def plan_layout(
     spec: JobSpec, version: int = 1, block_costs: Sequence[float] | None = None
 ) -> Layout:
-    """The layout a job starts with: `parallel.stages` stages balanced over block costs (uniform
-    until measured profiles arrive), `parallel.replicas` replicas; rank = replica * S + stage."""
+    """The layout a job starts with: `parallel.stages x virtual_stages` stages balanced over block
+    costs (uniform until measured), placed on ranks as the schedule expects, `parallel.replicas`
+    replicas. With `microbatches: auto` the count is provisional (the smallest candidate) until
+    the workers measure and plan (see trainer.profile.autopipe_layout)."""
     p = spec.parallel
+    rule = SCHEDULES[p.schedule]
     costs = list(block_costs) if block_costs is not None else [1.0] * spec.model.depth
-    ranges = balanced_partition(costs, p.stages)
-    return Layout(
-        version=version,
+    m = p.microbatches
+    if m == "auto":
+        m = microbatch_candidates(p.stages, spec.training.global_batch_size // p.replicas)[0]
+    return Layout.build(
+        balanced_partition(costs, p.num_stages),
         num_blocks=spec.model.depth,
-        stages=[
-            StageLayout(
-                index=s, start=a, end=b, ranks=[r * p.stages + s for r in range(p.replicas)]
-            )
-            for s, (a, b) in enumerate(ranges)
-        ],
         replicas=p.replicas,
-        microbatches=p.microbatches,
+        microbatches=m,
         schedule=p.schedule,
+        virtual_stages=p.virtual_stages,
+        placement=rule.placement,
+        version=version,
     )
 
 

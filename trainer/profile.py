@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from orchestrator.spec import ModelSpec
+from orchestrator.spec import JobSpec, ModelSpec
+from orchestrator.state import Layout
 from trainer.models import build_model, model_input_shape
 from trainer.partition import (
     BlockProfile,
@@ -373,3 +374,35 @@ def measured_plan(
         schedule=schedule,
         recompute=recompute,
     )
+
+
+def autopipe_layout(spec: JobSpec, layout: Layout) -> tuple[Layout, str]:
+    """The layout a job should run with, planned from measurement on this device: AutoPipe's
+    partition when `parallel.partition` is 'autopipe', and the micro-batch count when
+    `parallel.microbatches` is 'auto' (otherwise the spec's value and the current cuts hold).
+    S and R stay the spec's (the launched world). Returns the next layout version and a
+    one-line reason for the record."""
+    p = spec.parallel
+    replica_batch = spec.training.global_batch_size // p.replicas
+    counts = (
+        microbatch_candidates(p.stages, replica_batch)
+        if p.microbatches == "auto"
+        else [p.microbatches]
+    )
+    profiles = measure_profiles(spec.model, {replica_batch // m for m in counts})
+    keep_cuts = None if p.partition == "autopipe" else [s.start for s in layout.stages[1:]]
+    best = plan(
+        profiles,
+        devices=p.world_size,
+        global_batch=spec.training.global_batch_size,
+        freeze_boundary=layout.freeze_boundary,
+        microbatches=counts,
+        stages=p.stages,
+        replicas=p.replicas,
+        schedule=p.schedule,
+        recompute=any(p.recompute_for(i) for i in range(p.num_stages)),
+        allowed_cuts=keep_cuts,
+    )
+    new = best.to_layout(version=layout.version + 1, schedule=p.schedule)
+    new = new.model_copy(update={"planner": "autopipe"})
+    return new, f"autopipe: {best.summary()}"

@@ -30,6 +30,7 @@ from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.data import Dataset, Split, load_dataset
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.pipeline import RankPipeline, build_rank_pipeline
+from trainer.profile import autopipe_layout
 from trainer.sampler import IGNORE, ElasticSampler
 
 log = logging.getLogger("pipetransformer.worker")
@@ -245,6 +246,23 @@ def _broadcast_reached(ctx: Context, pipe: RankPipeline, result) -> bool:
     return bool(flag.item())
 
 
+def _measured_layout(spec: JobSpec, layout: Layout, rank: int, reporter: Reporter) -> Layout:
+    """AutoPipe at start-up: rank 0 measures the model on its device (cached per model and
+    device) and plans; every rank adopts that one answer via the control group, and the
+    controller records it as the next layout version."""
+    box: list = [None]
+    if rank == 0:
+        t0 = time.monotonic()
+        planned, reason = autopipe_layout(spec, layout)
+        box[0] = (planned.model_dump_json(), reason, time.monotonic() - t0)
+    dist.broadcast_object_list(box, src=0)
+    planned_json, reason, seconds = box[0]
+    planned = Layout.model_validate_json(planned_json)
+    if rank == 0:
+        reporter.emit("layout", layout=planned.model_dump(), reason=reason, seconds=seconds)
+    return planned
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainer.worker", description=__doc__)
     parser.add_argument("--job-id", required=True)
@@ -260,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != layout.world_size:
         raise SystemExit(f"layout v{layout.version} needs {layout.world_size} ranks, got {world}")
+    reporter = Reporter(etcd, args.job_id, assignment.generation, rank)
+    p = spec.parallel
+    if (p.partition == "autopipe" or p.microbatches == "auto") and layout.planner != "autopipe":
+        layout = _measured_layout(spec, layout, rank, reporter)
     placements = layout.placements(rank)
     stages, replica = [s for s, _ in placements], placements[0][1]
-    reporter = Reporter(etcd, args.job_id, assignment.generation, rank)
     lease = etcd.lease(spec.runtime.lease_ttl_s)
     etcd.put(keys.worker(args.job_id, rank), str(os.getpid()), lease=lease)
     keepalive = etcd.keep_alive(lease)
