@@ -21,16 +21,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from _common import emit, environment, out_dir, pin_threads, progress
 
 from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem  # noqa: E402
 from orchestrator.state import Layout  # noqa: E402
@@ -39,7 +37,6 @@ from trainer.pipeline import build_rank_pipeline  # noqa: E402
 
 S = 2
 MICROBATCHES = (2, 4, 8)
-OUT = Path(__file__).resolve().parent / "out"
 
 
 def _layout(model: ModelSpec, schedule: str, m: int) -> Layout | None:
@@ -62,40 +59,36 @@ def _layout(model: ModelSpec, schedule: str, m: int) -> Layout | None:
     )
 
 
-def _median_time(fn, repeats: int, group=None) -> float:
-    times = []
-    for _ in range(repeats):
-        if group is not None:
-            dist.barrier(group)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _isolated_compute(pipe, model: ModelSpec, mb: int, repeats: int) -> float:
-    """Forward+backward of this rank's stages on one micro-batch each, no communication."""
+def _isolated(pipe, model: ModelSpec, m: int, mb: int):
+    """A callable running this rank's stages on m micro-batches of `mb` samples, forward and
+    backward, with no communication: the compute a pipeline step needs from this rank."""
     from trainer.models import stage_input_dtype, stage_input_shape
 
-    total = 0.0
-    for stage, module in zip(pipe.local, pipe.model.stage_modules, strict=True):
+    inputs = []
+    for stage in pipe.local:
         shape = stage_input_shape(model, stage.start, mb)
         dtype = stage_input_dtype(model, stage.start)
         x = torch.randn(shape) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
-        if stage.index > 0:
-            x.requires_grad_(True)
+        inputs.append(x.requires_grad_(stage.index > 0))
 
-        def run(x=x, module=module) -> None:
-            module(x).float().pow(2).mean().backward()
+    def run() -> None:
+        for x, module in zip(inputs, pipe.model.stage_modules, strict=True):
+            for _ in range(m):
+                module(x).float().pow(2).mean().backward()
+        pipe.model.zero_grad(set_to_none=True)
 
-        run()  # warm-up
-        total += _median_time(run, repeats)
-    pipe.model.zero_grad(set_to_none=True)
-    return total
+    return run
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _worker(rank: int, store_path: str, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
+    pin_threads(1)
     store = dist.FileStore(store_path, S)
     dist.init_process_group("gloo", rank=rank, world_size=S, store=store)
     model = ModelSpec(image_size=16, patch_size=2, dim=args.dim, depth=args.depth, heads=args.heads)
@@ -114,12 +107,17 @@ def _worker(rank: int, store_path: str, args: argparse.Namespace, out: str) -> N
                 pipe.train_step(x if pipe.is_first else None, y, batch)
                 pipe.model.zero_grad(set_to_none=True)
 
+            isolated = _isolated(pipe, model, m, batch // m)
             step()  # warm-up (first step allocates buffers)
-            measured = _median_time(step, args.steps, group=None)
-            dist.barrier()
-            compute = _isolated_compute(pipe, model, batch // m, args.steps) * m
+            isolated()
+            # interleaved repeats: machine-load drift hits both measurements alike
+            steps, computes = [], []
+            for _ in range(args.steps):
+                steps.append(_timed(step))
+                computes.append(_timed(isolated))
+            measured = statistics.median(steps)
             per_rank = [None] * S
-            dist.all_gather_object(per_rank, compute)
+            dist.all_gather_object(per_rank, statistics.median(computes))
             if rank == 0:
                 ideal = sum(per_rank) / S
                 eff = ideal / measured
@@ -136,12 +134,10 @@ def _worker(rank: int, store_path: str, args: argparse.Namespace, out: str) -> N
                     "ratio": eff / theory,
                 }
                 results.append(row)
-                print(
-                    f"[pipeline_efficiency] {schedule:17s} m={m}: step {measured * 1e3:7.1f} ms, "
+                progress(
+                    f"{schedule:17s} m={m}: step {measured * 1e3:7.1f} ms, "
                     f"ideal {ideal * 1e3:7.1f} ms, efficiency {eff:.2f} "
-                    f"(theory {theory:.2f}, ratio {eff / theory:.2f})",
-                    file=sys.stderr,
-                    flush=True,
+                    f"(theory {theory:.2f}, ratio {eff / theory:.2f})"
                 )
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -173,19 +169,18 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    OUT.mkdir(parents=True, exist_ok=True)
+    os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         mp.spawn(_worker, args=(os.path.join(tmp, "store"), args, out), nprocs=S)
         rows = json.loads(Path(out).read_text())
-    png = OUT / "pipeline_efficiency.png"
+    png = out_dir() / "pipeline_efficiency.png"
     _plot(rows, png)
     per_schedule = {}
     for schedule in SCHEDULES:
@@ -204,8 +199,9 @@ def main() -> None:
         "per_schedule": per_schedule,
         "rows": rows,
         "plot": str(png),
+        "environment": environment(),
     }
-    print(json.dumps(result))
+    emit(result, save_as="pipeline_efficiency.json")
 
 
 if __name__ == "__main__":
