@@ -28,6 +28,7 @@ from orchestrator.controller import Controller, ControllerError, job_dir, new_jo
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.launch import torchrun_command, worker_env
+from orchestrator.overrides import OverrideError, file_freeze_request
 from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
 from orchestrator.spec import SpecError, load_spec
@@ -37,6 +38,9 @@ from orchestrator.store import Store, UnknownJob, sqlite_url
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
+
+
+ENDPOINT_FILE = "etcd.endpoint"
 
 
 class UsageError(Exception):
@@ -77,8 +81,13 @@ def etcd_for(
             yield client
         return
     server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd", client_port=port or None)
+    endpoint_file = job_dir(args.workdir, job_id) / ENDPOINT_FILE
     with server, EtcdClient(server.endpoint) as client:
-        yield client
+        endpoint_file.write_text(server.endpoint)  # how `freeze` finds a running job
+        try:
+            yield client
+        finally:
+            endpoint_file.unlink(missing_ok=True)
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -245,6 +254,28 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     os.execv(cmd[0], cmd)  # become Streamlit: signals (kill, container stop) reach it directly
 
 
+def cmd_freeze(args: argparse.Namespace) -> int:
+    """File a manual freeze request; the job applies it at its next decision point."""
+    store = open_store(args)
+    job = store.get_job(args.job)
+    endpoint = args.etcd
+    if not endpoint:
+        path = job_dir(job.workdir, job.id) / ENDPOINT_FILE
+        if not path.exists():
+            raise UsageError(f"job {job.id} is {job.state} and has no live etcd (pass --etcd)")
+        endpoint = path.read_text().strip()
+    try:
+        with EtcdClient(endpoint, retry_timeout=3) as etcd:
+            request = file_freeze_request(store, etcd, job.id, args.layers, args.reason)
+    except EtcdUnavailable as exc:
+        raise UsageError(f"job {job.id}: its etcd does not answer ({exc})") from None
+    console.print(
+        f"freeze request {request['id']} filed: blocks 0..{args.layers - 1} at the next decision "
+        f"point of {job.id} (see `pipetransformer status {job.id}`)"
+    )
+    return 0
+
+
 # -- torchx roles: controller and workers as separate processes ----------------------------------
 
 
@@ -363,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, etcd=False)
     p.set_defaults(fn=cmd_status)
 
+    p = sub.add_parser("freeze", help="ask a running job to freeze blocks [0, N) (manual override)")
+    p.add_argument("job")
+    p.add_argument("--layers", type=int, required=True, help="new freeze boundary N")
+    p.add_argument("--reason", default="manual override", help="kept in the audit trail")
+    common(p)
+    p.set_defaults(fn=cmd_freeze)
+
     p = sub.add_parser("dashboard", help="start the Streamlit dashboard")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8501)
@@ -396,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (SpecError, UsageError, UnknownJob, ControllerError) as exc:
+    except (SpecError, UsageError, UnknownJob, ControllerError, OverrideError) as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
 

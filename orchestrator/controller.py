@@ -83,6 +83,7 @@ class Controller:
         self.layout: Layout | None = store.current_layout(job_id)
         self.progress = Progress()
         self._keepalive: KeepAlive | None = None
+        self._audited: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -218,6 +219,7 @@ class Controller:
     def drain(self) -> list[WorkerEvent]:
         """Move every queued worker event into the store, then delete it from etcd. Store writes
         are idempotent, so a crash between the two only replays events."""
+        self._audit_new_request()
         items = self.etcd.get_prefix(keys.events(self.job_id))
         if not items:
             return []
@@ -233,6 +235,23 @@ class Controller:
         for key, _ in items:
             self.etcd.delete(key)
         return events
+
+    def _audit_new_request(self) -> None:
+        """Record a manual freeze request filed in etcd (by the CLI or the dashboard) once."""
+        raw = self.etcd.get(keys.freeze_override(self.job_id))
+        if not raw:
+            return
+        request = json.loads(raw)
+        if request["id"] in self._audited:
+            return
+        self._audited.add(request["id"])
+        self.store.add_event(
+            self.job_id,
+            "freeze_requested",
+            f"request {request['id']} by {request['who']}: freeze blocks below "
+            f"{request['layers']} ({request['reason']})",
+            data={"request": request},
+        )
 
     def _latest_state(self, events: list[WorkerEvent]) -> TrainingState | None:
         m = [e for e in events if e.kind == "metrics"]
@@ -268,6 +287,8 @@ class Controller:
             self._commit_checkpoint(e)
         elif e.kind == "layout":
             self._adopt_layout(Layout.model_validate(d["layout"]), d["reason"], d.get("seconds"))
+        elif e.kind == "freeze":
+            self._record_freeze(d)
         elif e.kind in ("done", "stopped"):
             p.outcome = d.get("outcome", e.kind)
         elif e.kind == "failed":
@@ -287,6 +308,29 @@ class Controller:
             f"layout v{layout.version}: {reason}{took}",
             data={"layout": layout.describe()},
         )
+
+    def _record_freeze(self, d: dict) -> None:
+        """A decision point moved the boundary or answered a manual request: audit it, and
+        retire the request so it is not applied twice."""
+        request = d.get("request")
+        if request is not None:
+            outcome = "freeze_rejected" if d.get("rejected") else "freeze_applied"
+            why = d.get("rejected") or f"boundary {d['previous']} -> {d['boundary']}"
+            self.store.add_event(
+                self.job_id,
+                outcome,
+                f"request {request['id']} by {request['who']} (layers={request['layers']}): {why}",
+                data={"request": request, "step": d["step"]},
+            )
+            self.etcd.delete(keys.freeze_override(self.job_id))
+        if d["boundary"] != d["previous"]:
+            self.store.add_event(
+                self.job_id,
+                "freeze",
+                f"{d['source']}: blocks {d['previous']}..{d['boundary'] - 1} frozen at step "
+                f"{d['step']} ({d['reason']})",
+                data=d,
+            )
 
     def _commit_checkpoint(self, e: WorkerEvent) -> None:
         d = e.data

@@ -5,6 +5,7 @@
 /pipetransformer/jobs/<job>/assignment       Assignment: generation, checkpoint dir, start state
 /pipetransformer/jobs/<job>/controller       {"host", "pid"} of the live controller, on its lease
 /pipetransformer/jobs/<job>/control          "run" | "stop", read by rank 0 at control points
+/pipetransformer/jobs/<job>/freeze_override  pending manual freeze request {"id", "layers", ...}
 /pipetransformer/jobs/<job>/events/<g>-<r>-<n> WorkerEvent JSON queue (workers put, controller drains)
 /pipetransformer/jobs/<job>/workers/<rank>   liveness, attached to the worker's lease
 /pipetransformer/jobs/<job>/agents/<host>-<pid> a `workers` launcher (torchx trainer role), on its lease
@@ -38,6 +39,10 @@ def controller(job_id: str) -> str:
 
 def control(job_id: str) -> str:
     return f"{job(job_id)}/control"
+
+
+def freeze_override(job_id: str) -> str:
+    return f"{job(job_id)}/freeze_override"
 
 
 def events(job_id: str) -> str:

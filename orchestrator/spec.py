@@ -294,6 +294,60 @@ class RuntimeSpec(_Strict):
     lease_ttl_s: PositiveInt = 5
 
 
+class FreezeSpec(_Strict):
+    """AutoFreeze: freeze a growing prefix of blocks (0 .. F-1) as they converge (PipeTransformer).
+
+    At each decision point T (1, 2, ...), the automatic boundary may grow to at most the
+    alpha-bound ceil(L * (1 - (1 - alpha)^T)) (L = model.depth) and never past
+    L - keep_trainable; it never decreases. The classifier head is never frozen. A manual override
+    (`pipetransformer freeze`) is applied at the next decision point, may only move forward and
+    is bounded by the model and keep_trainable, not by alpha. Implemented in trainer/freeze.py."""
+
+    policy: Literal["gradient", "schedule", "off"] = Field(
+        "off",
+        description="'gradient': freeze the longest prefix of blocks whose gradient norm has "
+        "stopped changing (relative change below `threshold`), bounded by the alpha-schedule; "
+        "'schedule': freeze exactly the alpha-bound at every decision point; 'off': never freeze "
+        "automatically (manual overrides still apply)",
+    )
+    alpha: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.25,
+        description="PipeTransformer's alpha in (0, 1): by decision point T at most "
+        "ceil(model.depth * (1 - (1 - alpha)^T)) blocks are frozen; larger freezes faster",
+    )
+    every: Literal["epoch"] | PositiveInt = Field(
+        "epoch",
+        description="decision points: at the end of every epoch, or every K optimizer steps",
+    )
+    keep_trainable: PositiveInt = Field(
+        1,
+        description="at least this many of the last blocks stay trainable (the head always "
+        "does); must be less than model.depth unless policy is 'off'",
+    )
+    threshold: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.1,
+        description="gradient policy: a block has converged when the relative change of its "
+        "mean per-step gradient norm between two consecutive decision points, "
+        "|n_T - n_(T-1)| / n_(T-1), is below this",
+    )
+    warmup_decisions: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="no automatic freezing at the first this-many decision points (they still "
+        "record gradient norms and count towards T in the alpha-bound)",
+    )
+
+    @field_validator("every", mode="before")
+    @classmethod
+    def _every(cls, value: Any) -> Any:
+        if value == "epoch":
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        raise ValueError("must be 'epoch' or a positive whole number of optimizer steps")
+
+
 class JobSpec(_Strict):
     name: str = Field(..., description="lowercase letters, digits and '-', at most 40 characters")
     model: ModelSpec = ModelSpec()
@@ -302,6 +356,7 @@ class JobSpec(_Strict):
     parallel: ParallelSpec = ParallelSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     runtime: RuntimeSpec = RuntimeSpec()
+    freeze: FreezeSpec = FreezeSpec()
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -318,6 +373,13 @@ class JobSpec(_Strict):
                 f"parallel.stages x parallel.virtual_stages ({p.stages} x {p.virtual_stages}) "
                 f"exceeds model.depth ({self.model.depth}): each stage needs at least one block; "
                 "lower stages or raise depth"
+            )
+        fz = self.freeze
+        if fz.policy != "off" and fz.keep_trainable >= self.model.depth:
+            raise ValueError(
+                f"freeze.keep_trainable ({fz.keep_trainable}) must be less than model.depth "
+                f"({self.model.depth}) when freeze.policy is {fz.policy!r}: at least one block "
+                "must be freezable; lower freeze.keep_trainable or raise model.depth"
             )
         per_step = p.replicas * (1 if p.microbatches == "auto" else p.microbatches)
         if t.global_batch_size % per_step:

@@ -184,7 +184,7 @@ class TrainingState(_Model):
 
 
 EventKind = Literal[
-    "started", "metrics", "eval", "checkpoint", "layout", "done", "failed", "stopped"
+    "started", "metrics", "eval", "checkpoint", "layout", "freeze", "done", "failed", "stopped"
 ]
 
 

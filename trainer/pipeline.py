@@ -74,23 +74,58 @@ def build_groups(layout: Layout, rank: int) -> TrainingGroups:
     return TrainingGroups(pipes[replica][1], dps[position][1], pipes[replica][0], dps[position][0])
 
 
+class FrozenPrefix:
+    """Embedding + frozen blocks [0, F): run forward-only, in eval mode and without autograd,
+    before the first pipeline stage. Not a module, so its parameters register only once."""
+
+    def __init__(self, embed: nn.Module, blocks: list[nn.Module]):
+        self.embed, self.blocks = embed, blocks
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed.eval()(x)
+        for block in self.blocks:
+            x = block.eval()(x)
+        return x
+
+
 class RankModel(nn.Module):
     """The blocks this rank owns, under the full model's parameter names (`embed.*`,
     `blocks.<i>.*`, `head.*`), for the optimizer, gradient work and checkpoints. The per-stage
-    `StageModule`s that the schedule runs share these submodules."""
+    `StageModule`s that the schedule runs share these submodules.
+
+    With a freeze boundary F > 0, the frozen prefix (embedding and blocks [0, F)) belongs to the
+    rank running the first stage of each replica, outside the pipeline; its parameters have
+    `requires_grad=False`, so they are in no optimizer and no gradient all-reduce."""
 
     def __init__(
-        self, spec: ModelSpec, seed: int, stages: list[StageLayout], recompute: list[bool]
+        self,
+        spec: ModelSpec,
+        seed: int,
+        stages: list[StageLayout],
+        recompute: list[bool],
+        freeze_boundary: int = 0,
     ):
         super().__init__()
         full = build_model(spec, seed)  # same init on every rank, whatever the layout
-        firsts = [s for s in stages if s.start == 0]
-        lasts = [s for s in stages if s.end == spec.depth]
-        self.embed = full.embed if firsts else None
-        self.blocks = nn.ModuleDict(
-            {str(i): full.blocks[str(i)] for s in stages for i in range(s.start, s.end)}
+        f = freeze_boundary
+        owns_prefix = stages[0].index == 0
+        owned = {i for s in stages for i in range(s.start, s.end)}
+        if owns_prefix:
+            owned |= set(range(f))
+        self.embed = full.embed if owns_prefix else None
+        self.blocks = nn.ModuleDict({str(i): full.blocks[str(i)] for i in sorted(owned)})
+        self.head = full.head if any(s.end == spec.depth for s in stages) else None
+        if f > 0:
+            frozen = [self.embed] if self.embed is not None else []
+            frozen += [self.blocks[str(i)] for i in range(f) if str(i) in self.blocks]
+            for module in frozen:
+                module.requires_grad_(False)
+        self.prefix = (
+            FrozenPrefix(full.embed, [full.blocks[str(i)] for i in range(f)])
+            if owns_prefix and f > 0 and stages[0].start == f
+            else None
         )
-        self.head = full.head if lasts else None
         parts = [
             StageModule(
                 spec,
@@ -174,7 +209,7 @@ class RankPipeline:
         rank holding the last stage (sum over replicas = the global mean loss), None elsewhere."""
         self.loss_fn.denominator = global_valid
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.is_first else ()
+        args = (self._enter(inputs),) if self.is_first else ()
         if self.is_last:
             self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
             return float(sum(loss.detach() for loss in losses))
@@ -187,16 +222,28 @@ class RankPipeline:
     ) -> torch.Tensor | None:
         """Logits for one replica batch on the last stage's rank (None elsewhere), no autograd.
         The schedule evaluates its loss function too, so the last stage needs the targets."""
-        args = (inputs,) if self.is_first else ()
+        args = (self._enter(inputs),) if self.is_first else ()
         if self.is_last:
             return self.schedule.eval(*args, target=targets, losses=[])
         self.schedule.eval(*args)
         return None
 
+    def destroy_groups(self) -> None:
+        """Release this layout's training groups (the control group stays)."""
+        for group in (self.groups.pipeline, self.groups.data_parallel):
+            if group is not None:
+                dist.destroy_process_group(group)
+
+    def _enter(self, inputs: torch.Tensor) -> torch.Tensor:
+        """What the first pipeline stage consumes: the inputs, or the frozen prefix's output."""
+        return self.model.prefix(inputs) if self.model.prefix is not None else inputs
+
     def sync_and_clip(self, max_norm: float) -> float:
         """All-reduce gradients across replicas, then clip by the norm over *all* stages (the same
-        norm a single process would compute). Returns that norm."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm a single process would compute). Returns that norm; per-block gradient norms (before
+        clipping, what AutoFreeze watches) are left in `self.block_norms`."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        grads = [g for _, g in named]
         if self.groups.data_parallel is not None and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.groups.data_parallel)  # sum: loss shares add up
@@ -204,11 +251,17 @@ class RankPipeline:
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        sq = torch.zeros(1)
-        for g in grads:
-            sq += g.pow(2).sum()
+        # squared norms per block, plus one slot for the embedding and head, summed over the
+        # pipeline in a single collective
+        depth = self.layout.num_blocks
+        sq = torch.zeros(depth + 1)
+        for name, g in named:
+            parts = name.split(".")
+            slot = int(parts[1]) if parts[0] == "blocks" else depth
+            sq[slot] += g.pow(2).sum()
         dist.all_reduce(sq, group=self.groups.pipeline)
-        norm = float(sq.sqrt())
+        self.block_norms = sq[:depth].sqrt().tolist()
+        norm = float(sq.sum().sqrt())
         if max_norm > 0:
             scale = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
             for g in grads:
@@ -242,5 +295,5 @@ def build_rank_pipeline(
     groups = build_groups(layout, rank)
     local = [s for s, _ in layout.placements(rank)]
     flags = [recompute[s.index] for s in local] if recompute else [False] * len(local)
-    model = RankModel(spec_model, seed, local, flags)
+    model = RankModel(spec_model, seed, local, flags, layout.freeze_boundary)
     return RankPipeline(model, spec_model, layout, rank, groups, replica_batch)

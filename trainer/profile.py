@@ -406,3 +406,56 @@ def autopipe_layout(spec: JobSpec, layout: Layout) -> tuple[Layout, str]:
     new = best.to_layout(version=layout.version + 1, schedule=p.schedule)
     new = new.model_copy(update={"planner": "autopipe"})
     return new, f"autopipe: {best.summary()}"
+
+
+def relayout_plan(
+    spec: JobSpec, layout: Layout, freeze_boundary: int, world: int
+) -> tuple[Layout, str]:
+    """AutoPipe + AutoDP after freezing: the frozen prefix [0, F) leaves the pipeline (it runs
+    forward-only before the first stage, or comes from the cache), the active blocks are packed
+    onto S' stages and the freed ranks become replicas, S' x R' = `world`. Every S' dividing the
+    world is planned on the measured profile (cuts only after F, so stage 0 starts at F) and the
+    fastest predicted one wins. Returns the next layout version and the reason for the record."""
+    p, L, f = spec.parallel, spec.model.depth, freeze_boundary
+    gb = spec.training.global_batch_size
+    shapes = [
+        (s, world // s)
+        for s in range(1, world + 1)
+        if world % s == 0 and s <= L - f and gb % (world // s) == 0
+    ]
+    if not shapes:
+        raise PlanError(f"no stages x replicas = {world} fits {L - f} active blocks and batch {gb}")
+    counts: dict[tuple[int, int], list[int]] = {}
+    for s, r in shapes:
+        fixed = p.microbatches != "auto" and (gb // r) % p.microbatches == 0
+        counts[(s, r)] = [p.microbatches] if fixed else microbatch_candidates(s, gb // r)
+    sizes = {gb // r // m for (s, r), ms in counts.items() for m in ms}
+    profiles = measure_profiles(spec.model, sizes)
+    plans = []
+    for (s, r), ms in counts.items():
+        plans.append(
+            plan(
+                {b: profiles[b] for b in {gb // r // m for m in ms}},
+                devices=world,
+                global_batch=gb,
+                freeze_boundary=f,
+                microbatches=ms,
+                stages=s,
+                replicas=r,
+                schedule=p.schedule,
+                allowed_cuts=range(f + 1, L),
+            )
+        )
+    best = min(plans, key=lambda pl: (pl.step_time_s, pl.stages))
+    ranges = [(max(a, f), b) for a, b in best.ranges]  # frozen blocks leave the pipeline
+    new = Layout.build(
+        ranges,
+        num_blocks=L,
+        replicas=best.replicas,
+        microbatches=best.microbatches,
+        schedule=p.schedule,
+        version=layout.version + 1,
+        freeze_boundary=f,
+        planner="autopipe",
+    )
+    return new, f"F={f}: {best.summary()}"

@@ -9,6 +9,7 @@ acts on it at the same step.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -25,12 +26,19 @@ from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient
 from orchestrator.manifest import verify_checkpoint
 from orchestrator.spec import JobSpec
-from orchestrator.state import Assignment, Layout, StageLayout, TrainingState, WorkerEvent
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from orchestrator.state import Assignment, Layout, StageLayout, WorkerEvent
+from trainer.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from trainer.data import Dataset, Split, load_dataset
+from trainer.freeze import (
+    FreezeOverrideError,
+    FreezeState,
+    GradNormMeter,
+    decide,
+    is_decision_point,
+)
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.pipeline import RankPipeline, build_rank_pipeline
-from trainer.profile import autopipe_layout
+from trainer.profile import autopipe_layout, relayout_plan
 from trainer.sampler import IGNORE, ElasticSampler
 
 log = logging.getLogger("pipetransformer.worker")
@@ -61,6 +69,7 @@ class Context:
     replica: int
     etcd: EtcdClient
     reporter: Reporter
+    world: int
 
 
 def _read_job(etcd: EtcdClient, job_id: str, timeout: float = 60.0):
@@ -127,112 +136,216 @@ def evaluate(ctx: Context, pipe: RankPipeline, data: Dataset) -> tuple[float, fl
     return float(correct[0]) / len(data.test), float(correct[1]) / len(data.test)
 
 
-def _checkpoint(
-    ctx: Context, module, optimizer, state: TrainingState, reason: str
-) -> TrainingState:
-    name = f"step-{state.step:08d}"
-    path = Path(ctx.assignment.checkpoint_dir) / name
-    meta = state.model_dump() | {"layout_version": ctx.layout.version, "reason": reason}
-    t0 = time.monotonic()
-    saved = save_checkpoint(path, module, optimizer, meta)
-    if saved is not None:
-        ctx.reporter.emit(
-            "checkpoint",
-            path=saved.path,
-            size_bytes=saved.size_bytes,
-            checksum=saved.checksum,
-            seconds=time.monotonic() - t0,
-            state=state.model_dump(),
-            layout_version=ctx.layout.version,
+class Trainer:
+    """One rank's training run. A re-layout swaps the pipeline, optimizer and placement in
+    place; epoch, step, LR schedule position and the sampler cursor carry over."""
+
+    def __init__(self, ctx: Context):
+        self.ctx, self.spec, self.tspec = ctx, ctx.spec, ctx.spec.training
+        self.data = load_dataset(self.spec.data, self.spec.model)
+        self.sampler = ElasticSampler(
+            len(self.data.train), self.tspec.global_batch_size, self.tspec.seed
         )
-    return state.model_copy(update={"checkpoint": str(path)})
+        total = self.tspec.epochs * self.sampler.steps_per_epoch()
+        self.total_steps = min(total, self.tspec.max_steps or total)
+        self.state = ctx.assignment.start
+        self.saved_step = self.state.step if self.state.checkpoint else -1
+        # decision points run even with policy 'off': a manual override is applied there
+        self.freezing = True
+        self.freeze = FreezeState(boundary=ctx.layout.freeze_boundary)
+        if self.state.checkpoint:
+            saved = read_meta(self.state.checkpoint).get("freeze")
+            if saved:
+                self.freeze = FreezeState.from_dict(saved)
+        self.meter = GradNormMeter(self.spec.model.depth)
+        self._build(load_from=self.state.checkpoint, checksum=ctx.assignment.resume_checksum)
 
+    def _build(self, load_from: str | None, checksum: str | None = None) -> None:
+        ctx, layout = self.ctx, self.ctx.layout
+        recompute = [self.spec.parallel.recompute_for(i) for i in range(layout.num_stages)]
+        self.replica_batch = self.tspec.global_batch_size // layout.replicas
+        self.pipe = build_rank_pipeline(
+            self.spec.model, self.tspec.seed, layout, ctx.rank, self.replica_batch, recompute
+        )
+        self.optimizer = build_optimizer(self.pipe.model, self.tspec)
+        if load_from:
+            if checksum:
+                verify_checkpoint(load_from, checksum)
+            load_checkpoint(load_from, self.pipe.model, self.optimizer)
+        # one rank owns the loss of the global batch
+        self.reports = ctx.replica == 0 and self.pipe.is_last
 
-def train(ctx: Context) -> str:
-    spec, layout, tspec = ctx.spec, ctx.layout, ctx.spec.training
-    data = load_dataset(spec.data, spec.model)
-    replica_batch = tspec.global_batch_size // layout.replicas
-    recompute = [spec.parallel.recompute_for(i) for i in range(layout.num_stages)]
-    pipe = build_rank_pipeline(spec.model, tspec.seed, layout, ctx.rank, replica_batch, recompute)
-    module, groups = pipe.model, pipe.groups
-    optimizer = build_optimizer(module, tspec)
-    state = ctx.assignment.start
-    if state.checkpoint:
-        if ctx.assignment.resume_checksum:
-            verify_checkpoint(state.checkpoint, ctx.assignment.resume_checksum)
-        load_checkpoint(state.checkpoint, module, optimizer)
-        log.info("rank %d resumed from %s at step %d", ctx.rank, state.checkpoint, state.step)
-    sampler = ElasticSampler(len(data.train), tspec.global_batch_size, tspec.seed)
-    total_steps = tspec.epochs * sampler.steps_per_epoch()
-    if tspec.max_steps:
-        total_steps = min(total_steps, tspec.max_steps)
-    reports = ctx.replica == 0 and pipe.is_last  # one rank owns the loss of the global batch
-    ctx.reporter.emit(
-        "started",
-        stages=[s.index for s in ctx.stages],
-        replica=ctx.replica,
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        total_steps=total_steps,
-    )
+    def checkpoint(self, reason: str) -> None:
+        """Collective: write (once per step) and report a checkpoint of the current state."""
+        if self.saved_step == self.state.step:
+            return
+        ctx, state = self.ctx, self.state
+        path = Path(ctx.assignment.checkpoint_dir) / f"step-{state.step:08d}"
+        meta = state.model_dump() | {
+            "layout_version": ctx.layout.version,
+            "reason": reason,
+            "freeze": self.freeze.to_dict(),
+        }
+        t0 = time.monotonic()
+        saved = save_checkpoint(path, self.pipe.model, self.optimizer, meta)
+        if saved is not None:
+            ctx.reporter.emit(
+                "checkpoint",
+                path=saved.path,
+                size_bytes=saved.size_bytes,
+                checksum=saved.checksum,
+                seconds=time.monotonic() - t0,
+                state=state.model_dump(),
+                layout_version=ctx.layout.version,
+            )
+        self.state = state.model_copy(update={"checkpoint": str(path)})
+        self.saved_step = state.step
 
-    epoch, step, cursor = state.epoch, state.step, state.samples_consumed
-    saved_step = step if state.checkpoint else -1
-
-    def checkpoint(reason: str) -> None:
-        nonlocal state, saved_step
-        if saved_step != step:
-            state = _checkpoint(ctx, module, optimizer, state, reason)
-            saved_step = step
-
-    while epoch < tspec.epochs and step < total_steps:
+    def step(self) -> bool:
+        """One optimizer step; returns whether it ended an epoch."""
+        ctx, pipe, st = self.ctx, self.pipe, self.state
         t0 = time.perf_counter()
-        b = sampler.batch(epoch, cursor, layout.replicas, ctx.replica)
-        images, targets = _replica_inputs(ctx, pipe, data.train, b.indices, b.valid)
-        lr = lr_at(step, total_steps, tspec)
-        set_lr(optimizer, lr)
-        loss = pipe.train_step(images, targets, b.global_valid)
-        pipe.sync_and_clip(tspec.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, cursor = step + 1, b.next_cursor
-        if pipe.is_last and groups.data_parallel is not None:
+        b = self.sampler.batch(st.epoch, st.samples_consumed, ctx.layout.replicas, ctx.replica)
+        inputs, targets = _replica_inputs(ctx, pipe, self.data.train, b.indices, b.valid)
+        lr = lr_at(st.step, self.total_steps, self.tspec)
+        set_lr(self.optimizer, lr)
+        loss = pipe.train_step(inputs, targets, b.global_valid)
+        pipe.sync_and_clip(self.tspec.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.freezing:
+            self.meter.add(pipe.block_norms)
+        if pipe.is_last and pipe.groups.data_parallel is not None:
             total = torch.tensor([loss])
-            dist.all_reduce(total, group=groups.data_parallel)
+            dist.all_reduce(total, group=pipe.groups.data_parallel)
             loss = float(total)
-        epoch_done = cursor >= len(data.train)
+        epoch, cursor = st.epoch, b.next_cursor
+        epoch_done = cursor >= len(self.data.train)
         if epoch_done:
             epoch, cursor = epoch + 1, 0
-        state = state.model_copy(
-            update={"epoch": epoch, "step": step, "samples_consumed": cursor, "lr": lr}
+        self.state = st.model_copy(
+            update={"epoch": epoch, "step": st.step + 1, "samples_consumed": cursor, "lr": lr}
         )
-        if reports:
+        if self.reports:
             ctx.reporter.emit(
                 "metrics",
-                step=step,
+                step=st.step + 1,
                 epoch=epoch,
                 samples_consumed=cursor,
                 loss=loss,
                 lr=lr,
                 samples_per_s=b.global_valid / (time.perf_counter() - t0),
+                frozen=ctx.layout.freeze_boundary,
             )
-        if epoch_done:
-            result = evaluate(ctx, pipe, data)
-            if result is not None and ctx.replica == 0:
-                ctx.reporter.emit(
-                    "eval", epoch=epoch, step=step, accuracy=result[0], loss=result[1]
-                )
-            if _broadcast_reached(ctx, pipe, result):
-                checkpoint("target")
-                return "target"
-            if epoch % spec.checkpoint.every_epochs == 0:
-                checkpoint("epoch")
-        if step % spec.runtime.control_every_steps == 0 or epoch_done:
-            if _control(ctx) == "stop":
-                checkpoint("stop")
-                return "stopped"
-    checkpoint("end")
-    return "done"
+        return epoch_done
+
+    def run(self) -> str:
+        ctx, spec = self.ctx, self.spec
+        ctx.reporter.emit(
+            "started",
+            stages=[s.index for s in ctx.stages],
+            replica=ctx.replica,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            total_steps=self.total_steps,
+        )
+        while self.state.epoch < self.tspec.epochs and self.state.step < self.total_steps:
+            epoch_done = self.step()
+            if epoch_done:
+                result = evaluate(ctx, self.pipe, self.data)
+                if result is not None and ctx.replica == 0:
+                    ctx.reporter.emit(
+                        "eval",
+                        epoch=self.state.epoch,
+                        step=self.state.step,
+                        accuracy=result[0],
+                        loss=result[1],
+                    )
+                if _broadcast_reached(ctx, self.pipe, result):
+                    self.checkpoint("target")
+                    return "target"
+                if self.state.epoch % spec.checkpoint.every_epochs == 0:
+                    self.checkpoint("epoch")
+            if self.freezing and is_decision_point(spec.freeze, self.state.step, epoch_done):
+                self.decide_freeze()
+            if self.state.step % spec.runtime.control_every_steps == 0 or epoch_done:
+                if _control(ctx) == "stop":
+                    self.checkpoint("stop")
+                    return "stopped"
+        self.checkpoint("end")
+        return "done"
+
+    # -- AutoFreeze and re-layout ---------------------------------------------------------------
+
+    def decide_freeze(self) -> None:
+        """A decision point: rank 0 decides (a pending manual override wins), everyone gets the
+        same decision over the control group; a new boundary triggers a re-layout."""
+        ctx = self.ctx
+        box: list = [None]
+        if ctx.rank == 0:
+            box[0] = self._decision_on_rank0()
+        dist.broadcast_object_list(box, src=0)
+        decision, request, rejected = box[0]
+        self.meter.reset()
+        self.freeze = decision.state
+        if ctx.rank == 0 and (decision.changed or request is not None):
+            ctx.reporter.emit(
+                "freeze",
+                step=self.state.step,
+                previous=decision.previous,
+                boundary=decision.boundary,
+                source=decision.source,
+                reason=decision.reason,
+                request=request,
+                rejected=rejected,
+            )
+        if decision.boundary > ctx.layout.freeze_boundary:
+            self.relayout(decision.boundary, decision.reason)
+
+    def _decision_on_rank0(self):
+        ctx = self.ctx
+        raw = ctx.etcd.get(keys.freeze_override(ctx.job_id))
+        request = json.loads(raw) if raw else None
+        norms = self.meter.means() if self.meter.steps else None
+        depth, fspec = self.spec.model.depth, self.spec.freeze
+        if request is not None:
+            try:
+                decision = decide(fspec, self.freeze, norms, depth, override=request["layers"])
+                return decision, request, None
+            except FreezeOverrideError as exc:
+                return decide(fspec, self.freeze, norms, depth), request, str(exc)
+        return decide(fspec, self.freeze, norms, depth), None, None
+
+    def relayout(self, boundary: int, why: str) -> None:
+        """AutoPipe + AutoDP in the running processes: commit state, plan the layout for the new
+        boundary (rank 0 measures; everyone adopts), rebuild the training groups, and load each
+        block's weights and optimizer state onto its new owner from the committed checkpoint
+        (resharded by block name). Frozen blocks keep their exact values."""
+        ctx = self.ctx
+        t0 = time.monotonic()
+        box: list = [None]
+        if ctx.rank == 0:
+            planned, reason = relayout_plan(self.spec, ctx.layout, boundary, ctx.world)
+            box[0] = (planned.model_dump_json(), reason)
+        dist.broadcast_object_list(box, src=0)
+        planned = Layout.model_validate_json(box[0][0])
+        self.checkpoint("relayout")
+        self.pipe.destroy_groups()
+        ctx.layout = planned
+        placements = planned.placements(ctx.rank)
+        ctx.stages, ctx.replica = [s for s, _ in placements], placements[0][1]
+        self.state = self.state.model_copy(
+            update={"freeze_boundary": boundary, "layout_version": planned.version}
+        )
+        self._build(load_from=self.state.checkpoint)
+        dist.barrier()
+        if ctx.rank == 0:
+            ctx.reporter.emit(
+                "layout",
+                layout=planned.model_dump(),
+                reason=f"autofreeze ({why}); {box[0][1]}",
+                seconds=time.monotonic() - t0,
+            )
 
 
 def _broadcast_reached(ctx: Context, pipe: RankPipeline, result) -> bool:
@@ -287,9 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     lease = etcd.lease(spec.runtime.lease_ttl_s)
     etcd.put(keys.worker(args.job_id, rank), str(os.getpid()), lease=lease)
     keepalive = etcd.keep_alive(lease)
-    ctx = Context(args.job_id, spec, layout, assignment, rank, stages, replica, etcd, reporter)
+    ctx = Context(
+        args.job_id, spec, layout, assignment, rank, stages, replica, etcd, reporter, world
+    )
     try:
-        outcome = train(ctx)
+        outcome = Trainer(ctx).run()
         dist.barrier()
         if rank == 0:
             reporter.emit("stopped" if outcome == "stopped" else "done", outcome=outcome)

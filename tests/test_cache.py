@@ -1,0 +1,308 @@
+"""AutoCache: a cached frozen-prefix output equals recomputing it, bit for bit (DESIGN §4.8), for
+both model families; the RAM budget holds and rows spill to the files and come back equal;
+advancing cached rows from F_old to F_new equals computing F_new from scratch; two processes
+sharing one cache directory see each other's rows; the counters count; the policy never caches
+with data augmentation."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.spec import ModelSpec
+from trainer.cache import (
+    ActivationCache,
+    CachePolicy,
+    FrozenPrefix,
+    decide_cache,
+    measure_prefix_costs,
+)
+from trainer.models import build_model, num_tokens, stage_input_dtype, stage_input_shape
+
+# dropout > 0 and models left in train mode: the frozen prefix must run in eval mode regardless
+VIT = ModelSpec(family="vit", image_size=8, patch_size=2, channels=1, dim=32, depth=6, heads=4,
+                dropout=0.1)  # fmt: skip
+BERT = ModelSpec(family="bert", vocab_size=40, seq_len=12, dim=32, depth=6, heads=4,
+                 num_classes=4, dropout=0.1)  # fmt: skip
+FAMILIES = {"vit": VIT, "bert": BERT}
+N = 96  # training samples
+
+
+def _inputs(spec: ModelSpec, n: int = N, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    shape = stage_input_shape(spec, 0, n)
+    if stage_input_dtype(spec, 0) == torch.int64:
+        return torch.randint(0, spec.vocab_size, shape, generator=gen)
+    return torch.randn(shape, generator=gen)
+
+
+def _reference(model, x: torch.Tensor, boundary: int) -> torch.Tensor:
+    """Recomputation, written out independently of FrozenPrefix: eval mode, no autograd."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            h = model.embed(x)
+            for i in range(boundary):
+                h = model.blocks[str(i)](h)
+        return h
+    finally:
+        model.train()
+
+
+def _cache(spec: ModelSpec, directory: Path, rows_in_ram: int, **kw) -> ActivationCache:
+    row_bytes = num_tokens(spec) * spec.dim * 4
+    return ActivationCache.for_model(directory, spec, N, ram_bytes=rows_in_ram * row_bytes, **kw)
+
+
+def _epoch(cache, prefix, x, batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+    return [
+        (idx, cache.get_or_compute(idx, x[idx], prefix)) for idx in order.split(batch)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_output_equals_recomputation(family: str, tmp_path: Path) -> None:
+    spec = FAMILIES[family]
+    model = build_model(spec, seed=1).train()
+    prefix = FrozenPrefix.of(model)
+    x = _inputs(spec)
+    boundary = 3
+    with _cache(spec, tmp_path, rows_in_ram=N // 3) as cache:
+        cache.set_boundary(boundary, prefix.fingerprints(boundary))
+        first = _epoch(cache, prefix, x, batch=16, seed=0)  # all computed, then stored
+        second = _epoch(cache, prefix, x, batch=24, seed=1)  # all hits, other batch makeup
+        stats = cache.stats()
+        assert stats.computed == N and stats.hits == N and stats.hits_ram and stats.hits_disk
+        for idx, out in first + second:
+            assert out.dtype == torch.float32 and not out.requires_grad
+            # bit-exact against recomputing the same samples, alone and in the whole split
+            assert torch.equal(out, _reference(model, x[idx], boundary))
+            assert torch.equal(out, _reference(model, x, boundary)[idx])
+        assert model.training and all(b.training for b in model.blocks.values())
+
+
+def test_ram_budget_holds_and_rows_spill_to_disk(tmp_path: Path) -> None:
+    spec = VIT
+    model = build_model(spec, seed=0)
+    prefix = FrozenPrefix.of(model)
+    x = _inputs(spec)
+    full = _reference(model, x, 2)
+    in_ram = 20
+    budget = in_ram * num_tokens(spec) * spec.dim * 4 + 100  # not a whole number of rows
+    for shared in (True, False):
+        d = tmp_path / f"shared-{shared}"
+        cache = ActivationCache.for_model(d, spec, N, ram_bytes=budget, shared=shared)
+        row = cache.row_bytes
+        assert cache.ram_rows == in_ram and cache.capacity == N
+        cache.set_boundary(2, prefix.fingerprints(2))
+        for idx in torch.arange(N).split(32):
+            cache.store(idx, full[idx])
+        s = cache.stats()
+        assert s.bytes_ram == in_ram * row <= budget
+        # shared: every row written through to the files; private: only the spilled rows
+        assert s.bytes_disk == (N if shared else N - in_ram) * row
+        assert sum(f.stat().st_blocks for f in d.iterdir()) * 512 >= (N - in_ram) * row
+        hits, values = cache.lookup(torch.arange(N))
+        assert hits.all() and torch.equal(values, full)
+        assert cache.stats().hits_ram == in_ram and cache.stats().hits_disk == N - in_ram
+        cache.close()
+        # a fresh process state (restart): the RAM tier is gone, the files remain
+        again = ActivationCache.for_model(d, spec, N, ram_bytes=0, shared=shared)
+        again.set_boundary(2, prefix.fingerprints(2))
+        hits, values = again.lookup(torch.arange(N))
+        expect = torch.arange(N) >= (0 if shared else in_ram)
+        assert torch.equal(hits, expect) and torch.equal(values, full[expect])
+        again.close()
+
+
+def test_disk_cap_limits_what_is_cached(tmp_path: Path) -> None:
+    spec = VIT
+    prefix = FrozenPrefix.of(build_model(spec, seed=0))
+    x = _inputs(spec)
+    row = num_tokens(spec) * spec.dim * 4
+    cache = ActivationCache.for_model(tmp_path, spec, N, ram_bytes=8 * row, disk_bytes=50 * row)
+    assert cache.capacity == 50 and cache.ram_rows == 8
+    cache.set_boundary(1, prefix.fingerprints(1))
+    out = cache.get_or_compute(torch.arange(N), x, prefix)
+    assert torch.equal(out, prefix.compute(x, 1))
+    hits, _ = cache.lookup(torch.arange(N))
+    assert torch.equal(hits, torch.arange(N) < 50)
+    assert cache.stats().bytes_disk == 50 * row
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_incremental_advance_equals_computing_from_scratch(family: str, tmp_path: Path) -> None:
+    spec = FAMILIES[family]
+    model = build_model(spec, seed=2).train()
+    prefix = FrozenPrefix.of(model)
+    x = _inputs(spec)
+    cache = _cache(spec, tmp_path, rows_in_ram=N // 4)
+    cache.set_boundary(2, prefix.fingerprints(2))
+    half = torch.arange(0, N, 2)
+    cache.get_or_compute(half, x[half], prefix)  # half of the samples cached at F=2
+    # lazily, per batch: cached rows run blocks 2..4 only, the rest is computed from the inputs
+    cache.set_boundary(5, prefix.fingerprints(5))
+    s0 = cache.stats()
+    scratch5 = _reference(model, x, 5)
+    for idx, out in _epoch(cache, prefix, x, batch=20, seed=3):
+        assert torch.equal(out, scratch5[idx])  # advanced and computed rows mixed in a batch
+    s1 = cache.stats()
+    assert s1.source_boundary == 2
+    assert s1.advanced - s0.advanced == N // 2 and s1.computed - s0.computed == N // 2
+    hits, values = cache.lookup(torch.arange(N))
+    assert hits.all() and torch.equal(values, scratch5)
+    # eagerly, after a restart: a new cache object finds the F=5 files as the source for F=6
+    cache.close()
+    again = _cache(spec, tmp_path, rows_in_ram=0)
+    again.set_boundary(6, prefix.fingerprints(6))
+    assert again.stats().source_boundary == 5
+    assert again.advance(prefix, batch_size=40) == N
+    hits, values = again.lookup(torch.arange(N))
+    assert hits.all() and torch.equal(values, _reference(model, x, 6))
+    assert again.advance(prefix) == 0  # nothing left to move
+    # older levels were pruned: only the source (5) and the current level (6) remain
+    names = sorted(p.name.split("-")[1] for p in tmp_path.glob("prefix-*.rows"))
+    assert names == ["F005", "F006"]
+
+
+def test_other_weights_or_shapes_never_hit(tmp_path: Path) -> None:
+    spec = VIT
+    x = _inputs(spec)
+    a, b = FrozenPrefix.of(build_model(spec, seed=0)), FrozenPrefix.of(build_model(spec, seed=1))
+    fa, fb = a.fingerprints(3), b.fingerprints(3)
+    assert fa != fb and fa == FrozenPrefix.of(build_model(spec, seed=0)).fingerprints(3)
+    cache = _cache(spec, tmp_path, rows_in_ram=N)
+    cache.set_boundary(3, fa)
+    cache.get_or_compute(torch.arange(N), x, a)
+    cache.set_boundary(3, fb)  # e.g. resumed from a checkpoint that froze other weights
+    assert torch.equal(cache.get_or_compute(torch.arange(N), x, b), b.compute(x, 3))
+    assert cache.stats().hits == 0 and cache.stats().source_boundary is None
+    # an in-place change of a frozen weight changes the fingerprint (no stale memo)
+    with torch.no_grad():
+        b.blocks[1].norm1.weight.add_(1.0)
+    assert b.fingerprints(3)[1] == fb[1] and b.fingerprints(3)[2:] != fb[2:]
+    # another data shape (e.g. another data set in the same folder) gets other files
+    other = ActivationCache.for_model(tmp_path, spec, N + 1, ram_bytes=0, shared=True)
+    other.set_boundary(3, fb, prune=False)
+    assert not other.lookup(torch.arange(N))[0].any()
+
+
+def test_stats_count_hits_and_misses(tmp_path: Path) -> None:
+    spec = VIT
+    prefix = FrozenPrefix.of(build_model(spec, seed=0))
+    x = _inputs(spec)
+    cache = _cache(spec, tmp_path, rows_in_ram=10)
+    cache.set_boundary(2, prefix.fingerprints(2))
+    idx = torch.tensor([0, 5, 20, 30, 5])  # a duplicate (padding repeats a sample)
+    cache.get_or_compute(idx, x[idx], prefix)
+    s = cache.stats()
+    assert (s.hits, s.misses, s.computed, s.stored) == (0, 5, 5, 5)
+    hits, values = cache.lookup(torch.tensor([0, 1, 20, 30, 40, 5]))
+    assert hits.tolist() == [True, False, True, True, False, True] and len(values) == 4
+    s = cache.stats()
+    assert (s.hits_ram, s.hits_disk, s.misses) == (2, 2, 7)
+    assert s.bytes_ram == 2 * cache.row_bytes and s.bytes_disk == 4 * cache.row_bytes
+    assert s.hit_rate == pytest.approx(4 / 11)
+
+
+def test_bad_calls_are_rejected(tmp_path: Path) -> None:
+    spec = VIT
+    prefix = FrozenPrefix.of(build_model(spec, seed=0))
+    cache = _cache(spec, tmp_path, rows_in_ram=4)
+    with pytest.raises(RuntimeError, match="set_boundary"):
+        cache.lookup([0])
+    with pytest.raises(ValueError, match="boundary must be >= 1"):
+        cache.set_boundary(0, prefix.fingerprints(0))
+    with pytest.raises(ValueError, match="fingerprints"):
+        cache.set_boundary(2, prefix.fingerprints(1))
+    cache.set_boundary(3, prefix.fingerprints(3))
+    with pytest.raises(ValueError, match="never decreases"):
+        cache.set_boundary(2, prefix.fingerprints(2))
+    with pytest.raises(IndexError, match=r"\[0, 96\)"):
+        cache.lookup([N])
+    with pytest.raises(ValueError, match="dtype"):
+        cache.store([0], torch.zeros(1, num_tokens(spec), spec.dim, dtype=torch.float64))
+    with pytest.raises(ValueError, match="shape"):
+        cache.store([0, 1], torch.zeros(1, num_tokens(spec), spec.dim))
+
+
+def test_policy_and_measured_decision(tmp_path: Path) -> None:
+    assert not CachePolicy("off").should_use_cache(1.0, 0.0)
+    assert CachePolicy("on").should_use_cache(0.0, 1.0)
+    assert CachePolicy("auto").should_use_cache(1.0, 0.5)
+    assert not CachePolicy("auto").should_use_cache(1.0, 0.9)  # needs min_speedup (1.2x)
+    aug = CachePolicy("auto", augmentation=True)
+    assert not aug.enabled and not aug.should_use_cache(1.0, 0.0)
+    with pytest.raises(ValueError, match="augmentation"):
+        CachePolicy("on", augmentation=True)
+    with pytest.raises(ValueError, match="off, auto, on"):
+        CachePolicy("sometimes")  # type: ignore[arg-type]
+
+    spec = VIT
+    prefix = FrozenPrefix.of(build_model(spec, seed=0))
+    x = _inputs(spec, 32)
+    off = decide_cache(aug, prefix, x, 3)
+    assert not off.use and "augmentation" in off.reason and off.costs is None
+    costs = measure_prefix_costs(prefix, x, 3, directory=tmp_path, repeats=2, pool_batches=2)
+    assert costs.batch_size == 32 and costs.boundary == 3
+    assert min(costs.compute_s, costs.ram_s, costs.disk_warm_s, costs.disk_s) > 0
+    assert costs.lookup_s(1.0) == costs.ram_s and costs.lookup_s(0.0) == costs.disk_s
+    decision = decide_cache(CachePolicy(), prefix, x, 3, directory=tmp_path, repeats=2)
+    assert decision.costs is not None and "recompute" in decision.reason
+    assert decision.use == CachePolicy().should_use_cache(
+        decision.costs.compute_s, decision.costs.lookup_s(1.0)
+    )
+    assert list(tmp_path.iterdir()) == []  # the scratch cache is removed
+
+
+# -- two processes of one node sharing the cache directory ------------------------------------
+
+
+def _worker(rank: int, directory: str, barrier, results) -> None:
+    torch.set_num_threads(1)
+    spec = VIT
+    model = build_model(spec, seed=4)
+    prefix = FrozenPrefix.of(model)
+    x = _inputs(spec)
+    cache = _cache(spec, Path(directory), rows_in_ram=N // 2)  # RAM tier: rows 0 .. 47
+    cache.set_boundary(2, prefix.fingerprints(2))
+    mine = torch.arange(rank, N, 2)  # disjoint samples, interleaved across both tiers
+    for idx in mine.split(16):
+        cache.get_or_compute(idx, x[idx], prefix)
+    barrier.wait()
+    hits, values = cache.lookup(torch.arange(N))
+    ok2 = bool(hits.all()) and torch.equal(values, _reference(model, x, 2))
+    # F grows: each process advances its own half of the other's rows too (eager, disjoint)
+    barrier.wait()
+    cache.set_boundary(4, prefix.fingerprints(4))
+    advanced = cache.advance(prefix, indices=torch.arange(1 - rank, N, 2))
+    barrier.wait()
+    hits, values = cache.lookup(torch.arange(N))
+    ok4 = bool(hits.all()) and torch.equal(values, _reference(model, x, 4))
+    s = cache.stats()
+    results.put((rank, ok2, ok4, advanced, s.computed, s.hits_ram, s.hits_disk))
+    cache.close()
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_cache(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path), barrier, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for rank, ok2, ok4, advanced, computed, hits_ram, hits_disk in got:
+        assert ok2 and ok4, f"rank {rank} saw missing or wrong rows"
+        assert advanced == N // 2 and computed == N // 2
+        # the other process's rows in this one's RAM range came from the files, then RAM
+        assert hits_disk > 0 and hits_ram > 0
+    assert np.unique([g[3] for g in got]).tolist() == [N // 2]

@@ -1,0 +1,402 @@
+"""AutoFreeze (trainer/freeze.py): the alpha-bound, the gradient-norm criterion, the schedule and
+off policies, manual overrides, spec validation and state serialisation."""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.spec import FreezeSpec, SpecError, parse_spec
+from trainer.freeze import (
+    FreezeDecision,
+    FreezeOverrideError,
+    FreezeState,
+    GradNormMeter,
+    alpha_bound,
+    apply_override,
+    automatic_cap,
+    converged_prefix,
+    decide,
+    is_decision_point,
+    relative_change,
+)
+
+NAN = math.nan
+
+
+def _spec(**kw) -> FreezeSpec:
+    return FreezeSpec(**{"policy": "gradient", **kw})
+
+
+def _run(spec: FreezeSpec, rounds: list[list[float]], num_blocks: int) -> list[FreezeDecision]:
+    state, out = FreezeState(), []
+    for norms in rounds:
+        d = decide(spec, state, norms, num_blocks)
+        out.append(d)
+        state = d.state
+    return out
+
+
+# ---------------------------------------------------------------- the alpha-bound
+
+
+def test_alpha_bound_hand_values() -> None:
+    assert [alpha_bound(0.5, 4, t) for t in range(5)] == [0, 2, 3, 4, 4]
+    # 10 * (1 - 0.7) is 3.0000000000000004 in floating point: the bound is 3, not 4.
+    assert alpha_bound(0.3, 10, 1) == 3
+    assert [alpha_bound(0.25, 8, t) for t in range(5)] == [0, 2, 4, 5, 6]
+    assert alpha_bound(0.01, 12, 1) == 1  # the ceiling lets any alpha > 0 freeze one block at T=1
+    assert alpha_bound(0.9, 6, 10_000) == 6
+    with pytest.raises(ValueError, match="alpha"):
+        alpha_bound(1.0, 6, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 99).map(lambda k: k / 100),
+    st.integers(0, 64),
+    st.integers(0, 30),
+)
+def test_alpha_bound_is_the_exact_ceiling(alpha: float, blocks: int, t: int) -> None:
+    exact = blocks * (1 - (1 - Fraction(str(alpha))) ** t)
+    got = alpha_bound(alpha, blocks, t)
+    frac = exact - math.floor(exact)
+    if frac == 0 or frac > Fraction(1, 10**8):  # outside the documented float guard
+        assert got == math.ceil(exact)
+    assert 0 <= got <= blocks
+    assert alpha_bound(alpha, blocks, t + 1) >= got  # monotone in T
+
+
+# ---------------------------------------------------------------- the gradient criterion
+
+
+def test_relative_change_edges() -> None:
+    assert relative_change(2.0, 2.1) == pytest.approx(0.05)
+    assert relative_change(0.0, 0.0) == 0.0
+    assert relative_change(0.0, 1.0) == math.inf
+    assert relative_change(NAN, 1.0) == math.inf and relative_change(1.0, math.inf) == math.inf
+
+
+def test_gradient_freezes_exactly_the_converged_prefix() -> None:
+    # alpha 0.99 makes the alpha-bound loose (T=2: ceil(6 * 0.9999) = 6); the cap is 5.
+    spec = _spec(alpha=0.99, threshold=0.1, keep_trainable=1)
+    rounds = [
+        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # T=1: nothing to compare with
+        [1.0, 1.5, 1.0, 1.0, 1.0, 1.0],  # T=2: block 0 converged, block 1 moved 50 %
+        [9.0, 1.55, 1.0, 2.0, 1.0, 1.0],  # T=3: 1 (3 %) and 2 converged, 3 moved; 0 is frozen
+        [0.0, 0.0, 0.0, 2.0, 1.0, 1.0],  # T=4: everything converged; the cap keeps block 5
+    ]
+    got = _run(spec, rounds, 6)
+    assert [d.boundary for d in got] == [0, 1, 3, 5]
+    assert [d.source for d in got] == ["none", "auto", "auto", "auto"]
+    assert [d.proposed for d in got] == [0, 1, 3, 6]
+    assert "clipped to 5" in got[3].reason and got[3].state.decisions == 4
+
+
+def test_converged_block_after_an_unconverged_one_is_not_frozen() -> None:
+    spec = _spec(alpha=0.99)
+    got = _run(spec, [[1.0, 1.0, 1.0, 1.0], [2.0, 1.0, 1.0, 1.0], [2.0, 3.0, 1.0, 1.0]], 4)
+    assert [d.boundary for d in got] == [0, 0, 1]
+    assert converged_prefix([1, 1, 1], [1, 5, 1], 0.1) == 1
+    assert converged_prefix(None, [1, 1, 1], 0.1, boundary=2) == 2
+    assert converged_prefix([1, 1, 1], [NAN, 1, 1], 0.1) == 0
+
+
+def test_gradient_is_clipped_by_the_alpha_bound() -> None:
+    spec = _spec(alpha=0.25, keep_trainable=1)
+    steady = [1.0] * 8
+    got = _run(spec, [steady] * 5, 8)
+    # alpha-bounds 2, 4, 5, 6 from T=1; T=1 has no previous norms, so nothing freezes there.
+    assert [d.boundary for d in got] == [0, 4, 5, 6, 7]
+    assert [d.bound for d in got] == [2, 4, 5, 6, 7]
+    for t, d in enumerate(got, start=1):
+        assert d.boundary <= alpha_bound(0.25, 8, t)
+
+
+def test_warmup_decisions_delay_freezing_but_count_in_t() -> None:
+    spec = _spec(alpha=0.25, warmup_decisions=2)
+    got = _run(spec, [[1.0] * 8] * 4, 8)
+    assert [d.boundary for d in got] == [0, 0, 5, 6]
+    assert "warm-up" in got[1].reason
+    sched = _run(FreezeSpec(policy="schedule", alpha=0.25, warmup_decisions=2), [[1.0] * 8] * 4, 8)
+    assert [d.boundary for d in sched] == [0, 0, 5, 6]
+
+
+def test_decide_input_errors() -> None:
+    spec = _spec()
+    with pytest.raises(ValueError, match="one per block"):
+        decide(spec, FreezeState(), [1.0, 1.0], 3)
+    with pytest.raises(ValueError, match="needs block_grad_norms"):
+        decide(spec, FreezeState(), None, 3)
+    with pytest.raises(ValueError, match=r"block_grad_norms\[1\].*negative"):
+        decide(spec, FreezeState(), [1.0, -1.0, 1.0], 3)
+    with pytest.raises(ValueError, match="outside a model of 3 blocks"):
+        decide(spec, FreezeState(boundary=4), [1.0] * 3, 3)
+    # non-finite norms are not errors: they count as not converged
+    d = decide(spec, FreezeState(1, 1, (1.0, 1.0, 1.0)), [0.0, NAN, 1.0], 3)
+    assert d.boundary == 1 and d.source == "none"
+
+
+# ---------------------------------------------------------------- properties over sequences
+
+_NORM = st.sampled_from([0.0, 1.0, 1.02, 1.5, 2.0, NAN])
+
+
+@st.composite
+def _scenario(draw):
+    blocks = draw(st.integers(2, 12))
+    spec = FreezeSpec(
+        policy=draw(st.sampled_from(["gradient", "schedule", "off"])),
+        alpha=draw(st.floats(0.01, 0.99)),
+        keep_trainable=draw(st.integers(1, blocks - 1)),
+        threshold=draw(st.sampled_from([0.01, 0.05, 0.1, 0.5])),
+        warmup_decisions=draw(st.integers(0, 3)),
+    )
+    steps = draw(
+        st.lists(
+            st.tuples(
+                st.lists(_NORM, min_size=blocks, max_size=blocks),
+                st.none() | st.integers(-2, blocks + 2),
+            ),
+            max_size=12,
+        )
+    )
+    return blocks, spec, steps
+
+
+@settings(max_examples=250, deadline=None)
+@given(_scenario())
+def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) -> None:
+    blocks, spec, steps = scenario
+    state = FreezeState()
+    manual_seen = False
+    for norms, override in steps:
+        before = state.to_dict()
+        if override is not None:
+            valid = state.boundary <= override <= blocks - spec.keep_trainable
+            try:
+                d = decide(spec, state, norms, blocks, override=override)
+            except FreezeOverrideError:
+                assert not valid
+                assert state.to_dict() == before  # a rejected override changes nothing
+                d = decide(spec, state, norms, blocks)
+            else:
+                assert valid and d.boundary == override and d.source == "manual"
+                manual_seen = True
+        else:
+            d = decide(spec, state, norms, blocks)
+        t = state.decisions + 1
+        cap = automatic_cap(spec, blocks, t)
+        assert d.state.decisions == t and d.previous == state.boundary
+        assert d.boundary == d.state.boundary >= state.boundary  # never decreases
+        assert d.boundary <= blocks - spec.keep_trainable
+        if d.source == "auto":
+            assert state.boundary < d.boundary <= cap
+        if d.source == "none":
+            assert d.boundary == state.boundary
+        if not manual_seen:  # purely automatic history: within the alpha-bound at every T
+            assert d.boundary <= alpha_bound(spec.alpha, blocks, t)
+            if spec.policy == "off":
+                assert d.boundary == 0
+            if spec.policy == "schedule":
+                assert d.boundary == (cap if t > spec.warmup_decisions else 0)
+        assert decide(spec, state, norms, blocks, override=None).state.decisions == t
+        state = d.state
+        text = json.dumps(state.to_dict(), allow_nan=False)
+        assert FreezeState.from_dict(json.loads(text)).to_dict() == state.to_dict()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.floats(0.01, 0.99),
+    st.integers(1, 5),
+    st.integers(0, 3),
+    st.integers(1, 25),
+)
+def test_schedule_follows_the_bound_exactly(blocks, alpha, keep, warmup, rounds) -> None:
+    spec = FreezeSpec(policy="schedule", alpha=alpha, keep_trainable=keep, warmup_decisions=warmup)
+    state = FreezeState()
+    for t in range(1, rounds + 1):
+        state = decide(spec, state, None, blocks).state
+        want = min(alpha_bound(alpha, blocks, t), max(0, blocks - keep)) if t > warmup else 0
+        assert state.boundary == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 20), st.lists(st.lists(_NORM, min_size=20, max_size=20), max_size=10))
+def test_off_never_freezes(blocks, rounds) -> None:
+    spec = FreezeSpec(policy="off", alpha=0.99)
+    state = FreezeState()
+    for norms in rounds:
+        d = decide(spec, state, norms[:blocks], blocks)
+        assert d.boundary == 0 and d.source == "none" and "policy 'off'" in d.reason
+        state = d.state
+
+
+# ---------------------------------------------------------------- manual override
+
+
+def test_override_error_messages() -> None:
+    with pytest.raises(FreezeOverrideError, match="only move forward") as info:
+        apply_override(3, 2, 6, 1)
+    assert "layers=2" in str(info.value) and "allowed: 3..5" in str(info.value)
+    with pytest.raises(FreezeOverrideError) as info:
+        apply_override(3, 6, 6, 1)
+    msg = str(info.value)
+    assert "layers=6" in msg and "freeze.keep_trainable" in msg and "allowed: 3..5" in msg
+    with pytest.raises(FreezeOverrideError, match=">= 0"):
+        apply_override(0, -1, 6, 1)
+    with pytest.raises(FreezeOverrideError, match="integer"):
+        apply_override(0, 2.0, 6, 1)  # type: ignore[arg-type]
+    with pytest.raises(FreezeOverrideError, match=r"allowed: 5\.\.5"):
+        apply_override(5, 6, 6, 1)
+    with pytest.raises(FreezeOverrideError, match="no further freezing"):
+        apply_override(5, 6, 6, 2)  # a checkpoint frozen past a since-raised keep_trainable
+    assert isinstance(FreezeOverrideError("x"), ValueError)
+    assert apply_override(3, 3, 6, 1) == 3 and apply_override(0, 5, 6, 1) == 5
+
+
+def test_override_wins_and_is_not_alpha_bounded() -> None:
+    spec = _spec(alpha=0.1, keep_trainable=2)
+    state = FreezeState(1, 1, (1.0,) * 12)
+    assert automatic_cap(spec, 12, 2) == 3
+    d = decide(spec, state, [1.0] * 12, 12, override=9)  # far beyond the alpha-bound of 3
+    assert (d.boundary, d.source, d.state.decisions) == (9, "manual", 2)
+    assert "manual override" in d.reason
+    # later automatic decisions keep it (never decrease) and the cap still holds
+    d2 = decide(spec, d.state, [1.0] * 12, 12)
+    assert d2.boundary == 9 and d2.source == "none"
+    d3 = decide(spec, d2.state, [1.0] * 12, 12, override=10)
+    assert d3.boundary == 10
+    with pytest.raises(FreezeOverrideError, match="keep_trainable"):
+        decide(spec, d3.state, [1.0] * 12, 12, override=11)
+    # override equal to the current boundary: manual, nothing moves, auto proposal ignored
+    d4 = decide(spec, state, [1.0] * 12, 12, override=1)
+    assert (d4.boundary, d4.source) == (1, "manual") and not d4.changed
+
+
+def test_override_applies_under_policy_off() -> None:
+    d = decide(FreezeSpec(policy="off"), FreezeState(), None, 6, override=4)
+    assert (d.boundary, d.source) == (4, "manual")
+
+
+def test_rejected_override_leaves_state_unchanged() -> None:
+    spec = _spec()
+    state = FreezeState(3, 4, (1.0, 2.0, NAN, 4.0, 5.0, 6.0))
+    snapshot = state.to_dict()
+    for bad in (2, 6, -1):
+        with pytest.raises(FreezeOverrideError):
+            decide(spec, state, [1.0] * 6, 6, override=bad)
+    assert state.to_dict() == snapshot
+
+
+# ---------------------------------------------------------------- spec validation
+
+
+def _problems(data: dict) -> dict[str, str]:
+    with pytest.raises(SpecError) as info:
+        parse_spec({"name": "x", **data})
+    return dict(info.value.problems)
+
+
+def test_spec_defaults_leave_jobs_unchanged() -> None:
+    spec = parse_spec({"name": "x"})
+    assert spec.freeze == FreezeSpec()
+    assert (spec.freeze.policy, spec.freeze.every, spec.freeze.keep_trainable) == (
+        "off",
+        "epoch",
+        1,
+    )
+    assert parse_spec({"name": "x", "freeze": {"every": 50}}).freeze.every == 50
+    # with freezing off, keep_trainable does not constrain the model
+    assert parse_spec({"name": "x", "freeze": {"keep_trainable": 9}}).freeze.keep_trainable == 9
+
+
+@pytest.mark.parametrize(
+    ("freeze", "field", "phrase"),
+    [
+        ({"policy": "sometimes"}, "freeze.policy", "'gradient', 'schedule' or 'off'"),
+        ({"alpha": 0}, "freeze.alpha", "greater than 0"),
+        ({"alpha": 1}, "freeze.alpha", "less than 1"),
+        ({"every": 0}, "freeze.every", "'epoch' or a positive whole number"),
+        ({"every": "weekly"}, "freeze.every", "'epoch' or a positive whole number"),
+        ({"keep_trainable": 0}, "freeze.keep_trainable", "greater than 0"),
+        ({"threshold": 0}, "freeze.threshold", "greater than 0"),
+        ({"warmup_decisions": -1}, "freeze.warmup_decisions", "greater than or equal to 0"),
+        ({"alhpa": 0.3}, "freeze.alhpa", "unknown field"),
+    ],
+)
+def test_spec_errors_name_the_field(freeze: dict, field: str, phrase: str) -> None:
+    problems = _problems({"freeze": freeze})
+    assert phrase in problems[field]
+
+
+def test_keep_trainable_must_leave_a_freezable_block() -> None:
+    msg = _problems({"model": {"depth": 4}, "freeze": {"policy": "gradient", "keep_trainable": 4}})[
+        "<spec>"
+    ]
+    assert "freeze.keep_trainable (4)" in msg and "model.depth (4)" in msg
+    ok = parse_spec(
+        {"name": "x", "model": {"depth": 4}, "freeze": {"policy": "schedule", "keep_trainable": 3}}
+    )
+    assert ok.freeze.keep_trainable == 3
+
+
+# ---------------------------------------------------------------- serialisation and helpers
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(0, 50),
+    st.integers(0, 1000),
+    st.none() | st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=20),
+)
+def test_state_round_trips_through_json(boundary, decisions, norms) -> None:
+    state = FreezeState(boundary, decisions, None if norms is None else tuple(norms))
+    text = json.dumps(state.to_dict(), allow_nan=False)  # strict JSON for etcd and checkpoints
+    back = FreezeState.from_dict(json.loads(text))
+    assert (back.boundary, back.decisions) == (boundary, decisions)
+    if norms is None:
+        assert back.last_norms is None
+    else:
+        want = [n if math.isfinite(n) else None for n in norms]
+        assert [n if math.isfinite(n) else None for n in back.last_norms] == want
+
+
+def test_state_from_dict_rejects_malformed_input() -> None:
+    with pytest.raises(ValueError, match="boundary"):
+        FreezeState.from_dict({"boundary": -1})
+    with pytest.raises(ValueError, match="decisions"):
+        FreezeState.from_dict({"decisions": "3"})
+    with pytest.raises(ValueError, match=r"last_norms\[1\]"):
+        FreezeState.from_dict({"last_norms": [1.0, "x"]})
+    with pytest.raises(ValueError, match="unknown"):
+        FreezeState.from_dict({"boundry": 1})
+    assert FreezeState.from_dict({}) == FreezeState()
+
+
+def test_decision_points() -> None:
+    epochly, every3 = FreezeSpec(), FreezeSpec(every=3)
+    assert is_decision_point(epochly, 7, end_of_epoch=True)
+    assert not is_decision_point(epochly, 7, end_of_epoch=False)
+    assert [s for s in range(10) if is_decision_point(every3, s, False)] == [3, 6, 9]
+
+
+def test_grad_norm_meter_means_and_round_trip() -> None:
+    meter = GradNormMeter(3)
+    assert all(math.isnan(n) for n in meter.means())
+    meter.add([1.0, 0.0, 2.0])
+    meter.add([3.0, 0.0, NAN])
+    assert meter.means()[:2] == (2.0, 0.0) and math.isnan(meter.means()[2])
+    back = GradNormMeter.from_dict(json.loads(json.dumps(meter.to_dict(), allow_nan=False)))
+    assert back.steps == 2 and back.means()[:2] == (2.0, 0.0) and math.isnan(back.means()[2])
+    with pytest.raises(ValueError, match="expected 3"):
+        meter.add([1.0])
+    meter.reset()
+    assert meter.steps == 0

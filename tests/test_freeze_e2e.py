@@ -1,0 +1,84 @@
+"""Freezing in a real job: a manual override through the CLI is validated, audited and applied at
+the next decision point; the frozen prefix leaves the pipeline and the freed rank becomes a
+replica (re-layout in the running processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.store import Store, sqlite_url
+from tests.fixtures_run import cli, start_cli, wait_for, write_spec
+
+pytestmark = pytest.mark.slow
+
+
+def _running_step(db: Path, job_id: str):
+    def check():
+        if not db.exists():
+            return None
+        store = Store.open(sqlite_url(db), migrate=False)
+        try:
+            if store.revision() is None or not store.list_jobs():
+                return None
+            return store.get_job(job_id).step >= 2
+        finally:
+            store.close()
+
+    return check
+
+
+def test_manual_freeze_is_validated_audited_and_applied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
+    spec = write_spec(tmp_path / "spec.yaml", model={"depth": 4}, training={"epochs": 3})
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "fz", log=log)
+    try:
+        wait_for(_running_step(workdir / "store.db", "fz"), 120, "training to start", log)
+        bad = cli("freeze", "fz", "--layers", "4", "--workdir", str(workdir))
+        assert bad.returncode == 2 and "layers=4" in bad.stderr, bad.stderr  # keep 1 trainable
+        ok = cli("freeze", "fz", "--layers", "2", "--reason", "test", "--workdir", str(workdir))
+        assert ok.returncode == 0, ok.stderr
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    kinds = [e["kind"] for e in store.events("fz", limit=500)]
+    assert "freeze_requested" in kinds and "freeze_applied" in kinds
+    history = store.layouts("fz")
+    frozen = [lay for lay, _, _ in history if lay.freeze_boundary == 2]
+    assert frozen, [lay.describe() for lay, _, _ in history]
+    lay = frozen[0]
+    assert lay.stages[0].start == 2, "frozen blocks left the pipeline"
+    assert lay.world_size == 2
+    job = store.get_job("fz")
+    assert job.state == "completed" and job.freeze_boundary == 2
+    steps = [m["step"] for m in store.metrics("fz")]
+    assert steps == list(range(1, job.step + 1)), "no step lost or repeated across the re-layout"
+    done = cli("freeze", "fz", "--layers", "3", "--workdir", str(workdir))
+    assert done.returncode == 2 and "completed" in done.stderr
+
+
+def test_freeze_requests_are_validated_before_anything_is_filed(store, etcd) -> None:
+    from orchestrator import keys
+    from orchestrator.overrides import OverrideError, file_freeze_request
+    from orchestrator.spec import parse_spec
+
+    spec = parse_spec({"name": "x", "model": {"depth": 6}, "freeze": {"keep_trainable": 2}})
+    store.create_job("j", spec, "/tmp")
+    with pytest.raises(OverrideError, match="is pending"):
+        file_freeze_request(store, etcd, "j", 2, "why")  # not running yet
+    store.set_job_state("j", "running")
+    for layers, phrase in ((5, "layers=5"), (-1, "layers must be >= 0")):
+        with pytest.raises(OverrideError, match=phrase):
+            file_freeze_request(store, etcd, "j", layers, "why")
+    with pytest.raises(OverrideError, match="reason"):
+        file_freeze_request(store, etcd, "j", 2, "  ")
+    assert etcd.get(keys.freeze_override("j")) is None, "nothing filed by a rejected request"
+    request = file_freeze_request(store, etcd, "j", 4, "converged", who="ana@lab")
+    assert request["layers"] == 4 and request["who"] == "ana@lab"
+    with pytest.raises(OverrideError, match="already has a pending"):
+        file_freeze_request(store, etcd, "j", 4, "again")

@@ -1,0 +1,353 @@
+"""AutoFreeze: which prefix of blocks to freeze, decided at decision points (PipeTransformer).
+
+Pure and deterministic: plain numbers in, decisions out; no torch.distributed, no I/O. The caller
+(rank 0 at a decision point) gathers the statistics, calls `decide`, and broadcasts the decision
+over the control group so every rank switches at the same step.
+
+Rules (L = number of blocks, F = freeze boundary: blocks 0 .. F-1 are frozen, T = number of
+decision points so far including the current one, T = 1 at the first):
+
+* Freezing is always a prefix, and F never decreases.
+* The alpha-bound: an automatic decision never puts F above
+  `alpha_bound(alpha, L, T) = ceil(L * (1 - (1 - alpha)^T))` (PipeTransformer's schedule: at most a
+  fraction alpha of the still-active layers may be frozen per decision point, compounded), nor
+  above `L - keep_trainable` (the cap; the classifier head is not a block and is never frozen).
+* No automatic freezing at the first `warmup_decisions` decision points; they still count in T and
+  still record gradient norms.
+* Policy `off`: F never moves automatically. Policy `schedule`: F = min(alpha-bound, cap) (and never
+  below the current F). Policy `gradient`: F = the longest converged prefix, clipped by the
+  alpha-bound and the cap, and never below the current F.
+* A block has *converged* at decision point T when the relative change of its gradient norm since
+  decision point T-1, `|n_T - n_(T-1)| / n_(T-1)`, is below `threshold` (0 -> 0 counts as no
+  change; a non-finite norm, or no previous norm, counts as not converged). Blocks already frozen
+  count as converged. So a converged block after a not-yet-converged one is not frozen.
+* A manual override wins over the automatic proposal at the decision point it is applied at. It is
+  bounded by the model and the cap only (not by alpha): `current <= requested <= L - keep_trainable`.
+  An override outside that range raises `FreezeOverrideError` and changes nothing.
+
+The gradient statistic `n_T` of a block is the **mean over the interval's optimizer steps of the
+block's per-step gradient L2 norm**, taken on the global-batch gradient (after the cross-replica
+all-reduce, before clipping), over all the block's parameters (`GradNormMeter` accumulates it).
+Why the mean per-step norm rather than the norm of the gradient accumulated over the interval:
+once a block stops learning its per-step norm settles at the mini-batch noise floor, a plateau the
+relative-change test detects; the norm of the accumulated gradient instead keeps shrinking towards
+zero as the block converges, so its relative change need not ever drop below a threshold. The mean
+(not the sum) also makes intervals of different lengths (a short last interval of an epoch)
+comparable; it costs one scalar per block per step, and, computed on the all-reduced gradient, it
+is the same on every replica and independent of the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from orchestrator.spec import FreezeSpec
+
+Source = Literal["auto", "manual", "none"]
+
+# Float guard for the ceiling in the alpha-bound: 10 * (1 - 0.7) is 3.0000000000000004 in binary
+# floating point and must give 3, not 4. Values within this of an integer count as that integer.
+_CEIL_EPS = 1e-9
+
+
+class FreezeOverrideError(ValueError):
+    """A manual freeze override was rejected; the message names the field and the allowed range."""
+
+
+def alpha_bound(alpha: float, num_blocks: int, decisions: int) -> int:
+    """The most blocks an automatic decision may have frozen after `decisions` (T) decision
+    points: `ceil(L * (1 - (1 - alpha)^T))`, within 0 .. L. T = 0 gives 0; T = 1 is the first
+    decision point. Not clipped by keep_trainable (see `automatic_cap`)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"freeze.alpha must be in (0, 1), got {alpha!r}")
+    if num_blocks < 0 or decisions < 0:
+        raise ValueError(f"num_blocks and decisions must be >= 0, got {num_blocks} and {decisions}")
+    exact = num_blocks * (1.0 - (1.0 - alpha) ** decisions)
+    return min(num_blocks, max(0, math.ceil(exact - _CEIL_EPS)))
+
+
+def max_boundary(num_blocks: int, keep_trainable: int) -> int:
+    """The cap: the boundary may never exceed `L - keep_trainable` (never below 0)."""
+    return max(0, num_blocks - keep_trainable)
+
+
+def automatic_cap(spec: FreezeSpec, num_blocks: int, decisions: int) -> int:
+    """The highest boundary an automatic decision may reach at decision point T = `decisions`:
+    min(alpha-bound, L - keep_trainable)."""
+    return min(
+        alpha_bound(spec.alpha, num_blocks, decisions),
+        max_boundary(num_blocks, spec.keep_trainable),
+    )
+
+
+def apply_override(current: int, requested: int, num_blocks: int, keep_trainable: int) -> int:
+    """Validate a manual override of the freeze boundary and return the new boundary.
+
+    Allowed: `current <= requested <= num_blocks - keep_trainable` (only forward, within the model,
+    keeping the last `keep_trainable` blocks trainable; not bounded by alpha). Anything else raises
+    `FreezeOverrideError` naming the field (`layers`) and the allowed range."""
+    if isinstance(requested, bool) or not isinstance(requested, int):
+        raise FreezeOverrideError(
+            f"layers must be an integer number of blocks to freeze, got {requested!r}"
+        )
+    top = max_boundary(num_blocks, keep_trainable)
+    allowed = f"allowed: {current}..{top}" if current <= top else "no further freezing is allowed"
+    where = (
+        f"(model has {num_blocks} blocks, freeze.keep_trainable={keep_trainable}, "
+        f"current boundary {current}; {allowed})"
+    )
+    if requested < 0:
+        raise FreezeOverrideError(f"layers must be >= 0, got {requested} {where}")
+    if requested < current:
+        raise FreezeOverrideError(
+            f"layers={requested} is below the current freeze boundary {current}: the boundary "
+            f"may only move forward {where}"
+        )
+    if requested > top:
+        raise FreezeOverrideError(
+            f"layers={requested} exceeds {top} = blocks - freeze.keep_trainable: the last "
+            f"{keep_trainable} block(s) must stay trainable {where}"
+        )
+    return requested
+
+
+@dataclass(frozen=True)
+class FreezeState:
+    """AutoFreeze state carried between decision points (goes into checkpoints and etcd).
+
+    `boundary`: frozen blocks are 0 .. boundary-1. `decisions`: decision points taken so far (T of
+    the last one). `last_norms`: the per-block gradient norms recorded at the last decision point
+    (NaN where unknown), or None."""
+
+    boundary: int = 0
+    decisions: int = 0
+    last_norms: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("boundary", "decisions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"FreezeState.{name} must be an integer >= 0, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A strict-JSON-serialisable dict (non-finite norms become None)."""
+        norms = (
+            None
+            if self.last_norms is None
+            else [n if math.isfinite(n) else None for n in self.last_norms]
+        )
+        return {"boundary": self.boundary, "decisions": self.decisions, "last_norms": norms}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FreezeState:
+        """Inverse of `to_dict`; raises ValueError naming the field on malformed input."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"FreezeState must be a mapping, got {type(data).__name__}")
+        unknown = set(data) - {"boundary", "decisions", "last_norms"}
+        if unknown:
+            raise ValueError(f"FreezeState: unknown field(s) {sorted(unknown)}")
+        raw = data.get("last_norms")
+        norms: tuple[float, ...] | None = None
+        if raw is not None:
+            if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
+                raise ValueError(f"FreezeState.last_norms must be a list or null, got {raw!r}")
+            out = []
+            for i, n in enumerate(raw):
+                if n is None:
+                    out.append(math.nan)
+                elif isinstance(n, int | float) and not isinstance(n, bool):
+                    out.append(float(n))
+                else:
+                    raise ValueError(f"FreezeState.last_norms[{i}] must be a number, got {n!r}")
+            norms = tuple(out)
+        return cls(
+            boundary=data.get("boundary", 0),
+            decisions=data.get("decisions", 0),
+            last_norms=norms,
+        )
+
+
+@dataclass(frozen=True)
+class FreezeDecision:
+    """The outcome of one decision point.
+
+    `state`: the state to carry on. `boundary`: the new boundary (== state.boundary).
+    `previous`: the boundary before. `source`: "manual" (an override was applied, even if it left
+    the boundary unchanged), "auto" (the policy moved the boundary forward) or "none".
+    `proposed`: what the policy alone proposed before clipping (the converged prefix, or the
+    alpha-bound for `schedule`; == previous for `off` and during warm-up). `bound`: the automatic
+    cap at this decision point, min(alpha-bound, L - keep_trainable). `reason`: for the audit log."""
+
+    state: FreezeState
+    boundary: int
+    previous: int
+    source: Source
+    proposed: int
+    bound: int
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.boundary != self.previous
+
+
+def relative_change(previous: float, current: float) -> float:
+    """`|current - previous| / previous`; 0 -> 0 is 0, x -> y from 0 is inf, non-finite is inf."""
+    if not (math.isfinite(previous) and math.isfinite(current)):
+        return math.inf
+    if previous == 0:
+        return 0.0 if current == 0 else math.inf
+    return abs(current - previous) / previous
+
+
+def converged_prefix(
+    previous: Sequence[float] | None,
+    current: Sequence[float],
+    threshold: float,
+    boundary: int = 0,
+) -> int:
+    """The length of the longest prefix of blocks that have converged: blocks below `boundary`
+    (already frozen) count as converged; block i >= boundary has converged when
+    `relative_change(previous[i], current[i]) < threshold`. With no previous norms, `boundary`."""
+    if previous is None:
+        return boundary
+    n = boundary
+    while n < len(current) and relative_change(previous[n], current[n]) < threshold:
+        n += 1
+    return n
+
+
+def _check_norms(norms: Sequence[float], num_blocks: int) -> tuple[float, ...]:
+    if len(norms) != num_blocks:
+        raise ValueError(
+            f"block_grad_norms has {len(norms)} entries; expected one per block ({num_blocks})"
+        )
+    out = tuple(float(n) for n in norms)
+    for i, n in enumerate(out):
+        if n < 0:  # NaN compares False: a non-finite norm is allowed and counts as not converged
+            raise ValueError(f"block_grad_norms[{i}] is a norm and cannot be negative, got {n}")
+    return out
+
+
+def decide(
+    spec: FreezeSpec,
+    state: FreezeState,
+    block_grad_norms: Sequence[float] | None,
+    num_blocks: int,
+    override: int | None = None,
+) -> FreezeDecision:
+    """Take one decision point (T = state.decisions + 1) and return the new boundary and state.
+
+    `block_grad_norms`: one gradient norm per block for the interval since the last decision point
+    (see the module docstring for the definition; entries of frozen blocks are ignored); required
+    by the `gradient` policy, optional otherwise. `override`: a manual boundary request, validated
+    by `apply_override` (raises `FreezeOverrideError`, nothing changes) and applied instead of the
+    automatic proposal. Otherwise the policy's proposal is clipped by min(alpha-bound(T),
+    num_blocks - keep_trainable) and never goes below the current boundary. The returned state
+    records T and the norms (or None)."""
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if state.boundary > num_blocks:
+        raise ValueError(
+            f"freeze boundary {state.boundary} is outside a model of {num_blocks} blocks"
+        )
+    norms = None if block_grad_norms is None else _check_norms(block_grad_norms, num_blocks)
+    if spec.policy == "gradient" and norms is None:
+        raise ValueError("freeze.policy 'gradient' needs block_grad_norms at every decision point")
+    if state.last_norms is not None and len(state.last_norms) != num_blocks:
+        raise ValueError(
+            f"FreezeState.last_norms has {len(state.last_norms)} entries but the model has "
+            f"{num_blocks} blocks"
+        )
+
+    current = state.boundary
+    t = state.decisions + 1
+    bound = automatic_cap(spec, num_blocks, t)
+
+    if override is not None:
+        new = apply_override(current, override, num_blocks, spec.keep_trainable)
+        new_state = FreezeState(new, t, norms)
+        verb = "moved" if new != current else "kept"
+        reason = f"manual override at decision {t}: {verb} boundary {current} -> {new}"
+        return FreezeDecision(new_state, new, current, "manual", new, bound, reason)
+
+    if spec.policy == "off":
+        proposed, why = current, "policy 'off'"
+    elif t <= spec.warmup_decisions:
+        proposed, why = current, f"warm-up ({t} of {spec.warmup_decisions} decision points)"
+    elif spec.policy == "schedule":
+        proposed = alpha_bound(spec.alpha, num_blocks, t)
+        why = f"schedule: alpha-bound {proposed}"
+    else:
+        assert norms is not None
+        proposed = converged_prefix(state.last_norms, norms, spec.threshold, current)
+        why = (
+            "no previous gradient norms"
+            if state.last_norms is None
+            else f"converged prefix {proposed} (threshold {spec.threshold:g})"
+        )
+
+    new = max(current, min(proposed, bound))
+    new_state = FreezeState(new, t, norms)
+    if new > current:
+        clip = f", clipped to {bound}" if proposed > bound else ""
+        reason = f"decision {t}: {why}{clip}: froze blocks {current}..{new - 1}"
+        return FreezeDecision(new_state, new, current, "auto", proposed, bound, reason)
+    reason = f"decision {t}: {why}: boundary stays {current}"
+    return FreezeDecision(new_state, new, current, "none", proposed, bound, reason)
+
+
+def is_decision_point(spec: FreezeSpec, steps_done: int, end_of_epoch: bool) -> bool:
+    """Whether a decision point falls here: after the last step of every epoch (`every: epoch`),
+    or after every K-th optimizer step counted over the whole job (`every: K`)."""
+    if spec.every == "epoch":
+        return end_of_epoch
+    return steps_done > 0 and steps_done % spec.every == 0
+
+
+class GradNormMeter:
+    """Accumulates the per-block gradient statistic between decision points: the mean, over the
+    interval's optimizer steps, of each block's per-step gradient L2 norm. Pure (plain floats)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._sums = [0.0] * num_blocks
+        self.steps = 0
+
+    def add(self, step_norms: Sequence[float]) -> None:
+        """Record one optimizer step's per-block gradient norms (0 for frozen blocks)."""
+        if len(step_norms) != self.num_blocks:
+            raise ValueError(
+                f"expected {self.num_blocks} block norms per step, got {len(step_norms)}"
+            )
+        for i, n in enumerate(step_norms):
+            self._sums[i] += float(n)
+        self.steps += 1
+
+    def means(self) -> tuple[float, ...]:
+        """The per-block mean norm over the steps recorded (NaN for every block if none)."""
+        if not self.steps:
+            return (math.nan,) * self.num_blocks
+        return tuple(s / self.steps for s in self._sums)
+
+    def reset(self) -> None:
+        self._sums = [0.0] * self.num_blocks
+        self.steps = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A strict-JSON-serialisable dict (a non-finite sum becomes None)."""
+        sums = [s if math.isfinite(s) else None for s in self._sums]
+        return {"sums": sums, "steps": self.steps}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GradNormMeter:
+        """Inverse of `to_dict`."""
+        sums = [math.nan if s is None else float(s) for s in data["sums"]]
+        meter = cls(len(sums))
+        meter._sums, meter.steps = sums, int(data["steps"])
+        return meter
