@@ -231,10 +231,22 @@ class Controller:
             self._apply(e)
         last = self._latest_state(events)
         if last is not None:
-            self.store.update_progress(self.job_id, last)
+            self.store.update_progress(self.job_id, self._current(last))
         for key, _ in items:
             self.etcd.delete(key)
         return events
+
+    def _current(self, state: TrainingState) -> TrainingState:
+        """A reported state, with the boundary and version of the layout in force: a checkpoint
+        written just before a re-layout must not move the job's freeze boundary back."""
+        if self.layout is None:
+            return state
+        return state.model_copy(
+            update={
+                "freeze_boundary": max(state.freeze_boundary, self.layout.freeze_boundary),
+                "layout_version": max(state.layout_version, self.layout.version),
+            }
+        )
 
     def _audit_new_request(self) -> None:
         """Record a manual freeze request filed in etcd (by the CLI or the dashboard) once."""
@@ -251,6 +263,17 @@ class Controller:
             f"request {request['id']} by {request['who']}: freeze blocks below "
             f"{request['layers']} ({request['reason']})",
             data={"request": request},
+        )
+
+    def store_state(self) -> TrainingState:
+        job = self.store.get_job(self.job_id)
+        return TrainingState(
+            epoch=job.epoch,
+            step=job.step,
+            samples_consumed=job.samples_consumed,
+            lr=job.lr,
+            freeze_boundary=job.freeze_boundary,
+            layout_version=job.layout_version,
         )
 
     def _latest_state(self, events: list[WorkerEvent]) -> TrainingState | None:
@@ -301,6 +324,7 @@ class Controller:
         self.store.record_layout(self.job_id, layout, reason=reason)
         self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
         self.layout = self.progress.layout = layout
+        self.store.update_progress(self.job_id, self._current(self.store_state()))
         took = f" (measured and planned in {seconds:.1f}s)" if seconds is not None else ""
         self.store.add_event(
             self.job_id,
@@ -350,7 +374,7 @@ class Controller:
             checksum=d["checksum"],
             samples_consumed=state.samples_consumed,
         )
-        self.store.update_progress(self.job_id, state)
+        self.store.update_progress(self.job_id, self._current(state))
         self.progress.checkpoints.append(d["path"])
         self.store.add_event(
             self.job_id,

@@ -33,7 +33,13 @@ def test_manual_freeze_is_validated_audited_and_applied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
-    spec = write_spec(tmp_path / "spec.yaml", model={"depth": 4}, training={"epochs": 3})
+    # decision points every 5 steps over 6 epochs: the request lands well before the end
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        model={"depth": 4},
+        training={"epochs": 6},
+        freeze={"every": 5},
+    )
     workdir, log = tmp_path / "runs", tmp_path / "run.log"
     proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "fz", log=log)
     try:

@@ -21,6 +21,9 @@ Pieces:
 
 Correctness (DESIGN §4.8: a cached frozen-prefix output equals recomputing it):
 
+- The embedding and blocks [0, F) are frozen (bit-identical, DESIGN §4.3) for as long as level F
+  is in use: the embedding lies below block 0, so it freezes with the first block. The cache does
+  not watch the weights between `set_boundary` calls; it checks them (fingerprints) at each one.
 - A cached row is only valid for the same input tensor. Random data augmentation makes the inputs,
   hence the prefix outputs, different every epoch, and a cached row would silently replay one
   augmented view forever: with augmentation the cache must be off (`CachePolicy` enforces it; the
@@ -59,6 +62,7 @@ Concurrency (several processes of one node, e.g. the first-stage ranks of severa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -220,6 +224,7 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
+@functools.cache
 def _boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -464,7 +469,7 @@ class ActivationCache:
             ram_hit = np.zeros(n, dtype=bool)
             if self.ram_rows:
                 in_ram = idx < self.ram_rows
-                ram_hit[in_ram] = self._ram_state[idx[in_ram]] != 0
+                ram_hit[in_ram] = self._ram_state[idx[in_ram]] == state
         disk_hit = np.zeros(n, dtype=bool)
         if level is not None and not ram_hit.all():
             cand = ~ram_hit & (idx < self.capacity) & (idx >= self._disk_from)
@@ -549,12 +554,18 @@ class ActivationCache:
         self._counts["stored"] += int(keep.sum())
 
     def get_or_compute(
-        self, indices: Indices, inputs: torch.Tensor, prefix: PrefixRunner
+        self,
+        indices: Indices,
+        inputs: torch.Tensor,
+        prefix: PrefixRunner,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
         """The prefix output at the current boundary for a batch: cached rows where present,
         rows of the source level advanced through blocks [source, F) where those are present,
         the rest computed from `inputs` (aligned with `indices`); new rows are stored. Returns
-        `[len(indices), tokens, dim]` on `inputs`' device, equal to `prefix.compute(inputs, F)`."""
+        `[len(indices), tokens, dim]` on `device` (default: `inputs`' device), equal to
+        `prefix.compute(inputs, F)`. Pass the pipeline's device when the inputs stay on the CPU
+        (only the misses' inputs are then moved, by the prefix)."""
         if self.boundary is None:
             raise RuntimeError("set_boundary() first")
         idx = self._indices(indices)
@@ -562,7 +573,7 @@ class ActivationCache:
             raise ValueError(f"{len(inputs)} inputs for {idx.size} indices")
         hits_t, values = self.lookup(idx)
         hits = hits_t.numpy()
-        device = inputs.device
+        device = torch.device(device) if device is not None else inputs.device
         if hits.all():
             return values.to(device)
         out = torch.empty((idx.size, self.tokens, self.dim), dtype=self.dtype, device=device)
@@ -742,7 +753,8 @@ def measure_prefix_costs(
         out = prefix.compute(inputs, boundary)
     b = len(inputs)
     tokens, dim = out.shape[1], out.shape[2]
-    pool = b * max(1, pool_batches)
+    pool_batches = max(1, pool_batches)
+    pool = b * pool_batches
     tiled = out.to("cpu").repeat((pool_batches, 1, 1))
     fps = [f"measure-{k}" for k in range(boundary + 1)]
     if directory is not None:

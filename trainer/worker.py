@@ -150,13 +150,16 @@ class Trainer:
         self.total_steps = min(total, self.tspec.max_steps or total)
         self.state = ctx.assignment.start
         self.saved_step = self.state.step if self.state.checkpoint else -1
-        # decision points run even with policy 'off': a manual override is applied there
-        self.freezing = True
         self.freeze = FreezeState(boundary=ctx.layout.freeze_boundary)
         if self.state.checkpoint:
             saved = read_meta(self.state.checkpoint).get("freeze")
             if saved:
                 self.freeze = FreezeState.from_dict(saved)
+        if self.freeze.boundary < ctx.layout.freeze_boundary:
+            # checkpointed just before a re-layout: the recorded layout's boundary holds
+            self.freeze = FreezeState(
+                ctx.layout.freeze_boundary, self.freeze.decisions, self.freeze.last_norms
+            )
         self.meter = GradNormMeter(self.spec.model.depth)
         self._build(load_from=self.state.checkpoint, checksum=ctx.assignment.resume_checksum)
 
@@ -213,8 +216,7 @@ class Trainer:
         pipe.sync_and_clip(self.tspec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.freezing:
-            self.meter.add(pipe.block_norms)
+        self.meter.add(pipe.block_norms)
         if pipe.is_last and pipe.groups.data_parallel is not None:
             total = torch.tensor([loss])
             dist.all_reduce(total, group=pipe.groups.data_parallel)
@@ -266,7 +268,9 @@ class Trainer:
                     return "target"
                 if self.state.epoch % spec.checkpoint.every_epochs == 0:
                     self.checkpoint("epoch")
-            if self.freezing and is_decision_point(spec.freeze, self.state.step, epoch_done):
+            finished = self.state.epoch >= self.tspec.epochs or self.state.step >= self.total_steps
+            # decision points run with policy 'off' too: a manual override is applied there
+            if not finished and is_decision_point(spec.freeze, self.state.step, epoch_done):
                 self.decide_freeze()
             if self.state.step % spec.runtime.control_every_steps == 0 or epoch_done:
                 if _control(ctx) == "stop":
