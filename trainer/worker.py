@@ -27,7 +27,7 @@ from orchestrator.etcd_client import EtcdClient
 from orchestrator.manifest import verify_checkpoint
 from orchestrator.spec import JobSpec
 from orchestrator.state import Assignment, Layout, StageLayout, WorkerEvent
-from trainer.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from trainer.checkpoint import read_meta, save_checkpoint
 from trainer.data import Dataset, Split, load_dataset
 from trainer.freeze import (
     FreezeOverrideError,
@@ -36,9 +36,10 @@ from trainer.freeze import (
     decide,
     is_decision_point,
 )
-from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.pipeline import RankPipeline, build_rank_pipeline
+from trainer.optim import lr_at, set_lr
+from trainer.pipeline import RankPipeline
 from trainer.profile import autopipe_layout, relayout_plan
+from trainer.relayout import build_training
 from trainer.sampler import IGNORE, ElasticSampler
 
 log = logging.getLogger("pipetransformer.worker")
@@ -164,19 +165,13 @@ class Trainer:
         self._build(load_from=self.state.checkpoint, checksum=ctx.assignment.resume_checksum)
 
     def _build(self, load_from: str | None, checksum: str | None = None) -> None:
-        ctx, layout = self.ctx, self.ctx.layout
-        recompute = [self.spec.parallel.recompute_for(i) for i in range(layout.num_stages)]
-        self.replica_batch = self.tspec.global_batch_size // layout.replicas
-        self.pipe = build_rank_pipeline(
-            self.spec.model, self.tspec.seed, layout, ctx.rank, self.replica_batch, recompute
+        if load_from and checksum:
+            verify_checkpoint(load_from, checksum)
+        self.pipe, self.optimizer = build_training(
+            self.spec, self.ctx.layout, self.ctx.rank, load_from
         )
-        self.optimizer = build_optimizer(self.pipe.model, self.tspec)
-        if load_from:
-            if checksum:
-                verify_checkpoint(load_from, checksum)
-            load_checkpoint(load_from, self.pipe.model, self.optimizer)
         # one rank owns the loss of the global batch
-        self.reports = ctx.replica == 0 and self.pipe.is_last
+        self.reports = self.ctx.replica == 0 and self.pipe.is_last
 
     def checkpoint(self, reason: str) -> None:
         """Collective: write (once per step) and report a checkpoint of the current state."""
