@@ -335,6 +335,13 @@ class FreezeSpec(_Strict):
         description="no automatic freezing at the first this-many decision points (they still "
         "record gradient norms and count towards T in the alpha-bound)",
     )
+    cache: Literal["off", "auto", "on"] = Field(
+        "auto",
+        description="AutoCache: serve the frozen prefix's output per sample from a cache (RAM, "
+        "spilling to disk) instead of recomputing it. 'auto' uses it where measurement says it "
+        "is cheaper. Cached outputs are only valid for deterministic inputs: a data pipeline "
+        "with random augmentation must use 'off'",
+    )
 
     @field_validator("every", mode="before")
     @classmethod

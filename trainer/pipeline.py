@@ -11,6 +11,7 @@ and each rank keeps its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.pipelining import (
 
 from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem
 from orchestrator.state import Layout, StageLayout
+from trainer.cache import ActivationCache, FrozenPrefix
 from trainer.models import (
     StageModule,
     build_model,
@@ -74,21 +76,6 @@ def build_groups(layout: Layout, rank: int) -> TrainingGroups:
     return TrainingGroups(pipes[replica][1], dps[position][1], pipes[replica][0], dps[position][0])
 
 
-class FrozenPrefix:
-    """Embedding + frozen blocks [0, F): run forward-only, in eval mode and without autograd,
-    before the first pipeline stage. Not a module, so its parameters register only once."""
-
-    def __init__(self, embed: nn.Module, blocks: list[nn.Module]):
-        self.embed, self.blocks = embed, blocks
-
-    @torch.no_grad()
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed.eval()(x)
-        for block in self.blocks:
-            x = block.eval()(x)
-        return x
-
-
 class RankModel(nn.Module):
     """The blocks this rank owns, under the full model's parameter names (`embed.*`,
     `blocks.<i>.*`, `head.*`), for the optimizer, gradient work and checkpoints. The per-stage
@@ -121,8 +108,9 @@ class RankModel(nn.Module):
             frozen += [self.blocks[str(i)] for i in range(f) if str(i) in self.blocks]
             for module in frozen:
                 module.requires_grad_(False)
+        self.freeze_boundary = f
         self.prefix = (
-            FrozenPrefix(full.embed, [full.blocks[str(i)] for i in range(f)])
+            FrozenPrefix(full.embed, {i: full.blocks[str(i)] for i in range(f)})
             if owns_prefix and f > 0 and stages[0].start == f
             else None
         )
@@ -164,6 +152,7 @@ class RankPipeline:
                 f"replica batch {replica_batch} is not divisible by {layout.microbatches} micro-batches"
             )
         self.model, self.layout, self.groups = model, layout, groups
+        self.cache: ActivationCache | None = None  # attached by the trainer (AutoCache)
         self.local = [s for s, _ in layout.placements(rank)]
         self.is_first = self.local[0].index == 0
         self.is_last = any(s.index == layout.num_stages - 1 for s in self.local)
@@ -203,13 +192,17 @@ class RankPipeline:
         )
 
     def train_step(
-        self, inputs: torch.Tensor | None, targets: torch.Tensor | None, global_valid: int
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        global_valid: int,
+        indices: Sequence[int] | None = None,
     ) -> float | None:
         """Forward and backward of one replica batch; returns this replica's loss share on the
         rank holding the last stage (sum over replicas = the global mean loss), None elsewhere."""
         self.loss_fn.denominator = global_valid
         losses: list[torch.Tensor] = []
-        args = (self._enter(inputs),) if self.is_first else ()
+        args = (self._enter(inputs, indices),) if self.is_first else ()
         if self.is_last:
             self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
             return float(sum(loss.detach() for loss in losses))
@@ -234,9 +227,15 @@ class RankPipeline:
             if group is not None:
                 dist.destroy_process_group(group)
 
-    def _enter(self, inputs: torch.Tensor) -> torch.Tensor:
-        """What the first pipeline stage consumes: the inputs, or the frozen prefix's output."""
-        return self.model.prefix(inputs) if self.model.prefix is not None else inputs
+    def _enter(self, inputs: torch.Tensor, indices: Sequence[int] | None = None) -> torch.Tensor:
+        """What the first pipeline stage consumes: the inputs, or the frozen prefix's output,
+        served from the activation cache when one is attached and the samples are known."""
+        prefix = self.model.prefix
+        if prefix is None:
+            return inputs
+        if self.cache is not None and indices is not None:
+            return self.cache.get_or_compute(indices, inputs, prefix)
+        return prefix.compute(inputs, self.model.freeze_boundary)
 
     def sync_and_clip(self, max_norm: float) -> float:
         """All-reduce gradients across replicas, then clip by the norm over *all* stages (the same

@@ -27,6 +27,7 @@ from orchestrator.etcd_client import EtcdClient
 from orchestrator.manifest import verify_checkpoint
 from orchestrator.spec import JobSpec
 from orchestrator.state import Assignment, Layout, StageLayout, WorkerEvent
+from trainer.cache import ActivationCache, CachePolicy, decide_cache
 from trainer.checkpoint import read_meta, save_checkpoint
 from trainer.data import Dataset, Split, load_dataset
 from trainer.freeze import (
@@ -162,6 +163,7 @@ class Trainer:
                 ctx.layout.freeze_boundary, self.freeze.decisions, self.freeze.last_norms
             )
         self.meter = GradNormMeter(self.spec.model.depth)
+        self.cache: ActivationCache | None = None
         self._build(load_from=self.state.checkpoint, checksum=ctx.assignment.resume_checksum)
 
     def _build(self, load_from: str | None, checksum: str | None = None) -> None:
@@ -172,6 +174,24 @@ class Trainer:
         )
         # one rank owns the loss of the global batch
         self.reports = self.ctx.replica == 0 and self.pipe.is_last
+        self._attach_cache()
+
+    def _attach_cache(self) -> None:
+        """AutoCache on a rank that runs a frozen prefix: one cache per process (files shared by
+        the node's processes), re-keyed at each boundary, used where it is measured cheaper."""
+        prefix, mode = self.pipe.model.prefix, self.spec.freeze.cache
+        if prefix is None or mode == "off":
+            return
+        f = self.pipe.model.freeze_boundary
+        if self.cache is None:
+            directory = Path(self.ctx.assignment.checkpoint_dir).parent / "cache"
+            self.cache = ActivationCache.for_model(directory, self.spec.model, len(self.data.train))
+        self.cache.set_boundary(f, prefix.fingerprints(f))
+        batch = self.tspec.global_batch_size // self.ctx.layout.replicas
+        sample = self.data.train.inputs[:batch]
+        decision = decide_cache(CachePolicy(mode), prefix, sample, f)
+        self.pipe.cache = self.cache if decision.use else None
+        log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, decision.reason)
 
     def checkpoint(self, reason: str) -> None:
         """Collective: write (once per step) and report a checkpoint of the current state."""
@@ -207,7 +227,7 @@ class Trainer:
         inputs, targets = _replica_inputs(ctx, pipe, self.data.train, b.indices, b.valid)
         lr = lr_at(st.step, self.total_steps, self.tspec)
         set_lr(self.optimizer, lr)
-        loss = pipe.train_step(inputs, targets, b.global_valid)
+        loss = pipe.train_step(inputs, targets, b.global_valid, indices=b.indices)
         pipe.sync_and_clip(self.tspec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
