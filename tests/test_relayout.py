@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from orchestrator.spec import JobSpec
 from orchestrator.state import Layout
 from tests.mp import run_distributed
-from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint import _optimizer_tensors, save_checkpoint
 from trainer.models import build_model
 from trainer.optim import build_optimizer
 from trainer.relayout import build_training
@@ -99,6 +99,12 @@ def _train_relayouts(rank: int, world: int, ckpt_dir: str):
     return {
         "replica": replica,
         "params": {k: v.detach().clone() for k, v in pipe.model.state_dict().items()},
+        "optim": {k: v.clone() for k, v in _optimizer_tensors(pipe.model, opt).items()},
+        "in_optimizer": sorted(
+            n
+            for n, p in pipe.model.named_parameters()
+            if any(p is q for g in opt.param_groups for q in g["params"])
+        ),
     }
 
 
@@ -133,10 +139,17 @@ def test_relayouts_give_the_same_weights_as_freezing_in_place(tmp_path: Path) ->
     assert set(got) == set(ref)
     for name, value in got.items():
         torch.testing.assert_close(value, ref[name], rtol=RTOL, atol=ATOL, msg=name)
-    # both replicas of the final 1x2 layout hold the same trainable weights
-    a, b = (r["params"] for r in results)
-    for name in set(a) & set(b):
-        assert torch.equal(a[name], b[name]), name
+    # both replicas of the final 1x2 layout hold the same weights and optimizer state
+    for key in ("params", "optim"):
+        a, b = (r[key] for r in results)
+        assert set(a) == set(b)
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{key}: {name}"
+    # frozen blocks (embed, blocks 0-2) are in no optimizer
+    for r in results:
+        assert r["in_optimizer"] and all(
+            n.startswith(("blocks.3.", "head.")) for n in r["in_optimizer"]
+        ), r["in_optimizer"]
     init = build_model(SPEC.model, SPEC.training.seed).state_dict()
     assert torch.equal(got["blocks.0.norm1.weight"], ref["blocks.0.norm1.weight"])
     assert not torch.equal(got["blocks.3.mlp.0.weight"], init["blocks.3.mlp.0.weight"])
