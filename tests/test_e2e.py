@@ -12,9 +12,21 @@ import pytest
 
 from orchestrator.manifest import verify_checkpoint
 from orchestrator.store import Store, sqlite_url
-from tests.fixtures_run import STEPS_PER_EPOCH, RealRun, cli, start_cli, wait_for, write_spec
+from tests.fixtures_run import (
+    STEPS_PER_EPOCH,
+    RealRun,
+    cli,
+    start_cli,
+    store_probe,
+    wait_for,
+    write_spec,
+)
 
 pytestmark = pytest.mark.slow
+
+# Signal tests need the job still running when the signal lands, well after its first
+# checkpoint, even on a loaded machine: give them room.
+SIGNAL_EPOCHS = 6
 
 
 def test_run_records_job_layout_metrics_and_checkpoint(trained_run: RealRun) -> None:
@@ -66,18 +78,7 @@ def test_resume_refuses_a_completed_job(trained_run: RealRun) -> None:
 
 
 def _first_checkpoint(db: Path, job_id: str):
-    def check():
-        if not db.exists():
-            return None
-        store = Store.open(sqlite_url(db), migrate=False)
-        try:
-            if store.revision() is None or not store.list_jobs():  # not migrated/created yet
-                return None
-            return store.latest_checkpoint(job_id)
-        finally:
-            store.close()
-
-    return check
+    return store_probe(db, job_id, lambda store, job: store.latest_checkpoint(job))
 
 
 def _resume_and_check(workdir: Path, job_id: str, resumed_from: int, total: int) -> Store:
@@ -95,7 +96,7 @@ def _resume_and_check(workdir: Path, job_id: str, resumed_from: int, total: int)
 
 
 def test_ctrl_c_checkpoints_and_resume_finishes(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 3})
+    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": SIGNAL_EPOCHS})
     workdir, log = tmp_path / "runs", tmp_path / "run.log"
     proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "ctrlc", log=log)
     try:
@@ -109,12 +110,12 @@ def test_ctrl_c_checkpoints_and_resume_finishes(tmp_path: Path) -> None:
     assert job.state == "interrupted"
     stopped_at = store.latest_checkpoint("ctrlc").step
     assert stopped_at == job.step, "a graceful stop checkpoints the step it stopped at"
-    assert stopped_at < 3 * STEPS_PER_EPOCH
-    _resume_and_check(workdir, "ctrlc", stopped_at, 3 * STEPS_PER_EPOCH)
+    assert stopped_at < SIGNAL_EPOCHS * STEPS_PER_EPOCH
+    _resume_and_check(workdir, "ctrlc", stopped_at, SIGNAL_EPOCHS * STEPS_PER_EPOCH)
 
 
 def test_sigkill_of_run_resumes_from_last_committed_checkpoint(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 3})
+    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": SIGNAL_EPOCHS})
     workdir, log = tmp_path / "runs", tmp_path / "run.log"
     proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "killed", log=log)
     try:
@@ -140,7 +141,7 @@ def test_sigkill_of_run_resumes_from_last_committed_checkpoint(tmp_path: Path) -
     assert store.get_job("killed").state == "running"  # nobody lived to record the end
     committed = store.latest_checkpoint("killed").step
     assert committed >= ckpt.step
-    _resume_and_check(workdir, "killed", committed, 3 * STEPS_PER_EPOCH)
+    _resume_and_check(workdir, "killed", committed, SIGNAL_EPOCHS * STEPS_PER_EPOCH)
 
 
 def test_bad_spec_is_rejected_before_anything_starts(tmp_path: Path) -> None:

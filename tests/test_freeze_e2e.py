@@ -9,24 +9,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.store import Store, sqlite_url
-from tests.fixtures_run import cli, start_cli, wait_for, write_spec
+from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec
 
 pytestmark = pytest.mark.slow
-
-
-def _running_step(db: Path, job_id: str):
-    def check():
-        if not db.exists():
-            return None
-        store = Store.open(sqlite_url(db), migrate=False)
-        try:
-            if store.revision() is None or not store.list_jobs():
-                return None
-            return store.get_job(job_id).step >= 2
-        finally:
-            store.close()
-
-    return check
 
 
 def test_manual_freeze_is_validated_audited_and_applied(
@@ -43,7 +28,8 @@ def test_manual_freeze_is_validated_audited_and_applied(
     workdir, log = tmp_path / "runs", tmp_path / "run.log"
     proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "fz", log=log)
     try:
-        wait_for(_running_step(workdir / "store.db", "fz"), 120, "training to start", log)
+        started = store_probe(workdir / "store.db", "fz", lambda st, job: st.get_job(job).step >= 2)
+        wait_for(started, 120, "training to start", log)
         bad = cli("freeze", "fz", "--layers", "4", "--workdir", str(workdir))
         assert bad.returncode == 2 and "layers=4" in bad.stderr, bad.stderr  # keep 1 trainable
         ok = cli("freeze", "fz", "--layers", "2", "--reason", "test", "--workdir", str(workdir))

@@ -105,13 +105,14 @@ def _control(ctx: Context) -> str:
     return str(box[0])
 
 
-def _replica_inputs(ctx: Context, pipe: RankPipeline, split: Split, indices, valid):
-    images = split.inputs[indices] if pipe.is_first else None
+def _replica_inputs(pipe: RankPipeline, split: Split, indices, valid):
+    """The inputs (first stage) and masked targets (last stage) this rank needs for a batch."""
+    inputs = split.inputs[indices] if pipe.is_first else None
     targets = None
     if pipe.is_last:
         targets = split.labels[indices].clone()
-        targets[~torch.from_numpy(valid)] = IGNORE
-    return images, targets
+        targets[~torch.from_numpy(valid)] = IGNORE  # padding entries add no loss
+    return inputs, targets
 
 
 def evaluate(ctx: Context, pipe: RankPipeline, data: Dataset) -> tuple[float, float] | None:
@@ -122,8 +123,8 @@ def evaluate(ctx: Context, pipe: RankPipeline, data: Dataset) -> tuple[float, fl
     cursor = 0
     while cursor < len(data.test):
         b = sampler.batch(0, cursor, layout.replicas, ctx.replica)
-        images, targets = _replica_inputs(ctx, pipe, data.test, b.indices, b.valid)
-        logits = pipe.forward_only(images, targets)
+        inputs, targets = _replica_inputs(pipe, data.test, b.indices, b.valid)
+        logits = pipe.forward_only(inputs, targets)
         if pipe.is_last:
             mask = torch.from_numpy(b.valid)
             correct[0] += (logits.argmax(-1)[mask] == targets[mask]).sum()
@@ -224,7 +225,7 @@ class Trainer:
         ctx, pipe, st = self.ctx, self.pipe, self.state
         t0 = time.perf_counter()
         b = self.sampler.batch(st.epoch, st.samples_consumed, ctx.layout.replicas, ctx.replica)
-        inputs, targets = _replica_inputs(ctx, pipe, self.data.train, b.indices, b.valid)
+        inputs, targets = _replica_inputs(pipe, self.data.train, b.indices, b.valid)
         lr = lr_at(st.step, self.total_steps, self.tspec)
         set_lr(self.optimizer, lr)
         loss = pipe.train_step(inputs, targets, b.global_valid, indices=b.indices)
