@@ -32,13 +32,13 @@ from _common import ROOT, emit, environment, out_dir, progress
 from orchestrator.store import Store, sqlite_url  # noqa: E402
 
 
-def _spec(path: Path, seed: int, epochs: int, elastic: bool, policy: str, alpha: float) -> Path:
+def _spec(path: Path, seed: int, epochs: int, elastic: bool, freeze: dict) -> Path:
     spec = yaml.safe_load((ROOT / "examples" / "vit-digits.yaml").read_text())
     spec["name"] = "elastic" if elastic else "static"
     spec["training"].update(seed=seed, epochs=epochs)
     spec["data"]["seed"] = seed
     if elastic:
-        spec["freeze"] = {"policy": policy, "alpha": alpha, "cache": "auto"}
+        spec["freeze"] = {**freeze, "cache": "auto"}
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -130,7 +130,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--policy", default="gradient", choices=["gradient", "schedule"])
     parser.add_argument("--alpha", type=float, default=0.25)
+    parser.add_argument("--threshold", type=float, default=0.1)
+    parser.add_argument("--warmup", type=int, default=0, help="freeze.warmup_decisions")
     args = parser.parse_args()
+    freeze = {
+        "policy": args.policy,
+        "alpha": args.alpha,
+        "threshold": args.threshold,
+        "warmup_decisions": args.warmup,
+    }
     per_seed = []
     first = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,9 +148,7 @@ def main() -> None:
             for elastic in (False, True):
                 name = "elastic" if elastic else "static"
                 progress(f"seed {seed}: training ({name}) ...")
-                spec = _spec(
-                    tmp / f"{name}-{seed}.yaml", seed, args.epochs, elastic, args.policy, args.alpha
-                )
+                spec = _spec(tmp / f"{name}-{seed}.yaml", seed, args.epochs, elastic, freeze)
                 workdir = tmp / f"{name}-{seed}"
                 _run(workdir, spec, f"{name}-{seed}", tmp / "profile-cache")
                 store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
@@ -190,7 +196,7 @@ def main() -> None:
                 "time_to_accuracy_ratio": 1.3,
                 "accuracy_delta_pp": -0.5,
             },
-            "config": {"epochs": args.epochs, "policy": args.policy, "alpha": args.alpha},
+            "config": {"epochs": args.epochs, **freeze},
             "per_seed": per_seed,
             "plot": str(png),
             "environment": environment(),
