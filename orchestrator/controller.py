@@ -16,7 +16,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import keys
@@ -70,7 +70,6 @@ class Progress:
     outcome: str | None = None  # done / stopped / failed, from the workers
     error: str | None = None
     workers_started: int = 0
-    checkpoints: list[str] = field(default_factory=list)
     layout: Layout | None = None
 
 
@@ -265,17 +264,6 @@ class Controller:
             data={"request": request},
         )
 
-    def store_state(self) -> TrainingState:
-        job = self.store.get_job(self.job_id)
-        return TrainingState(
-            epoch=job.epoch,
-            step=job.step,
-            samples_consumed=job.samples_consumed,
-            lr=job.lr,
-            freeze_boundary=job.freeze_boundary,
-            layout_version=job.layout_version,
-        )
-
     def _latest_state(self, events: list[WorkerEvent]) -> TrainingState | None:
         m = [e for e in events if e.kind == "metrics"]
         if not m:
@@ -323,8 +311,7 @@ class Controller:
         a resumed generation starts with it instead of planning again."""
         self.store.record_layout(self.job_id, layout, reason=reason)
         self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
-        self.layout = self.progress.layout = layout
-        self.store.update_progress(self.job_id, self._current(self.store_state()))
+        self.layout = self.progress.layout = layout  # later progress updates carry its F
         took = f" (measured and planned in {seconds:.1f}s)" if seconds is not None else ""
         self.store.add_event(
             self.job_id,
@@ -375,7 +362,6 @@ class Controller:
             samples_consumed=state.samples_consumed,
         )
         self.store.update_progress(self.job_id, self._current(state))
-        self.progress.checkpoints.append(d["path"])
         self.store.add_event(
             self.job_id,
             "checkpoint_committed",

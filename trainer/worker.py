@@ -15,9 +15,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from trainer.relayout import build_training
 from trainer.sampler import IGNORE, ElasticSampler
 
 log = logging.getLogger("pipetransformer.worker")
+T = TypeVar("T")
 
 
 class Reporter:
@@ -95,14 +97,17 @@ def _read_job(etcd: EtcdClient, job_id: str, timeout: float = 60.0):
         time.sleep(0.2)
 
 
+def _from_rank0(rank: int, compute: Callable[[], T]) -> T:
+    """`compute()` on rank 0, its result on every rank (over the control group), so that all
+    ranks act on one decision at the same step."""
+    box = [compute() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _control(ctx: Context) -> str:
     """Rank 0 reads the control key; everyone gets its answer at the same step."""
-    box = [None]
-    if ctx.rank == 0:
-        raw = ctx.etcd.get(keys.control(ctx.job_id))
-        box[0] = raw or "run"
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+    return _from_rank0(ctx.rank, lambda: ctx.etcd.get(keys.control(ctx.job_id)) or "run")
 
 
 def _replica_inputs(pipe: RankPipeline, split: Split, indices, valid):
@@ -301,11 +306,7 @@ class Trainer:
         """A decision point: rank 0 decides (a pending manual override wins), everyone gets the
         same decision over the control group; a new boundary triggers a re-layout."""
         ctx = self.ctx
-        box: list = [None]
-        if ctx.rank == 0:
-            box[0] = self._decision_on_rank0()
-        dist.broadcast_object_list(box, src=0)
-        decision, request, rejected = box[0]
+        decision, request, rejected = _from_rank0(ctx.rank, self._decision_on_rank0)
         self.meter.reset()
         self.freeze = decision.state
         if ctx.rank == 0 and (decision.changed or request is not None):
@@ -343,12 +344,9 @@ class Trainer:
         (resharded by block name). Frozen blocks keep their exact values."""
         ctx = self.ctx
         t0 = time.monotonic()
-        box: list = [None]
-        if ctx.rank == 0:
-            planned, reason = relayout_plan(self.spec, ctx.layout, boundary, ctx.world)
-            box[0] = (planned.model_dump_json(), reason)
-        dist.broadcast_object_list(box, src=0)
-        planned = Layout.model_validate_json(box[0][0])
+        planned, reason = _from_rank0(
+            ctx.rank, lambda: relayout_plan(self.spec, ctx.layout, boundary, ctx.world)
+        )
         self.checkpoint("relayout")
         self.pipe.destroy_groups()
         ctx.layout = planned
@@ -363,7 +361,7 @@ class Trainer:
             ctx.reporter.emit(
                 "layout",
                 layout=planned.model_dump(),
-                reason=f"autofreeze ({why}); {box[0][1]}",
+                reason=f"autofreeze ({why}); {reason}",
                 seconds=time.monotonic() - t0,
             )
 
@@ -383,15 +381,10 @@ def _measured_layout(spec: JobSpec, layout: Layout, rank: int, reporter: Reporte
     """AutoPipe at start-up: rank 0 measures the model on its device (cached per model and
     device) and plans; every rank adopts that one answer via the control group, and the
     controller records it as the next layout version."""
-    box: list = [None]
+    t0 = time.monotonic()
+    planned, reason = _from_rank0(rank, lambda: autopipe_layout(spec, layout))
     if rank == 0:
-        t0 = time.monotonic()
-        planned, reason = autopipe_layout(spec, layout)
-        box[0] = (planned.model_dump_json(), reason, time.monotonic() - t0)
-    dist.broadcast_object_list(box, src=0)
-    planned_json, reason, seconds = box[0]
-    planned = Layout.model_validate_json(planned_json)
-    if rank == 0:
+        seconds = time.monotonic() - t0
         reporter.emit("layout", layout=planned.model_dump(), reason=reason, seconds=seconds)
     return planned
 
