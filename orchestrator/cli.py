@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,15 +25,20 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator import keys
-from orchestrator.controller import Controller, ControllerError, job_dir, new_job_id
+from orchestrator.controller import (
+    Controller,
+    ControllerError,
+    check_job_id,
+    job_dir,
+    new_job_id,
+)
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.launch import torchrun_command, worker_env
 from orchestrator.overrides import OverrideError, file_freeze_request
 from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
-from orchestrator.spec import SpecError, load_spec
-from orchestrator.state import Assignment
+from orchestrator.spec import JobSpec, SpecError, load_spec
 from orchestrator.store import Store, UnknownJob, sqlite_url
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
@@ -100,31 +106,71 @@ def _tail(path: Path, lines: int = 25) -> str:
 # -- run / resume ------------------------------------------------------------------------------
 
 
+def _agent_commands(ctrl: Controller, etcd: str, rdzv_id: str) -> list[list[str]]:
+    """One torchrun agent per `runtime.nodes`, each running its share of the spec's workers;
+    elastic between `runtime.min_nodes` and `runtime.nodes` when there is more than one."""
+    rt = ctrl.spec.runtime
+    nnodes = f"{rt.min_nodes or 1}:{rt.nodes}" if rt.nodes > 1 else "1"
+    per_node = ctrl.spec.parallel.world_size // rt.nodes
+    return [
+        torchrun_command(etcd, ctrl.job_id, rdzv_id, per_node, nnodes, rt.max_restarts)
+        for _ in range(rt.nodes)
+    ]
+
+
+class Agents:
+    """The local torchrun agents of one launch, each in its own session (a terminal Ctrl-C
+    reaches only us; we stop the workers gracefully) and tied to this process (they die with
+    it), each logging to its own file."""
+
+    def __init__(self, commands: list[list[str]], logs: list[Path], env: dict[str, str]):
+        self.logs = logs
+        self.procs: list[subprocess.Popen] = []
+        for cmd, path in zip(commands, logs, strict=True):
+            with open(path, "ab") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        tied_to_parent(cmd),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+
+    def poll(self) -> int | None:
+        """None while any agent runs; then the first non-zero exit code (or 0)."""
+        codes = [p.poll() for p in self.procs]
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c), 0)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
 def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
-    """Start workers for a new generation under torchrun and supervise them to the end."""
+    """Launch the job's torchrun agents and supervise them to the end: every rendezvous round
+    they form becomes a generation (re-formed after a failure, widened when a node is back)."""
     ctrl.acquire()
     try:
-        assignment = ctrl.start_generation()
-        layout = ctrl.layout
-        log_path = job_dir(ctrl.job.workdir, ctrl.job_id) / f"workers-g{assignment.generation}.log"
-        cmd = torchrun_command(
-            etcd.endpoint, ctrl.job_id, assignment.generation, nproc_per_node=layout.world_size
-        )
-        start = assignment.start
+        rdzv_id = f"{ctrl.job_id}-{uuid.uuid4().hex[:6]}"
+        ctrl.publish(rdzv_id)
+        commands = _agent_commands(ctrl, etcd.endpoint, rdzv_id)
+        jdir = job_dir(ctrl.job.workdir, ctrl.job_id)
+        logs = [jdir / f"workers-{rdzv_id}-n{i}.log" for i in range(len(commands))]
+        start, _ = ctrl.resume_point()
         if start.checkpoint:
             console.print(
                 f"resuming from [bold]{start.checkpoint}[/] (epoch {start.epoch}, step {start.step})"
             )
-        console.print(f"workers: {' '.join(cmd[2:9])} ... (log: {log_path})")
-        with open(log_path, "ab") as log, ProgressView(console, layout) as view:
-            # own session: a terminal Ctrl-C reaches only us, and we stop the workers gracefully
-            proc = subprocess.Popen(
-                tied_to_parent(cmd),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=worker_env(ctrl.spec.runtime.threads_per_worker),
-                start_new_session=True,
-            )
+        console.print(
+            f"workers: {len(commands)} x {' '.join(commands[0][2:9])} ... (log: {logs[0]})"
+        )
+        with ProgressView(console, ctrl.layout) as view:
+            agents = Agents(commands, logs, worker_env(ctrl.spec.runtime.threads_per_worker))
             interrupts = 0
 
             def on_sigint(signum: int, frame: object) -> None:
@@ -136,14 +182,16 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
                     )
                     ctrl.request_stop("interrupted by user (Ctrl-C)")
                 else:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    agents.kill()
 
             previous = signal.signal(signal.SIGINT, on_sigint)
             try:
-                code = ctrl.supervise(proc.poll, view.update)
+                code = ctrl.supervise(agents.poll, view.update)
             finally:
                 signal.signal(signal.SIGINT, previous)
-        detail = "" if code == 0 else f"last lines of {log_path}:\n{_tail(log_path)}"
+        detail = (
+            "" if code == 0 else "\n".join(f"last lines of {path}:\n{_tail(path)}" for path in logs)
+        )
         if detail and ctrl.progress.outcome != "stopped":
             err.print(escape(detail))
         return ctrl.finish(code, detail)
@@ -177,12 +225,27 @@ def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: 
     return 130 if ctrl.progress.outcome == "stopped" else 1  # 130: stopped on request (Ctrl-C)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)  # rejects a bad spec before anything starts
-    started = time.monotonic()
+def _new_job(args: argparse.Namespace, spec_path: str):
+    """Validate a new job's spec and id before anything is created; then its store."""
+    spec = load_spec(spec_path)  # rejects a bad spec before anything starts
+    job_id = check_job_id(args.job_id) if args.job_id else new_job_id(spec)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     store = open_store(args, create=True)
-    job_id = args.job_id or new_job_id(spec)
+    return spec, job_id, store
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    spec, job_id, store = _new_job(args, args.spec)
+    try:
+        existing = store.get_job(job_id)
+    except UnknownJob:
+        existing = None
+    if existing is not None:
+        raise UsageError(
+            f"job {job_id} already exists ({existing.state}); `pipetransformer resume {job_id}` "
+            "continues it, or choose another --job-id"
+        )
     with etcd_for(args, job_id) as etcd:
         ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
         console.print(f"job [bold]{job_id}[/] — store {db_url(args)}, etcd {etcd.endpoint}")
@@ -282,11 +345,8 @@ def cmd_freeze(args: argparse.Namespace) -> int:
 def cmd_controller(args: argparse.Namespace) -> int:
     """Controller role of a torchx launch: creates (or continues) the job, publishes it in etcd,
     and records what the workers report until they finish."""
-    spec = load_spec(args.spec)
-    Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    store = open_store(args, create=True)
-    job_id = args.job_id or new_job_id(spec)
     started = time.monotonic()
+    spec, job_id, store = _new_job(args, args.spec)
     with etcd_for(args, job_id, port=args.etcd_port) as etcd:
         try:
             ctrl = Controller(store, etcd, job_id)
@@ -294,17 +354,20 @@ def cmd_controller(args: argparse.Namespace) -> int:
             ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
         ctrl.acquire()
         try:
-            ctrl.start_generation()
-            console.print(
-                f"controller for job {job_id}: waiting for {ctrl.layout.world_size} workers"
-            )
+            if ctrl.attach():
+                console.print(f"controller for job {job_id}: took over the running generation")
+            else:
+                ctrl.publish(args.rdzv_id or f"{job_id}-{uuid.uuid4().hex[:6]}")
+                console.print(
+                    f"controller for job {job_id}: waiting for {ctrl.layout.world_size} workers"
+                )
             seen_workers = time.monotonic() + args.join_timeout
 
             def poll() -> int | None:
                 nonlocal seen_workers
                 if ctrl.progress.outcome:
                     return 0
-                if ctrl.workers_alive():
+                if ctrl.workers_alive() or etcd.count_prefix(keys.agents(job_id)):
                     seen_workers = time.monotonic() + 3 * ctrl.spec.runtime.lease_ttl_s
                 elif time.monotonic() > seen_workers:
                     return 1  # workers never came, or all of them are gone without a word
@@ -328,13 +391,19 @@ def cmd_workers(args: argparse.Namespace) -> int:
     torchrun (etcd3 rendezvous) for the current generation."""
     client = EtcdClient(args.etcd, retry_timeout=args.join_timeout)
     deadline = time.monotonic() + args.join_timeout
-    while (raw := client.get(keys.assignment(args.job_id))) is None:
+    while (raw := client.get(keys.launch(args.job_id))) is None:
         if time.monotonic() > deadline:
-            raise UsageError(f"job {args.job_id} has no assignment in etcd {args.etcd}")
+            raise UsageError(f"job {args.job_id} has not been launched in etcd {args.etcd}")
         time.sleep(0.5)
-    assignment = Assignment.model_validate_json(raw)
+    rdzv_id = json.loads(raw)["rdzv_id"]
+    spec = JobSpec.model_validate_json(client.get(keys.spec(args.job_id)) or "{}")
     cmd = torchrun_command(
-        args.etcd, args.job_id, assignment.generation, args.nproc_per_node, nnodes=args.nnodes
+        args.etcd,
+        args.job_id,
+        rdzv_id,
+        args.nproc_per_node,
+        nnodes=args.nnodes,
+        max_restarts=spec.runtime.max_restarts if args.max_restarts is None else args.max_restarts,
     )
     # presence for the controller, which keeps its embedded etcd up until every launcher left
     lease = client.lease(ttl=10)
@@ -412,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-id")
     p.add_argument("--etcd-port", type=int, help="start an embedded etcd on this port")
     p.add_argument("--join-timeout", type=float, default=300.0)
+    p.add_argument("--rdzv-id", help="rendezvous id the workers meet at (default: generated)")
     common(p)
     p.set_defaults(fn=cmd_controller)
 
@@ -419,7 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-id", required=True)
     p.add_argument("--etcd", required=True)
     p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--nnodes", default="1")
+    p.add_argument("--nnodes", default="1", help="N, or MIN:MAX for an elastic job")
+    p.add_argument(
+        "--max-restarts", type=int, help="worker group restarts (default: runtime.max_restarts)"
+    )
     p.add_argument("--join-timeout", type=float, default=300.0)
     p.set_defaults(fn=cmd_workers)
 

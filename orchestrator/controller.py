@@ -1,9 +1,18 @@
 """The job controller: the single writer of the SQL store for a job.
 
-It plans and publishes what the workers need (spec, layout, assignment) in etcd, drains the
-events workers put in etcd into the store, commits checkpoints only after verifying them on disk,
-applies retention, and turns the end of a generation into a job state. It holds a lease on the
-job's controller key, so two controllers never drive the same job.
+It publishes what the workers need in etcd, answers each rendezvous round's join request with a
+generation (a layout planned for the workers that joined, and the last committed checkpoint to
+resume from), drains the events workers put in etcd into the store, commits checkpoints only after
+verifying them on disk, applies retention, watches the workers' leases and aborts a generation
+that lost one, and turns the end of the job into a job state. It holds a lease on the job's
+controller key, so two controllers never drive the same job; a restarted controller picks up the
+running generation from etcd and the store (`attach`).
+
+Generations: every torchrun rendezvous round is one generation. Its rank 0 files a JoinRequest;
+the controller ends the previous generation (aborted), plans for the new world and publishes the
+Assignment. A lost worker (lease gone without a final report) gets the generation aborted: the
+survivors watch `keys.abort` and leave their collectives at once, their agents re-rendezvous, and
+the next round's join request starts the next generation.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -18,14 +28,19 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from sqlalchemy.exc import OperationalError
 
 from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient, KeepAlive
+from orchestrator.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
 from orchestrator.manifest import CheckpointError, verify_checkpoint
 from orchestrator.spec import JobSpec
-from orchestrator.state import Assignment, Layout, TrainingState, WorkerEvent
-from orchestrator.store import CheckpointInfo, Store
-from trainer.partition import plan_layout  # pure planner: the one trainer import allowed here
+from orchestrator.state import Assignment, JoinRequest, Layout, TrainingState, WorkerEvent
+from orchestrator.store import CheckpointInfo, Store, StoreUnavailable
+
+# the pure planner: the one trainer import allowed here
+from trainer.partition import PlanError, plan_for_world, plan_layout
 
 log = logging.getLogger("pipetransformer.controller")
 
@@ -36,8 +51,22 @@ class ControllerError(RuntimeError):
     pass
 
 
+# Job ids name directories, etcd keys and Kubernetes objects: DNS-label characters only.
+_JOB_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
 def new_job_id(spec: JobSpec) -> str:
     return f"{spec.name}-{uuid.uuid4().hex[:6]}"
+
+
+def check_job_id(job_id: str) -> str:
+    """A user-chosen job id, or ControllerError naming `--job-id` and what is allowed."""
+    if not _JOB_ID_RE.match(job_id):
+        raise ControllerError(
+            f"--job-id {job_id!r} must be 1-63 lowercase letters, digits or '-', starting and "
+            "ending with a letter or digit (it names directories, etcd keys and Kubernetes objects)"
+        )
+    return job_id
 
 
 def _is_dead_local_process(holder_json: str) -> bool:
@@ -71,6 +100,7 @@ class Progress:
     error: str | None = None
     workers_started: int = 0
     layout: Layout | None = None
+    waiting: str | None = None  # no layout fits the workers that joined: why
 
 
 class Controller:
@@ -83,6 +113,14 @@ class Controller:
         self.progress = Progress()
         self._keepalive: KeepAlive | None = None
         self._audited: set[str] = set()
+        self.assignment: Assignment | None = None  # the generation in force (None between them)
+        self._answered: str | None = None  # id of the last join request answered
+        self._seen: set[int] = set()  # ranks of this generation whose lease was seen
+        self._nodes: list[str] = []  # node of each rank of the previous generation
+        self.aborted_at: float | None = None  # wall time of the last abort (for recovery timing)
+        self._outage: float | None = None  # since when etcd or the store has not answered
+        self._report: str | None = None  # etcd key of the worker report being applied
+        self._leaving: int | None = None  # generation whose workers leave gracefully
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -153,39 +191,182 @@ class Controller:
             return state, ckpt
         return TrainingState(), None
 
-    def start_generation(self, world_size: int | None = None) -> Assignment:
-        """Publish spec, layout and assignment for a new generation of workers."""
-        layout = self.layout or plan_layout(self.spec)
-        world = world_size or layout.world_size
-        if world != layout.world_size:
-            raise ControllerError(
-                f"layout v{layout.version} needs {layout.world_size} workers, {world} available"
-            )
+    def publish(self, rdzv_id: str) -> None:
+        """Prepare etcd for a launch of workers: the spec, the layout in force, the control key,
+        and the rendezvous id the agents meet at. Stale keys of an earlier launch (a join
+        request, an assignment, an abort, queued events) are cleared: they belong to dead
+        processes."""
+        for key in (keys.join(self.job_id), keys.assignment(self.job_id), keys.abort(self.job_id)):
+            self.etcd.delete(key)
+        self.drain()  # reports a dead launch left behind still count (idempotent)
+        self.etcd.delete_prefix(keys.events(self.job_id))
+        self.layout = self.layout or plan_layout(self.spec)
+        self.etcd.put(keys.spec(self.job_id), self.spec.to_json())
+        self.etcd.put(keys.layout(self.job_id), self.layout.model_dump_json())
+        self.etcd.put(keys.control(self.job_id), "run")
+        self.etcd.put(keys.launch(self.job_id), json.dumps({"rdzv_id": rdzv_id}))
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.store.set_job_state(self.job_id, "running", "waiting for workers to join")
+
+    def attach(self) -> bool:
+        """A restarted controller: adopt the generation running in etcd if the store agrees it
+        is running, so workers carry on undisturbed. Returns whether there was one."""
+        raw = self.etcd.get(keys.assignment(self.job_id))
+        if raw is None or self.etcd.get(keys.launch(self.job_id)) is None:
+            return False
+        a = Assignment.model_validate_json(raw)
+        running = [g for g in self.store.generations(self.job_id) if g["state"] == "running"]
+        if not running or running[-1]["number"] != a.generation:
+            return False
+        self.assignment, self.generation, self._answered = a, a.generation, a.request
+        self.layout = a.layout or self.layout
+        job = self.store.get_job(self.job_id)
+        self.progress = Progress(step=job.step, epoch=job.epoch, layout=self.layout)
+        self.progress.waiting = a.waiting
+        self.store.add_event(
+            self.job_id,
+            "controller_attached",
+            f"controller (pid {os.getpid()}) took over generation {a.generation} at step "
+            f"{job.step}",
+        )
+        return True
+
+    def answer_join(self) -> Assignment | None:
+        """Answer a new rendezvous round's join request with the next generation (None if there
+        is no new request)."""
+        raw = self.etcd.get(keys.join(self.job_id))
+        if raw is None:
+            return None
+        request = JoinRequest.model_validate_json(raw)
+        if request.id == self._answered:
+            return None
+        return self.start_generation(request)
+
+    def start_generation(self, request: JoinRequest) -> Assignment:
+        """End the generation in force (aborted: its workers re-formed), plan a layout for the
+        workers that joined, and publish their assignment: resume from the last committed
+        checkpoint. If no layout fits, the assignment says why and the workers wait."""
+        self.drain()  # commit what the previous generation reported first
+        previous = self.assignment
+        if previous is not None and self._generation_running():
+            # re-formed before its lease loss was seen (the agents noticed first)
+            self.store.end_generation(self.job_id, previous.generation, "aborted")
+            self.aborted_at = time.time()
+        world = request.world
         start, ckpt = self.resume_point()
+        frozen = self.layout.freeze_boundary if self.layout else 0
+        layout, waiting = self.layout, None
+        if layout is None or layout.world_size != world:
+            try:
+                layout = plan_for_world(self.spec, world, frozen, self.layout)
+            except PlanError as exc:
+                waiting = f"waiting for capacity: {exc}"
+            else:
+                self.store.record_layout(
+                    self.job_id, layout, reason=f"re-formed for {world} worker(s)"
+                )
+                self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
+                self.layout = layout
         self.generation = self.store.start_generation(self.job_id, world)
         assignment = Assignment(
             generation=self.generation,
             checkpoint_dir=str(self.checkpoint_dir),
             start=start,
             resume_checksum=ckpt.checksum if ckpt else None,
+            request=request.id,
+            layout=None if waiting else layout,
+            waiting=waiting,
         )
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        self.etcd.delete_prefix(keys.events(self.job_id))  # stale reports of a dead generation
-        self.etcd.put(keys.spec(self.job_id), self.spec.to_json())
-        self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
+        self._record_membership(request)
         self.etcd.put(keys.control(self.job_id), "run")
         self.etcd.put(keys.assignment(self.job_id), assignment.model_dump_json())
-        self.store.set_job_state(self.job_id, "running")
+        self.assignment, self._answered, self._seen = assignment, request.id, set()
         how = f"from checkpoint at step {start.step}" if ckpt else "from scratch"
-        self.store.add_event(
-            self.job_id,
-            "generation_started",
-            f"generation {self.generation} with {world} workers, {how}",
-            data={"layout": layout.describe(), "start": start.model_dump()},
-        )
-        self.layout = layout
+        if waiting:
+            self.store.set_job_state(self.job_id, "running", waiting)
+            self.store.add_event(self.job_id, "waiting_for_capacity", waiting)
+        else:
+            self.store.set_job_state(self.job_id, "running")
+            self.store.add_event(
+                self.job_id,
+                "generation_started",
+                f"generation {self.generation} with {world} workers, {how}",
+                data={"layout": layout.describe(), "start": start.model_dump(), "world": world},
+            )
         self.progress = Progress(step=start.step, epoch=start.epoch, layout=layout)
+        self.progress.waiting = waiting
         return assignment
+
+    def _record_membership(self, request: JoinRequest) -> None:
+        """Nodes joined or left between generations: one worker event per node, and whether
+        the job widened or shrank."""
+        before, after = self._nodes, request.nodes
+        if before:
+            for node in sorted(set(after) - set(before)):
+                self.store.add_event(
+                    self.job_id,
+                    "worker_joined",
+                    f"node {node} joined with {after.count(node)} worker(s)",
+                    data={"node": node},
+                )
+            for node in sorted(set(before) - set(after)):
+                self.store.add_event(
+                    self.job_id, "worker_left", f"node {node} left the job", data={"node": node}
+                )
+            if len(after) != len(before):
+                verb = "widened" if len(after) > len(before) else "shrank"
+                self.store.add_event(
+                    self.job_id,
+                    f"job_{verb}",
+                    f"job {verb} from {len(before)} to {len(after)} workers",
+                    data={"before": len(before), "after": len(after)},
+                )
+        self._nodes = list(after)
+
+    def _generation_running(self) -> bool:
+        gens = self.store.generations(self.job_id)
+        return (
+            bool(gens) and gens[-1]["number"] == self.generation and gens[-1]["state"] == "running"
+        )
+
+    def check_workers(self) -> list[int]:
+        """Abort the generation if a worker that registered has lost its lease (it died, hung
+        or was cut off) without the generation having reported its end. Returns lost ranks."""
+        a = self.assignment
+        if a is None or a.waiting or self.progress.outcome or self._leaving == a.generation:
+            return []  # nothing to watch, or its workers are leaving on purpose (SIGTERM)
+        if not self._generation_running():
+            return []
+        alive = set()
+        for key, value in self.etcd.get_prefix(keys.workers(self.job_id)):
+            try:
+                if json.loads(value).get("generation") == a.generation:
+                    alive.add(int(key.rsplit("/", 1)[1]))
+            except (ValueError, AttributeError):
+                continue
+        self._seen |= alive
+        lost = sorted(self._seen - alive)
+        if not lost:
+            return []
+        self.drain()  # a final report (done, stopped, leaving) may have raced the leases
+        if self.progress.outcome or self._leaving == a.generation:
+            return []
+        self.abort(f"lost rank(s) {', '.join(map(str, lost))}: lease expired or worker exited")
+        return lost
+
+    def abort(self, reason: str) -> None:
+        """Mark the generation in force aborted in etcd (its workers exit at once, their agents
+        re-rendezvous) and in the store."""
+        if self.assignment is None:
+            return
+        gen = self.assignment.generation
+        self.aborted_at = time.time()
+        self.etcd.put(keys.abort(self.job_id), str(gen))
+        if self._generation_running():
+            self.store.end_generation(self.job_id, gen, "aborted")
+        self.store.add_event(
+            self.job_id, "generation_aborted", f"generation {gen} aborted: {reason}"
+        )
 
     def request_stop(self, reason: str) -> None:
         """Ask workers to checkpoint and leave at their next control point."""
@@ -208,7 +389,8 @@ class Controller:
             message = f"{why}; resume continues from the last committed checkpoint"
             if detail:
                 message += f"\n{detail}"
-        self.store.end_generation(self.job_id, self.generation, state)
+        if self._generation_running():
+            self.store.end_generation(self.job_id, self.generation, state)
         self.store.set_job_state(self.job_id, state, message.splitlines()[0])
         self.store.add_event(self.job_id, f"job_{state}", message)
         return state
@@ -226,8 +408,12 @@ class Controller:
         metrics = [e.data | {"time": e.time} for e in events if e.kind == "metrics"]
         if metrics:
             self.store.add_metrics(self.job_id, metrics)
-        for e in events:
-            self._apply(e)
+        for (key, _), e in zip(items, events, strict=True):
+            self._report = key  # store events derived from a report are keyed by it: replay-safe
+            try:
+                self._apply(e)
+            finally:
+                self._report = None
         last = self._latest_state(events)
         if last is not None:
             self.store.update_progress(self.job_id, self._current(last))
@@ -262,6 +448,7 @@ class Controller:
             f"request {request['id']} by {request['who']}: freeze blocks below "
             f"{request['layers']} ({request['reason']})",
             data={"request": request},
+            key=f"freeze-request:{request['id']}",  # audited once, across controller restarts
         )
 
     def _latest_state(self, events: list[WorkerEvent]) -> TrainingState | None:
@@ -278,6 +465,13 @@ class Controller:
             layout_version=self.layout.version if self.layout else 1,
         )
 
+    def _record_event(self, kind: str, message: str, **kw: Any) -> None:
+        """An event derived from the worker report being applied: keyed by the report's etcd key
+        (and kind), so a controller that crashed before deleting the report does not record it
+        twice when it drains it again."""
+        key = f"{self._report}:{kind}" if self._report else None
+        self.store.add_event(self.job_id, kind, message, key=key, **kw)
+
     def _apply(self, e: WorkerEvent) -> None:
         p, d = self.progress, e.data
         if e.kind == "metrics":
@@ -286,9 +480,7 @@ class Controller:
         elif e.kind == "started":
             p.workers_started += 1
             p.total_steps = d.get("total_steps", p.total_steps)
-            self.store.add_event(
-                self.job_id, "worker_started", f"rank {e.rank} started", rank=e.rank, data=d
-            )
+            self._record_event("worker_started", f"rank {e.rank} started", rank=e.rank, data=d)
         elif e.kind == "eval":
             p.accuracy = d["accuracy"]
             self.store.add_evaluation(
@@ -302,9 +494,26 @@ class Controller:
             self._record_freeze(d)
         elif e.kind in ("done", "stopped"):
             p.outcome = d.get("outcome", e.kind)
-        elif e.kind == "failed":
-            p.outcome, p.error = "failed", d.get("error", "worker failed")
-            self.store.add_event(self.job_id, "worker_failed", p.error, rank=e.rank, data=d)
+        elif e.kind == "failed":  # the agents restart the workers; the job fails when they stop
+            p.error = d.get("error", "worker failed")
+            self._record_event("worker_failed", p.error, rank=e.rank, data=d)
+        elif e.kind == "first_step":
+            since = (
+                f", {d['time'] - self.aborted_at:.1f}s after the abort" if self.aborted_at else ""
+            )
+            self._record_event(
+                "generation_resumed",
+                f"generation {e.generation} completed its first step ({d['step']}){since}",
+                data=d | {"generation": e.generation, "aborted_at": self.aborted_at},
+            )
+            self.aborted_at = None
+        elif e.kind == "leaving":
+            self._leaving = e.generation  # its leases go next: a re-formation, not a loss
+            self._record_event(
+                "worker_leaving",
+                f"rank(s) {d['ranks']} asked to leave (SIGTERM); checkpointed at step {d['step']}",
+                data=d,
+            )
 
     def _adopt_layout(self, layout: Layout, reason: str, seconds: float | None) -> None:
         """Workers planned a layout from measurement: record it and make it the current one, so
@@ -313,8 +522,7 @@ class Controller:
         self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
         self.layout = self.progress.layout = layout  # later progress updates carry its F
         took = f" (measured and planned in {seconds:.1f}s)" if seconds is not None else ""
-        self.store.add_event(
-            self.job_id,
+        self._record_event(
             "layout_planned",
             f"layout v{layout.version}: {reason}{took}",
             data={"layout": layout.describe()},
@@ -327,16 +535,14 @@ class Controller:
         if request is not None:
             outcome = "freeze_rejected" if d.get("rejected") else "freeze_applied"
             why = d.get("rejected") or f"boundary {d['previous']} -> {d['boundary']}"
-            self.store.add_event(
-                self.job_id,
+            self._record_event(
                 outcome,
                 f"request {request['id']} by {request['who']} (layers={request['layers']}): {why}",
                 data={"request": request, "step": d["step"]},
             )
             self.etcd.delete(keys.freeze_override(self.job_id))
         if d["boundary"] != d["previous"]:
-            self.store.add_event(
-                self.job_id,
+            self._record_event(
                 "freeze",
                 f"{d['source']}: blocks {d['previous']}..{d['boundary'] - 1} frozen at step "
                 f"{d['step']} ({d['reason']})",
@@ -349,7 +555,7 @@ class Controller:
         try:
             size = verify_checkpoint(d["path"], d["checksum"])
         except CheckpointError as exc:
-            self.store.add_event(self.job_id, "checkpoint_rejected", str(exc), rank=e.rank)
+            self._record_event("checkpoint_rejected", str(exc), rank=e.rank)
             return
         self.store.commit_checkpoint(
             self.job_id,
@@ -361,9 +567,9 @@ class Controller:
             checksum=d["checksum"],
             samples_consumed=state.samples_consumed,
         )
-        self.store.update_progress(self.job_id, self._current(state))
-        self.store.add_event(
-            self.job_id,
+        if state.step >= self.progress.step:  # an async commit lands after later metrics
+            self.store.update_progress(self.job_id, self._current(state))
+        self._record_event(
             "checkpoint_committed",
             f"step {state.step} ({size / 1e6:.1f} MB, {d.get('seconds', 0):.2f}s)",
             data={"path": d["path"], "step": state.step},
@@ -383,17 +589,52 @@ class Controller:
         self,
         poll_exit: Callable[[], int | None],
         on_tick: Callable[[Progress], None] | None = None,
-        interval: float = 0.25,
+        interval: float = 0.1,
     ) -> int | None:
-        """Drain events until the worker launcher exits (poll_exit returns its code)."""
+        """Until the worker launchers exit (poll_exit returns their code): drain events, answer
+        join requests, watch leases."""
         while True:
             code = poll_exit()
-            self.drain()
+            self.tick()
             if on_tick:
                 on_tick(self.progress)
             if code is not None:
+                self.drain()
                 return code
             time.sleep(interval)
 
+    def tick(self) -> None:
+        """One round of supervision. Store or etcd trouble is ridden out (the work stays queued
+        in etcd) and reported once it clears."""
+        try:
+            self.drain()
+            self.answer_join()
+            self.check_workers()
+        except (EtcdUnavailable, StoreUnavailable, OperationalError) as exc:
+            if self._outage is None:
+                self._outage = time.monotonic()
+                log.warning("controller: %s unavailable, retrying: %s", _which(exc), exc)
+            return
+        if self._outage is not None:
+            took = time.monotonic() - self._outage
+            self._outage = None
+            self.store.add_event(
+                self.job_id,
+                "control_plane_recovered",
+                f"store/etcd answered again after {took:.1f}s",
+            )
+        while self.etcd.recoveries:  # outages the client rode out inside one call
+            op, took = self.etcd.recoveries.popleft()
+            self.store.add_event(
+                self.job_id,
+                "control_plane_recovered",
+                f"etcd answered again after {took:.1f}s (during {op})",
+                data={"service": "etcd", "seconds": took},
+            )
+
     def workers_alive(self) -> int:
         return self.etcd.count_prefix(keys.workers(self.job_id))
+
+
+def _which(exc: BaseException) -> str:
+    return "etcd" if isinstance(exc, EtcdUnavailable) else "store"

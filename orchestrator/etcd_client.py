@@ -19,6 +19,7 @@ library leaves to the caller:
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import random
@@ -261,6 +262,9 @@ class EtcdClient:
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         self._closed = False
+        # (operation, seconds) of calls that succeeded only after riding out an outage, for
+        # whoever reports them (the controller turns them into events); bounded
+        self.recoveries: collections.deque[tuple[str, float]] = collections.deque(maxlen=100)
         ep = pyetcd.Endpoint(host, port, secure=False, time_retry=0.0, opts=_GRPC_OPTIONS)
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=[ep], timeout=timeout)
 
@@ -275,7 +279,7 @@ class EtcdClient:
             if self._closed:
                 raise EtcdError(f"etcd client for {self.endpoint} is closed")
             try:
-                return fn()
+                result = fn()
             except (etcd_exc.Etcd3Exception, grpc.RpcError) as exc:
                 if not _is_transient(exc):
                     raise EtcdError(f"etcd {op} failed: {_describe(exc)}") from exc
@@ -287,6 +291,10 @@ class EtcdClient:
                 log.debug("etcd %s: %s; retrying in %.2fs", op, _describe(exc), delay)
                 time.sleep(delay * random.uniform(0.8, 1.2))
                 delay = min(delay * 2, 1.0)
+                continue
+            if delay > 0.05:  # it failed at least once before succeeding
+                self.recoveries.append((op, time.monotonic() - start))
+            return result
 
     # -- key/value -------------------------------------------------------------------------
 

@@ -2,12 +2,15 @@
 
 /pipetransformer/jobs/<job>/spec             JobSpec JSON (controller writes)
 /pipetransformer/jobs/<job>/layout           current Layout JSON (controller writes)
-/pipetransformer/jobs/<job>/assignment       Assignment: generation, checkpoint dir, start state
+/pipetransformer/jobs/<job>/assignment       Assignment: generation, layout, checkpoint dir, start state
+/pipetransformer/jobs/<job>/launch           {"rdzv_id"}: the rendezvous the job's torchrun agents meet at
+/pipetransformer/jobs/<job>/join             JoinRequest of a new rendezvous round (its rank 0 writes)
+/pipetransformer/jobs/<job>/abort            generation number the controller aborted (workers watch)
 /pipetransformer/jobs/<job>/controller       {"host", "pid"} of the live controller, on its lease
 /pipetransformer/jobs/<job>/control          "run" | "stop", read by rank 0 at control points
 /pipetransformer/jobs/<job>/freeze_override  pending manual freeze request {"id", "layers", ...}
 /pipetransformer/jobs/<job>/events/<g>-<r>-<n> WorkerEvent JSON queue (workers put, controller drains)
-/pipetransformer/jobs/<job>/workers/<rank>   liveness, attached to the worker's lease
+/pipetransformer/jobs/<job>/workers/<rank>   {"generation", "pid", "host"}, on the worker's lease
 /pipetransformer/jobs/<job>/agents/<host>-<pid> a `workers` launcher (torchx trainer role), on its lease
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
 """
@@ -31,6 +34,18 @@ def layout(job_id: str) -> str:
 
 def assignment(job_id: str) -> str:
     return f"{job(job_id)}/assignment"
+
+
+def launch(job_id: str) -> str:
+    return f"{job(job_id)}/launch"
+
+
+def join(job_id: str) -> str:
+    return f"{job(job_id)}/join"
+
+
+def abort(job_id: str) -> str:
+    return f"{job(job_id)}/abort"
 
 
 def controller(job_id: str) -> str:

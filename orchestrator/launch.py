@@ -5,19 +5,31 @@ from __future__ import annotations
 import os
 import sys
 
+# Exit code of a worker that leaves its generation on purpose (aborted by the controller, or
+# re-forming after a graceful SIGTERM): non-zero, so its torchrun agent restarts it into the next
+# rendezvous round (EX_TEMPFAIL).
+EXIT_REFORM = 75
+
+# Rendezvous timing: a round waits this long for more nodes once `min` have joined. Short, since
+# recovery time counts; a node that misses a round joins the next one and the job widens.
+LAST_CALL_S = 2
+
 
 def torchrun_command(
     etcd: str,
     job_id: str,
-    generation: int,
+    rdzv_id: str,
     nproc_per_node: int,
     nnodes: str = "1",
+    max_restarts: int = 0,
     python: str | None = None,
 ) -> list[str]:
-    """`torchrun --rdzv-backend etcd3 ... -m trainer.worker` for one generation of a job.
+    """`torchrun --rdzv-backend etcd3 ... -m trainer.worker` for one launch of a job's workers.
 
-    The rendezvous id carries the generation: a finished rendezvous is closed for good, so a
-    resumed job needs a fresh one."""
+    Every agent of one launch meets at `rdzv_id` (a finished rendezvous is closed for good, so a
+    resumed job uses a fresh id). With `nnodes` MIN:MAX and `max_restarts` > 0 the agents are
+    elastic: a failed worker group is restarted into a new rendezvous round with the nodes that
+    are left (at least MIN), and a node that arrives later widens the job at the next round."""
     return [
         python or sys.executable,
         "-m",
@@ -31,11 +43,13 @@ def torchrun_command(
         "--rdzv-endpoint",
         etcd,
         "--rdzv-id",
-        f"{job_id}-g{generation}",
+        rdzv_id,
+        "--rdzv-conf",
+        f"last_call_timeout={LAST_CALL_S}",
         "--max-restarts",
-        "0",
+        str(max_restarts),
         "--monitor-interval",
-        "0.5",
+        "0.2",
         "-m",
         "trainer.worker",
         "--job-id",

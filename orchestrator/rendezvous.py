@@ -28,19 +28,20 @@ The store (why an etcd-backed c10d ``Store``)
     Blocking reads poll with capped backoff (10 ms to 200 ms) rather than watch: the agents'
     operations are few, and polling is immune to lost watch events across etcd restarts.
 
-    The *workers'* store is not this one: with torch's default ``use_agent_store`` the rank-0
-    agent hosts a TCPStore and the workers' ``init_process_group`` talks to that (under a
-    per-attempt prefix), so the hot path of process-group setup never touches etcd.
+    The *workers'* store is not this one either: each round's rank-0 worker hosts a fresh
+    TCPStore (torch's store sharing is turned off, see ``create_etcd3_handler`` for why), so
+    the hot path of process-group setup never touches etcd.
 
     Trust: the state blob is a pickle (torch's format), so whoever can write these etcd keys
     can run code in every agent, exactly as with c10d's TCPStore; restrict access to etcd.
 
-Re-rendezvous fix
-    torch 2.13 computes ``RendezvousStoreInfo`` (MASTER_ADDR/PORT) in the first round and then
-    caches it on every node that is not rank 0. When the rank-0 node is lost and a survivor
-    becomes rank 0, the other survivors would point their workers at the dead node's store.
-    Our handler rebuilds the store info every round (it is round-scoped in the store) and
-    reuses the node's TCPStore server when it already hosts one.
+Re-rendezvous fixes
+    Workers do not share the agent's TCPStore (torch's opt-out, set by
+    ``create_etcd3_handler``): their keys would be namespaced by each agent's restart count,
+    which diverges between nodes after a worker failure. MASTER_ADDR/PORT are then built fresh
+    every round. The handler subclass also drops torch 2.13's cached store info every round
+    (it caches it on nodes that are not rank 0, which would point the survivors of a lost
+    rank-0 node at the dead node's store when sharing is on).
 
 Options (``--rdzv-conf k=v,...``), besides torch's join_timeout, last_call_timeout,
 close_timeout, heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt:
@@ -70,6 +71,7 @@ def _create_etcd3_handler_deferred(params: RendezvousParameters) -> RendezvousHa
 
 
 import binascii
+import os
 import random
 import time
 from base64 import b64decode, b64encode
@@ -394,6 +396,13 @@ def _timeout(params: RendezvousParameters, name: str) -> timedelta | None:
 
 def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torchrun handler creator for ``--rdzv-backend etcd3``."""
+    # Workers get a fresh TCPStore per round, hosted by their rank 0, not the agent's (torch's
+    # documented opt-out; it also turns off `use_agent_store`). With the agent's store, workers
+    # namespace their keys by the *agent's* restart count, and those diverge between nodes: a
+    # failed worker group increments it, a restart for a membership change does not. Two nodes
+    # then look under different prefixes and one reads the previous round's gloo addresses
+    # (connection refused) until it times out.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # Same option parsing as torch's create_handler, but building our handler subclass.
     keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
     keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)

@@ -282,23 +282,93 @@ class ParallelSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
-    every_epochs: PositiveInt = 1
+    """When checkpoints are taken and how they are written (trainer/checkpoint.py).
+
+    A periodic checkpoint is due as soon as ANY configured interval has elapsed since the last
+    checkpoint (of whatever reason): the end of every `every_epochs`-th epoch, `every_steps`
+    optimizer steps, or `every_seconds` of wall time (rank 0's clock, looked at on the
+    control-key cadence, runtime.control_every_steps, and at epoch ends, so that every rank
+    takes the same decision). `null` switches an interval off; at least one must be set.
+    Checkpoints are also always taken before a re-layout, at stop and at the end; those are
+    complete before training proceeds. With `async_save` the state is snapshotted in memory and
+    training continues while the shards persist; the checkpoint is reported for commit once every
+    shard is durable."""
+
+    every_epochs: PositiveInt | None = Field(
+        1, description="checkpoint at the end of every this-many epochs (null: not by epoch)"
+    )
+    every_steps: PositiveInt | None = Field(
+        None, description="checkpoint once this many optimizer steps passed since the last one"
+    )
+    every_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        None, description="checkpoint once this many seconds passed since the last one"
+    )
+    async_save: bool = Field(
+        True,
+        description="write shards in the background while training continues (false: training "
+        "waits for each checkpoint to be written)",
+    )
     keep: PositiveInt = Field(3, description="committed checkpoints kept on disk")
+
+    @field_validator("every_epochs", "every_steps", "every_seconds", mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any) -> Any:
+        # YAML `true` would otherwise pass as the interval 1
+        if isinstance(value, bool):
+            raise ValueError("must be a positive number or null, not a boolean")
+        return value
+
+    @model_validator(mode="after")
+    def _some_interval(self) -> CheckpointSpec:
+        if (self.every_epochs, self.every_steps, self.every_seconds) == (None, None, None):
+            raise ValueError(
+                "set at least one of checkpoint.every_epochs, checkpoint.every_steps or "
+                "checkpoint.every_seconds (periodic checkpoints bound the work lost on failure)"
+            )
+        return self
 
 
 class RuntimeSpec(_Strict):
+    """How workers are launched and supervised, and how failures are ridden out.
+
+    Workers run under torchrun agents ("nodes") that rendezvous over etcd. When a worker dies,
+    hangs (its etcd lease lapses) or is told to leave (SIGTERM), the controller aborts the
+    generation, the agents re-rendezvous with whoever is left (at least `min_nodes`), the
+    controller plans a layout for that world and training resumes from the last committed
+    checkpoint. A node that comes back joins at the next rendezvous and the job widens again."""
+
     threads_per_worker: PositiveInt = 1
     control_every_steps: PositiveInt = Field(
-        10, description="steps between reads of the etcd control key (abort/stop)"
+        10, description="steps between reads of the etcd control key (stop)"
     )
-    lease_ttl_s: PositiveInt = 5
+    lease_ttl_s: PositiveInt = Field(
+        5,
+        description="seconds a worker's etcd lease outlives its last refresh: a hung or "
+        "partitioned worker is declared lost after at most this long",
+    )
+    nodes: PositiveInt = Field(
+        1,
+        description="torchrun agents `pipetransformer run` starts on this machine; the layout's "
+        "workers are split evenly among them (2 nodes x 1 process simulate two machines)",
+    )
+    min_nodes: PositiveInt | None = Field(
+        None,
+        description="fewest nodes the job keeps training with after a node is lost (default: "
+        "1); it waits for capacity below that",
+    )
+    max_restarts: Annotated[int, Field(ge=0)] = Field(
+        10,
+        description="times each agent restarts its workers after a failure before the job "
+        "gives up (0: the first failure interrupts the job; `resume` continues it)",
+    )
 
 
 class FreezeSpec(_Strict):
     """AutoFreeze: freeze a growing prefix of blocks (0 .. F-1) as they converge (PipeTransformer).
 
     At each decision point T (1, 2, ...), the automatic boundary may grow to at most the
-    alpha-bound ceil(L * (1 - (1 - alpha)^T)) (L = model.depth) and never past
+    alpha-bound ceil(L * (1 - (1 - alpha)^T')) (L = model.depth, T' = T - warmup_decisions, the
+    decision points after warm-up) and never past
     L - keep_trainable; it never decreases. The classifier head is never frozen. A manual override
     (`pipetransformer freeze`) is applied at the next decision point, may only move forward and
     is bounded by the model and keep_trainable, not by alpha. Implemented in trainer/freeze.py."""
@@ -306,14 +376,14 @@ class FreezeSpec(_Strict):
     policy: Literal["gradient", "schedule", "off"] = Field(
         "off",
         description="'gradient': freeze the longest prefix of blocks whose gradient norm has "
-        "stopped changing (relative change below `threshold`), bounded by the alpha-schedule; "
+        "decayed to at most `threshold` times its peak, bounded by the alpha-schedule; "
         "'schedule': freeze exactly the alpha-bound at every decision point; 'off': never freeze "
         "automatically (manual overrides still apply)",
     )
     alpha: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.25,
-        description="PipeTransformer's alpha in (0, 1): by decision point T at most "
-        "ceil(model.depth * (1 - (1 - alpha)^T)) blocks are frozen; larger freezes faster",
+        description="PipeTransformer's alpha in (0, 1): T' decision points after warm-up at "
+        "most ceil(model.depth * (1 - (1 - alpha)^T')) blocks are frozen; larger freezes faster",
     )
     every: Literal["epoch"] | PositiveInt = Field(
         "epoch",
@@ -325,15 +395,15 @@ class FreezeSpec(_Strict):
         "does); must be less than model.depth unless policy is 'off'",
     )
     threshold: Annotated[float, Field(gt=0, le=1)] = Field(
-        0.1,
-        description="gradient policy: a block has converged when the relative change of its "
-        "mean per-step gradient norm between two consecutive decision points, "
-        "|n_T - n_(T-1)| / n_(T-1), is below this",
+        0.2,
+        description="gradient policy: a block has converged when its mean per-step gradient "
+        "norm over the last interval has decayed to at most this fraction of its peak (the "
+        "largest such mean so far): n_T <= threshold * max(n_1 .. n_T)",
     )
     warmup_decisions: Annotated[int, Field(ge=0)] = Field(
         0,
         description="no automatic freezing at the first this-many decision points (they still "
-        "record gradient norms and count towards T in the alpha-bound)",
+        "record gradient norms); the alpha-bound counts decision points from the end of warm-up",
     )
     cache: Literal["off", "auto", "on"] = Field(
         "auto",
@@ -387,6 +457,19 @@ class JobSpec(_Strict):
                 f"freeze.keep_trainable ({fz.keep_trainable}) must be less than model.depth "
                 f"({self.model.depth}) when freeze.policy is {fz.policy!r}: at least one block "
                 "must be freezable; lower freeze.keep_trainable or raise model.depth"
+            )
+        rt = self.runtime
+        if rt.min_nodes is not None and rt.min_nodes > rt.nodes:
+            raise ValueError(
+                f"runtime.min_nodes ({rt.min_nodes}) exceeds runtime.nodes ({rt.nodes}); "
+                "lower min_nodes or raise nodes"
+            )
+        world = p.world_size
+        if world % rt.nodes:
+            raise ValueError(
+                f"runtime.nodes ({rt.nodes}) must divide the workers of the layout "
+                f"(parallel.stages x parallel.replicas = {world}): every node runs the same "
+                "number of processes"
             )
         per_step = p.replicas * (1 if p.microbatches == "auto" else p.microbatches)
         if t.global_batch_size % per_step:

@@ -184,7 +184,17 @@ class TrainingState(_Model):
 
 
 EventKind = Literal[
-    "started", "metrics", "eval", "checkpoint", "layout", "freeze", "done", "failed", "stopped"
+    "started",
+    "metrics",
+    "eval",
+    "checkpoint",
+    "layout",
+    "freeze",
+    "done",
+    "failed",
+    "stopped",
+    "leaving",
+    "first_step",
 ]
 
 
@@ -198,11 +208,31 @@ class WorkerEvent(_Model):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+class JoinRequest(_Model):
+    """A rendezvous round's workers asking for their assignment (rank 0 files it under
+    `keys.join`); the controller answers with an Assignment carrying the same `id`, and tells
+    joined and departed nodes apart by `nodes`."""
+
+    id: str
+    world: int = Field(ge=1)
+    # node of each rank, in rank order: "host:agent-pid" (one torchrun agent per node)
+    nodes: list[str] = []
+    pids: list[int] = []
+    time: float = Field(default_factory=time.time)
+
+
 class Assignment(_Model):
-    """What the controller hands a generation of workers (published under `keys.assignment`)."""
+    """What the controller hands a generation of workers (published under `keys.assignment`).
+
+    `request`: the JoinRequest this answers. `layout`: the layout the generation trains under
+    (planned for its world size). `waiting`: set when no layout fits the workers that joined:
+    they hold on (keeping their leases) until a node joins and the agents re-rendezvous."""
 
     generation: int
     checkpoint_dir: str
     start: TrainingState = TrainingState()
     # a committed checkpoint to load before training, with the checksum it was committed under
     resume_checksum: str | None = None
+    request: str | None = None
+    layout: Layout | None = None
+    waiting: str | None = None

@@ -8,19 +8,26 @@ Timestamps are timezone-aware UTC `datetime`s on the typed results (`JobInfo`,
 `CheckpointInfo`, layouts); the row dicts (`metrics`, `evaluations`, `events`) carry `time` as
 unix seconds, the same shape the trainer reports them in, so they are JSON-ready.
 
-SQLite (default, one file per run directory) and PostgreSQL (production) are both supported.
-The schema is created and upgraded only by alembic (`Store.open(url, migrate=True)`).
+SQLite (default, one file per run directory) and PostgreSQL (production) are both supported,
+with the same migrations and tests. The schema is created and upgraded only by alembic
+(`Store.open(url, migrate=True)`).
+
+The database may be unreachable for a few seconds (a PostgreSQL restart or fail-over, a locked
+SQLite file): every method retries such transient errors with backoff for up to `retry_s`
+seconds (`Store.open(url, retry_s=30)`), logging each retry, then raises `StoreUnavailable`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+import uuid
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from time import monotonic, sleep
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -28,6 +35,7 @@ from alembic.runtime.migration import MigrationContext
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from sqlalchemy import Connection, Engine, create_engine, delete, event, func, insert, select
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -36,6 +44,8 @@ from orchestrator.spec import JobSpec
 from orchestrator.state import Layout, TrainingState
 from orchestrator.tables import (
     CHECKPOINT_STATES,
+    CHECKSUM_MAX_CHARS,
+    EVENT_KEY_MAX_CHARS,
     GENERATION_STATES,
     JOB_STATES,
     Checkpoint,
@@ -58,8 +68,10 @@ __all__ = [
     "NotFound",
     "Store",
     "StoreConflict",
+    "StoreUnavailable",
     "UnknownJob",
     "alembic_config",
+    "is_transient",
     "make_engine",
     "sqlite_path",
     "sqlite_url",
@@ -67,7 +79,16 @@ __all__ = [
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+# How long one Store call keeps retrying an unreachable database (Store(..., retry_s=...)).
+DEFAULT_RETRY_S = 30.0
+_RETRY_FIRST_DELAY_S = 0.05
+_RETRY_MAX_DELAY_S = 2.0
+# A connect attempt to an unreachable host must fail, not hang past the retry budget.
+POSTGRES_CONNECT_TIMEOUT_S = 10
 _MAX_LISTED_IDS = 20
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- errors
@@ -102,6 +123,47 @@ class JobExists(ValueError):
 
 class StoreConflict(ValueError):
     """A write contradicts what is stored (e.g. a different layout under the same version)."""
+
+
+class StoreUnavailable(ConnectionError):
+    """The database stayed unreachable for longer than the store's `retry_s`.
+
+    Raised from the transient error of the last try (`__cause__`). The write did not land,
+    unless a try's commit reached the server just before the connection broke; every write is
+    idempotent, so calling it again once the database is back is safe either way."""
+
+
+# PostgreSQL SQLSTATEs worth retrying besides class 08 (connection exception): the server is
+# shutting down or starting up (admin/crash shutdown, "cannot connect now"), or out of slots.
+_PG_TRANSIENT_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
+_SQLITE_TRANSIENT_MESSAGES = ("database is locked", "database table is locked")
+_NO_SQLSTATE = object()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a database error is worth retrying: the connection was lost or refused, the
+    server is restarting, or SQLite's file is locked past its busy timeout. Constraint
+    violations, read-only refusals, bad SQL and the like are not."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    if not isinstance(exc, OperationalError):
+        return False
+    orig = exc.orig
+    if any(m in str(orig).lower() for m in _SQLITE_TRANSIENT_MESSAGES):
+        return True
+    # psycopg 3 names it `sqlstate`, psycopg2 `pgcode`; other drivers have neither.
+    code = getattr(orig, "sqlstate", getattr(orig, "pgcode", _NO_SQLSTATE))
+    if code is _NO_SQLSTATE:
+        return False
+    # No SQLSTATE means the client gave up on the connection (refused, reset, timed out).
+    return code is None or code.startswith("08") or code in _PG_TRANSIENT_SQLSTATES
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # --------------------------------------------------------------------------- results
@@ -299,7 +361,8 @@ def _postgres_read_only(dbapi_connection: Any, _record: Any) -> None:
 
 
 def make_engine(url: str, read_only: bool = False) -> Engine:
-    """An engine for `url` with the settings the store relies on (SQLite pragmas, pooling).
+    """An engine for `url` with the settings the store relies on (SQLite pragmas, pooling,
+    PostgreSQL connection checks). A plain `postgresql://` URL uses psycopg 3.
 
     `read_only` makes the database itself refuse writes on these connections."""
     u = make_url(url)
@@ -311,6 +374,12 @@ def make_engine(url: str, read_only: bool = False) -> Engine:
         engine = create_engine(u, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas(read_only))
         return engine
+    if u.drivername == "postgresql":
+        # SQLAlchemy's default PostgreSQL driver is psycopg2; this project ships psycopg 3.
+        u = u.set(drivername="postgresql+psycopg")
+    if u.get_driver_name() in ("psycopg", "psycopg2") and "connect_timeout" not in u.query:
+        u = u.update_query_dict({"connect_timeout": str(POSTGRES_CONNECT_TIMEOUT_S)})
+    # pre_ping: after a server restart the pool's connections are dead; test before use.
     engine = create_engine(u, pool_pre_ping=True)
     if read_only and u.get_backend_name() == "postgresql":
         event.listen(engine, "connect", _postgres_read_only)
@@ -335,20 +404,33 @@ def alembic_config(connection: Connection | None = None, url: str | None = None)
 
 
 class Store:
-    """Typed access to the job database. Construct with `Store.open(url)` to migrate first."""
+    """Typed access to the job database. Construct with `Store.open(url)` to migrate first.
 
-    def __init__(self, url: str, read_only: bool = False) -> None:
+    Every public method is one transaction. A transaction that fails because the database is
+    unreachable for a moment (server restarting, network blip, SQLite "database is locked") is
+    retried with exponential backoff until `retry_s` seconds have passed since its first try,
+    each retry logged as a warning; after that it raises `StoreUnavailable`. Every write is safe
+    to run twice (the retry of a commit whose acknowledgement was lost finds its own row and
+    stops), so a retried write lands exactly once and returns what its landed try would have.
+    That relies on the store's single writer: no one else inserts the same rows meanwhile.
+    """
+
+    def __init__(self, url: str, read_only: bool = False, retry_s: float = DEFAULT_RETRY_S) -> None:
         """Connect to `url` without touching the schema. `read_only` (the dashboard) makes
-        every write method raise PermissionError and the connection itself refuse writes."""
+        every write method raise PermissionError and the connection itself refuse writes.
+        `retry_s` bounds how long one call keeps retrying transient errors (0: no retry)."""
+        if not retry_s >= 0:
+            raise ValueError(f"retry_s must be >= 0 seconds, got {retry_s!r}")
         self.url = url
         self.read_only = read_only
+        self.retry_s = float(retry_s)
         self._engine = make_engine(url, read_only=read_only)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
 
     @classmethod
-    def open(cls, url: str, migrate: bool = True) -> Store:
+    def open(cls, url: str, migrate: bool = True, retry_s: float = DEFAULT_RETRY_S) -> Store:
         """Connect, and (by default) upgrade the schema to the newest alembic revision."""
-        store = cls(url)
+        store = cls(url, retry_s=retry_s)
         if migrate:
             try:
                 store.migrate()
@@ -361,13 +443,22 @@ class Store:
         """`alembic upgrade <revision>` on this store's engine."""
         if self.read_only:
             raise PermissionError(f"{self!r} is open read-only; it cannot migrate")
-        with self._engine.begin() as conn:
-            command.upgrade(alembic_config(connection=conn), revision)
+
+        def upgrade() -> None:
+            # One transaction: PostgreSQL's DDL is transactional, so a retry starts clean.
+            with self._engine.begin() as conn:
+                command.upgrade(alembic_config(connection=conn), revision)
+
+        self._retrying("migrate", upgrade)
 
     def revision(self) -> str | None:
         """The schema's alembic revision; None for a database without the schema."""
-        with self._engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
+
+        def current() -> str | None:
+            with self._engine.connect() as conn:
+                return MigrationContext.configure(conn).get_current_revision()
+
+        return self._retrying("revision", current)
 
     def close(self) -> None:
         self._engine.dispose()
@@ -383,17 +474,59 @@ class Store:
 
     # ---- plumbing
 
-    @contextmanager
-    def _write(self) -> Iterator[Session]:
+    def _retrying(self, what: str, attempt: Callable[[], T]) -> T:
+        """Run `attempt` until it succeeds, it fails with a non-transient error, or `retry_s`
+        seconds have passed (then StoreUnavailable, chained to the last error)."""
+        started = monotonic()
+        delay = _RETRY_FIRST_DELAY_S
+        tries = 1
+        while True:
+            try:
+                return attempt()
+            except DBAPIError as exc:
+                if not is_transient(exc):
+                    raise
+                waited = monotonic() - started
+                left = self.retry_s - waited
+                reason = _first_line(exc.orig if exc.orig is not None else exc)
+                if left <= 0:
+                    raise StoreUnavailable(
+                        f"{self!r}: {what} failed: the database stayed unreachable for "
+                        f"{waited:.1f}s ({tries} tries, retry_s={self.retry_s:g}); "
+                        f"last error: {reason}"
+                    ) from exc
+                pause = min(delay, left)
+                log.warning(
+                    "%r: %s failed (try %d, %s); retrying in %.2fs, giving up in %.1fs",
+                    self,
+                    what,
+                    tries,
+                    reason,
+                    pause,
+                    left,
+                )
+                sleep(pause)
+                delay = min(delay * 2, _RETRY_MAX_DELAY_S)
+                tries += 1
+
+    def _write(self, what: str, tx: Callable[[Session], T]) -> T:
+        """Run `tx` in one write transaction (committed on return), retrying transient
+        failures. `tx` must be safe to run again after a commit whose outcome was lost."""
         if self.read_only:
             raise PermissionError(f"{self!r} is open read-only")
-        with self._sessions.begin() as session:
-            yield session
 
-    @contextmanager
-    def _read(self) -> Iterator[Session]:
-        with self._sessions() as session:
-            yield session
+        def attempt() -> T:
+            with self._sessions.begin() as session:
+                return tx(session)
+
+        return self._retrying(what, attempt)
+
+    def _read(self, what: str, tx: Callable[[Session], T]) -> T:
+        def attempt() -> T:
+            with self._sessions() as session:
+                return tx(session)
+
+        return self._retrying(what, attempt)
 
     def _job(self, session: Session, job_id: str) -> Job:
         job = session.get(Job, job_id)
@@ -408,15 +541,20 @@ class Store:
         """Add a job in state "pending". Raises JobExists if the id is taken."""
         if not job_id or len(job_id) > 64:
             raise ValueError(f"job id {job_id!r} must be 1-64 characters")
-        now = utcnow()
-        with self._write() as s:
-            if s.get(Job, job_id) is not None:
+        now = utcnow()  # also this call's identity: a retried commit recognises its own row
+        spec_json = spec.to_json()
+
+        def tx(s: Session) -> None:
+            existing = s.get(Job, job_id)
+            if existing is not None:
+                if existing.created_at == now and existing.spec_json == spec_json:
+                    return  # an earlier try of this call committed
                 raise JobExists(job_id)
             s.add(
                 Job(
                     id=job_id,
                     name=spec.name,
-                    spec_json=spec.to_json(),
+                    spec_json=spec_json,
                     workdir=str(workdir),
                     state="pending",
                     message=None,
@@ -432,28 +570,36 @@ class Store:
                 )
             )
 
+        self._write("create_job", tx)
+
     def get_job(self, job_id: str) -> JobInfo:
-        with self._read() as s:
-            return JobInfo._from_row(self._job(s, job_id))
+        return self._read("get_job", lambda s: JobInfo._from_row(self._job(s, job_id)))
 
     def list_jobs(self) -> list[JobInfo]:
         """All jobs, newest first."""
-        with self._read() as s:
+
+        def tx(s: Session) -> list[JobInfo]:
             rows = s.scalars(select(Job).order_by(Job.created_at.desc(), Job.id.desc()))
             return [JobInfo._from_row(r) for r in rows]
+
+        return self._read("list_jobs", tx)
 
     def set_job_state(self, job_id: str, state: str, message: str | None = None) -> None:
         """Move a job to `state`; `message` replaces the previous one (None clears it)."""
         _check_state("job", state, JOB_STATES)
-        with self._write() as s:
+
+        def tx(s: Session) -> None:
             job = self._job(s, job_id)
             job.state = state
             job.message = message
             job.updated_at = utcnow()
 
+        self._write("set_job_state", tx)
+
     def update_progress(self, job_id: str, state: TrainingState) -> None:
         """Record where training is (epoch, step, samples, LR, freeze boundary, layout)."""
-        with self._write() as s:
+
+        def tx(s: Session) -> None:
             job = self._job(s, job_id)
             job.epoch = state.epoch
             job.step = state.step
@@ -463,11 +609,13 @@ class Store:
             job.layout_version = state.layout_version
             job.updated_at = utcnow()
 
+        self._write("update_progress", tx)
+
     def delete_job(self, job_id: str) -> None:
         """Remove a job and (by ON DELETE CASCADE) everything recorded for it."""
-        with self._write() as s:
-            self._job(s, job_id)
-            s.execute(delete(Job).where(Job.id == job_id))
+        self._read("delete_job", lambda s: self._job(s, job_id))  # UnknownJob before any write
+        # A no-op when a retried try already deleted it.
+        self._write("delete_job", lambda s: s.execute(delete(Job).where(Job.id == job_id)))
 
     # ---- generations
 
@@ -475,8 +623,19 @@ class Store:
         """Open the job's next generation (numbered from 1) in state "running"."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        with self._write() as s:
+        started = utcnow()  # this call's identity across retries
+
+        def tx(s: Session) -> int:
             self._job(s, job_id)
+            mine = s.scalar(
+                select(Generation.number).where(
+                    Generation.job_id == job_id,
+                    Generation.started_at == started,
+                    Generation.world_size == world_size,
+                )
+            )
+            if mine is not None:
+                return mine  # an earlier try of this call committed
             last = s.scalar(select(func.max(Generation.number)).where(Generation.job_id == job_id))
             number = (last or 0) + 1
             s.add(
@@ -485,16 +644,19 @@ class Store:
                     number=number,
                     world_size=world_size,
                     state="running",
-                    started_at=utcnow(),
+                    started_at=started,
                     ended_at=None,
                 )
             )
             return number
 
+        return self._write("start_generation", tx)
+
     def end_generation(self, job_id: str, number: int, state: str) -> None:
         ended = tuple(g for g in GENERATION_STATES if g != "running")
         _check_state("generation end", state, ended)
-        with self._write() as s:
+
+        def tx(s: Session) -> None:
             self._job(s, job_id)
             gen = s.scalar(
                 select(Generation).where(Generation.job_id == job_id, Generation.number == number)
@@ -504,9 +666,12 @@ class Store:
             gen.state = state
             gen.ended_at = utcnow()
 
+        self._write("end_generation", tx)
+
     def generations(self, job_id: str) -> list[dict[str, Any]]:
         """The job's generations, oldest first."""
-        with self._read() as s:
+
+        def tx(s: Session) -> list[dict[str, Any]]:
             self._job(s, job_id)
             rows = s.scalars(
                 select(Generation).where(Generation.job_id == job_id).order_by(Generation.number)
@@ -522,12 +687,15 @@ class Store:
                 for g in rows
             ]
 
+        return self._read("generations", tx)
+
     # ---- layouts
 
     def record_layout(self, job_id: str, layout: Layout, reason: str) -> None:
         """Store `layout` under its version. Recording the same layout again is a no-op; a
         different layout under an existing version raises StoreConflict."""
-        with self._write() as s:
+
+        def tx(s: Session) -> None:
             self._job(s, job_id)
             existing = s.scalar(
                 select(LayoutRow).where(
@@ -551,9 +719,12 @@ class Store:
                 )
             )
 
+        self._write("record_layout", tx)
+
     def current_layout(self, job_id: str) -> Layout | None:
         """The highest-versioned layout, or None before the first one is recorded."""
-        with self._read() as s:
+
+        def tx(s: Session) -> Layout | None:
             self._job(s, job_id)
             row = s.scalar(
                 select(LayoutRow)
@@ -563,9 +734,12 @@ class Store:
             )
             return None if row is None else Layout.model_validate_json(row.layout_json)
 
+        return self._read("current_layout", tx)
+
     def layouts(self, job_id: str) -> list[tuple[Layout, str, datetime]]:
         """Every recorded layout with its reason and time, by version."""
-        with self._read() as s:
+
+        def tx(s: Session) -> list[tuple[Layout, str, datetime]]:
             self._job(s, job_id)
             rows = s.scalars(
                 select(LayoutRow).where(LayoutRow.job_id == job_id).order_by(LayoutRow.version)
@@ -573,6 +747,8 @@ class Store:
             return [
                 (Layout.model_validate_json(r.layout_json), r.reason, r.created_at) for r in rows
             ]
+
+        return self._read("layouts", tx)
 
     # ---- metrics and evaluations
 
@@ -587,7 +763,9 @@ class Store:
         by_step: dict[int, _MetricRow] = {}
         for r in parsed:
             by_step.setdefault(r.step, r)
-        with self._write() as s:
+        tried: set[int] = set()  # steps an earlier try of this call inserted (may have landed)
+
+        def tx(s: Session) -> int:
             self._job(s, job_id)
             if not by_step:
                 return 0
@@ -613,13 +791,18 @@ class Store:
                 for step, r in sorted(by_step.items())
                 if step not in existing
             ]
+            ours = len(existing & tried)  # landed by a try whose acknowledgement was lost
+            tried.update(row["step"] for row in new)
             if new:
                 s.execute(insert(Metric), new)
-            return len(new)
+            return len(new) + ours
+
+        return self._write("add_metrics", tx)
 
     def metrics(self, job_id: str) -> list[dict[str, Any]]:
         """Training metrics ordered by step; `time` in unix seconds."""
-        with self._read() as s:
+
+        def tx(s: Session) -> list[dict[str, Any]]:
             self._job(s, job_id)
             rows = s.scalars(select(Metric).where(Metric.job_id == job_id).order_by(Metric.step))
             return [
@@ -633,6 +816,8 @@ class Store:
                 }
                 for m in rows
             ]
+
+        return self._read("metrics", tx)
 
     def add_evaluation(
         self,
@@ -651,13 +836,17 @@ class Store:
             raise ValueError(f"epoch and step must be >= 0, got epoch={epoch}, step={step}")
         if not math.isfinite(time):
             raise ValueError(f"time must be finite unix seconds, got {time!r}")
-        with self._write() as s:
+        tried = False  # an earlier try of this call inserted it (its commit may have landed)
+
+        def tx(s: Session) -> bool:
+            nonlocal tried
             job = self._job(s, job_id)
             exists = s.scalar(
                 select(Evaluation.id).where(Evaluation.job_id == job_id, Evaluation.step == step)
             )
             if exists is not None:
-                return False
+                return tried
+            tried = True
             s.add(
                 Evaluation(
                     job_id=job_id,
@@ -679,9 +868,12 @@ class Store:
             job.updated_at = utcnow()
             return True
 
+        return self._write("add_evaluation", tx)
+
     def evaluations(self, job_id: str) -> list[dict[str, Any]]:
         """Held-out evaluations ordered by step; `time` in unix seconds."""
-        with self._read() as s:
+
+        def tx(s: Session) -> list[dict[str, Any]]:
             self._job(s, job_id)
             rows = s.scalars(
                 select(Evaluation).where(Evaluation.job_id == job_id).order_by(Evaluation.step)
@@ -696,6 +888,8 @@ class Store:
                 }
                 for e in rows
             ]
+
+        return self._read("evaluations", tx)
 
     # ---- checkpoints
 
@@ -719,8 +913,9 @@ class Store:
         """
         if not path:
             raise ValueError("checkpoint path must not be empty")
-        if not checksum:
-            raise ValueError("checkpoint checksum must not be empty")
+        if not checksum or len(checksum) > CHECKSUM_MAX_CHARS:
+            # PostgreSQL enforces the column width; SQLite would silently store anything.
+            raise ValueError(f"checkpoint checksum must be 1-{CHECKSUM_MAX_CHARS} characters")
         for name, value in (
             ("step", step),
             ("epoch", epoch),
@@ -738,7 +933,8 @@ class Store:
             "samples_consumed": samples_consumed,
             "state": "committed",
         }
-        with self._write() as s:
+
+        def tx(s: Session) -> int:
             self._job(s, job_id)
             row = s.scalar(
                 select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
@@ -755,17 +951,22 @@ class Store:
             s.flush()
             return row.id
 
+        return self._write("commit_checkpoint", tx)
+
     def checkpoints(self, job_id: str, state: str | None = "committed") -> list[CheckpointInfo]:
         """The job's checkpoints in `state` (all if None), newest (highest step) first."""
         if state is not None:
             _check_state("checkpoint", state, CHECKPOINT_STATES)
-        with self._read() as s:
+
+        def tx(s: Session) -> list[CheckpointInfo]:
             self._job(s, job_id)
             q = select(Checkpoint).where(Checkpoint.job_id == job_id)
             if state is not None:
                 q = q.where(Checkpoint.state == state)
             rows = s.scalars(q.order_by(Checkpoint.step.desc()))
             return [CheckpointInfo._from_row(r) for r in rows]
+
+        return self._read("checkpoints", tx)
 
     def latest_checkpoint(self, job_id: str) -> CheckpointInfo | None:
         """The newest committed checkpoint, the one to resume from."""
@@ -775,11 +976,14 @@ class Store:
     def set_checkpoint_state(self, checkpoint_id: int, state: str) -> None:
         """Mark a checkpoint deleted (pruned) or corrupt (failed verification), or committed."""
         _check_state("checkpoint", state, CHECKPOINT_STATES)
-        with self._write() as s:
+
+        def tx(s: Session) -> None:
             row = s.get(Checkpoint, checkpoint_id)
             if row is None:
                 raise NotFound(f"no checkpoint with id {checkpoint_id}")
             row.state = state
+
+        self._write("set_checkpoint_state", tx)
 
     # ---- events
 
@@ -791,17 +995,36 @@ class Store:
         rank: int | None = None,
         data: dict[str, Any] | None = None,
         time: float | None = None,
-    ) -> None:
-        """Append to the job's event log (`time`: unix seconds, default now)."""
+        key: str | None = None,
+    ) -> bool:
+        """Append to the job's event log (`time`: unix seconds, default now).
+
+        `key` makes the event idempotent: an event whose key the job already has is skipped
+        (returns False). Pass a stable key (e.g. the etcd key of a worker report) when the same
+        event may be recorded again after a crash; without one, each call gets a fresh key, so
+        a retried commit still records it exactly once.
+        """
         if not kind or len(kind) > 32:
             raise ValueError(f"event kind {kind!r} must be 1-32 characters")
+        if key is not None and not 1 <= len(key) <= EVENT_KEY_MAX_CHARS:
+            raise ValueError(f"event key must be 1-{EVENT_KEY_MAX_CHARS} characters")
         try:
             data_json = None if data is None else json.dumps(_json_safe(data), allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"event data must be JSON-serialisable: {exc}") from None
         when = utcnow() if time is None else _from_unix(time)
-        with self._write() as s:
+        dedup_key = key if key is not None else f"auto:{uuid.uuid4().hex}"
+        tried = False  # an earlier try of this call inserted it (its commit may have landed)
+
+        def tx(s: Session) -> bool:
+            nonlocal tried
             self._job(s, job_id)
+            seen = s.scalar(
+                select(Event.id).where(Event.job_id == job_id, Event.dedup_key == dedup_key)
+            )
+            if seen is not None:
+                return tried
+            tried = True
             s.add(
                 Event(
                     job_id=job_id,
@@ -810,12 +1033,17 @@ class Store:
                     rank=rank,
                     message=message,
                     data_json=data_json,
+                    dedup_key=dedup_key,
                 )
             )
+            return True
+
+        return self._write("add_event", tx)
 
     def events(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
         """The job's most recent events, newest first; `time` in unix seconds."""
-        with self._read() as s:
+
+        def tx(s: Session) -> list[dict[str, Any]]:
             self._job(s, job_id)
             rows = s.scalars(
                 select(Event)
@@ -835,11 +1063,14 @@ class Store:
                 for e in rows
             ]
 
+        return self._read("events", tx)
+
     # ---- summary
 
     def status(self, job_id: str) -> dict[str, Any]:
         """A JSON-serialisable summary of one job (for the CLI and the dashboard header)."""
-        with self._read() as s:
+
+        def tx(s: Session) -> tuple[JobInfo, LayoutRow | None, Checkpoint | None, Metric | None]:
             job = JobInfo._from_row(self._job(s, job_id))
             layout_row = s.scalar(
                 select(LayoutRow)
@@ -856,6 +1087,9 @@ class Store:
             last = s.scalar(
                 select(Metric).where(Metric.job_id == job_id).order_by(Metric.step.desc()).limit(1)
             )
+            return job, layout_row, ckpt, last
+
+        job, layout_row, ckpt, last = self._read("status", tx)
         return {
             "id": job.id,
             "name": job.name,

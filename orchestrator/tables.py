@@ -33,6 +33,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 JOB_STATES = ("pending", "running", "completed", "failed", "interrupted")
 GENERATION_STATES = ("running", "completed", "failed", "aborted", "interrupted")
 CHECKPOINT_STATES = ("committed", "deleted", "corrupt")
+# Column widths the store validates against: PostgreSQL enforces them, SQLite does not.
+CHECKSUM_MAX_CHARS = 128
+EVENT_KEY_MAX_CHARS = 255
 
 # Deterministic constraint names: alembic needs them to alter/drop constraints (SQLite batch
 # mode recreates tables by name), and they keep `alembic check` stable across dialects.
@@ -180,7 +183,7 @@ class Checkpoint(Base):
     layout_version: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
-    checksum: Mapped[str] = mapped_column(String(128))
+    checksum: Mapped[str] = mapped_column(String(CHECKSUM_MAX_CHARS))
     samples_consumed: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -188,8 +191,12 @@ class Checkpoint(Base):
 
 class Event(Base):
     __tablename__ = "events"
-    # The dashboard and CLI read a job's most recent events.
-    __table_args__ = (Index("ix_events_job_id_time", "job_id", "time"),)
+    __table_args__ = (
+        # The dashboard and CLI read a job's most recent events.
+        Index("ix_events_job_id_time", "job_id", "time"),
+        # Recording an event again (a replayed worker report, a retried commit) is a no-op.
+        UniqueConstraint("job_id", "dedup_key"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[str] = _job_fk()
@@ -198,3 +205,5 @@ class Event(Base):
     rank: Mapped[int | None] = mapped_column(Integer)
     message: Mapped[str] = mapped_column(Text)
     data_json: Mapped[str | None] = mapped_column(Text)
+    # NULL only on rows written before revision 0002 (several NULLs never collide).
+    dedup_key: Mapped[str | None] = mapped_column(String(EVENT_KEY_MAX_CHARS))

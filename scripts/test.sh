@@ -4,9 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ "$(id -u)" = 0 ]; then
-  bash scripts/system-deps.sh   # Debian packages the tests use (chromium)
+  bash scripts/system-deps.sh   # Debian packages the tests use (chromium, postgresql)
 else
-  echo "[test] not root: skipping Debian packages; browser tests skip without /usr/bin/chromium"
+  echo "[test] not root: skipping Debian packages; browser and PostgreSQL tests skip without them"
 fi
 echo "[test] ruff"
 .venv/bin/ruff check .

@@ -1,4 +1,9 @@
-"""Fixtures for SQL stores."""
+"""Fixtures for SQL stores.
+
+`db_url` / `store` / `populated_store` are SQLite unless the test module overrides the
+`store_backend` fixture: tests/test_store.py makes it `params=STORE_BACKENDS`, so the same tests
+run on SQLite and on a real PostgreSQL (tests/fixtures_postgres.py), each in a fresh database.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from orchestrator.spec import JobSpec
 from orchestrator.state import Layout, StageLayout, TrainingState
 from orchestrator.store import Store, sqlite_url
 
+STORE_BACKENDS = ("sqlite", "postgresql")
 POPULATED_JOB_ID = "vit-digits-3f2a1c"
 T0 = 1_700_000_000.0  # fixed unix time so the data is reproducible
 
@@ -27,13 +33,25 @@ class StoreRun:
 
 
 @pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    return sqlite_url(tmp_path / "store.db")
+def store_backend() -> str:
+    """The database `db_url` points at; override it to run a module on other backends."""
+    return "sqlite"
+
+
+@pytest.fixture
+def db_url(store_backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """URL of a fresh, empty database: a SQLite file in tmp_path, or a new PostgreSQL
+    database on the session's server."""
+    if store_backend == "sqlite":
+        return sqlite_url(tmp_path / "store.db")
+    if store_backend == "postgresql":
+        return request.getfixturevalue("postgres_db_url")
+    raise ValueError(f"unknown store backend {store_backend!r}; known: {STORE_BACKENDS}")
 
 
 @pytest.fixture
 def store(db_url: str) -> Iterator[Store]:
-    """A migrated, empty SQLite store in tmp_path."""
+    """A migrated, empty store at `db_url` (SQLite unless `store_backend` says otherwise)."""
     s = Store.open(db_url)
     try:
         yield s

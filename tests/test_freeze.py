@@ -22,8 +22,9 @@ from trainer.freeze import (
     automatic_cap,
     converged_prefix,
     decide,
+    has_decayed,
     is_decision_point,
-    relative_change,
+    update_peaks,
 )
 
 NAN = math.nan
@@ -75,56 +76,107 @@ def test_alpha_bound_is_the_exact_ceiling(alpha: float, blocks: int, t: int) -> 
 # ---------------------------------------------------------------- the gradient criterion
 
 
-def test_relative_change_edges() -> None:
-    assert relative_change(2.0, 2.1) == pytest.approx(0.05)
-    assert relative_change(0.0, 0.0) == 0.0
-    assert relative_change(0.0, 1.0) == math.inf
-    assert relative_change(NAN, 1.0) == math.inf and relative_change(1.0, math.inf) == math.inf
+def test_decay_test_and_peaks_edges() -> None:
+    assert has_decayed(2.0, 0.2, 0.1) and not has_decayed(2.0, 0.21, 0.1)
+    assert has_decayed(0.0, 0.0, 0.1)  # no gradient, ever: nothing left to learn
+    assert not has_decayed(NAN, 0.0, 0.1)  # unknown peak
+    assert not has_decayed(1.0, NAN, 0.1) and not has_decayed(1.0, math.inf, 0.1)
+    assert has_decayed(1.0, 1.0, 1.0)  # threshold 1: every block counts as converged
+    peaks = update_peaks(None, [1.0, NAN, 2.0])
+    assert peaks[0] == 1.0 and math.isnan(peaks[1]) and peaks[2] == 2.0
+    assert update_peaks(peaks, [0.5, 3.0, math.inf]) == (1.0, 3.0, 2.0)
 
 
 def test_gradient_freezes_exactly_the_converged_prefix() -> None:
     # alpha 0.99 makes the alpha-bound loose (T=2: ceil(6 * 0.9999) = 6); the cap is 5.
     spec = _spec(alpha=0.99, threshold=0.1, keep_trainable=1)
     rounds = [
-        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # T=1: nothing to compare with
-        [1.0, 1.5, 1.0, 1.0, 1.0, 1.0],  # T=2: block 0 converged, block 1 moved 50 %
-        [9.0, 1.55, 1.0, 2.0, 1.0, 1.0],  # T=3: 1 (3 %) and 2 converged, 3 moved; 0 is frozen
-        [0.0, 0.0, 0.0, 2.0, 1.0, 1.0],  # T=4: everything converged; the cap keeps block 5
+        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # T=1: every norm is its own peak: nothing has decayed
+        [0.1, 2.0, 1.0, 1.0, 1.0, 1.0],  # T=2: block 0 at 0.1 x its peak; block 1 peaks at 2
+        [9.0, 0.2, 0.09, 1.0, 0.05, 0.0],  # T=3: 1 (0.1 x 2) and 2 decayed, 3 not; 0 is frozen
+        [9.0, 9.0, 9.0, 0.1, 0.1, 0.1],  # T=4: everything decayed; the cap keeps block 5
     ]
     got = _run(spec, rounds, 6)
     assert [d.boundary for d in got] == [0, 1, 3, 5]
     assert [d.source for d in got] == ["none", "auto", "auto", "auto"]
     assert [d.proposed for d in got] == [0, 1, 3, 6]
     assert "clipped to 5" in got[3].reason and got[3].state.decisions == 4
+    assert "0.1 x its peak" in got[1].reason
+    # the state carries the peaks, frozen blocks included
+    assert got[3].state.peak_norms == (9.0, 9.0, 9.0, 1.0, 1.0, 1.0)
+
+
+def test_decay_is_measured_against_the_peak() -> None:
+    # block 0 grows before it shrinks (as the digits ViT's first block does), then halves at
+    # every decision point: converged once at 0.25 x its peak of 4 (T=4)
+    # decision point; against its first norm (1) it would not have converged even at T=5, and a
+    # relative change of 50 % per decision point never passes the old change test
+    spec = _spec(alpha=0.99, threshold=0.25)
+    got = _run(spec, [[1.0, 1.0], [4.0, 1.0], [2.0, 0.1], [1.0, 0.1], [0.5, 0.1]], 2)
+    assert [d.boundary for d in got] == [0, 0, 0, 1, 1]
 
 
 def test_converged_block_after_an_unconverged_one_is_not_frozen() -> None:
-    spec = _spec(alpha=0.99)
-    got = _run(spec, [[1.0, 1.0, 1.0, 1.0], [2.0, 1.0, 1.0, 1.0], [2.0, 3.0, 1.0, 1.0]], 4)
+    spec = _spec(alpha=0.99, threshold=0.1)
+    got = _run(spec, [[1.0, 1.0, 1.0, 1.0], [1.0, 0.01, 0.01, 0.01], [0.01, 0.5, 0.01, 0.01]], 4)
     assert [d.boundary for d in got] == [0, 0, 1]
-    assert converged_prefix([1, 1, 1], [1, 5, 1], 0.1) == 1
-    assert converged_prefix(None, [1, 1, 1], 0.1, boundary=2) == 2
-    assert converged_prefix([1, 1, 1], [NAN, 1, 1], 0.1) == 0
+    assert converged_prefix([1, 1, 1], [1, 0.05, 0.05], 0.1) == 0
+    assert converged_prefix([1, 1, 1], [0.05, 0.5, 0.05], 0.1) == 1
+    assert converged_prefix([1, 1, 1], [1, 1, 0.05], 0.1, boundary=2) == 3
+    assert converged_prefix([1, 1, 1], [NAN, 0.05, 0.05], 0.1) == 0
+
+
+def test_steady_norms_never_freeze() -> None:
+    # the old relative-change test froze a block whose norm merely stopped changing; a block
+    # whose gradient has not decayed from its peak still has something to learn
+    got = _run(_spec(alpha=0.99), [[1.0] * 6] * 10, 6)
+    assert all(d.boundary == 0 for d in got)
 
 
 def test_gradient_is_clipped_by_the_alpha_bound() -> None:
-    spec = _spec(alpha=0.25, keep_trainable=1)
-    steady = [1.0] * 8
-    got = _run(spec, [steady] * 5, 8)
-    # alpha-bounds 2, 4, 5, 6 from T=1; T=1 has no previous norms, so nothing freezes there.
+    spec = _spec(alpha=0.25, keep_trainable=1, threshold=0.1)
+    decaying = [[100.0**-t] * 8 for t in range(5)]  # every block decayed from T=2 on
+    got = _run(spec, decaying, 8)
+    # alpha-bounds 2, 4, 5, 6, 7 from T=1; T=1 is every block's peak, so nothing freezes there.
     assert [d.boundary for d in got] == [0, 4, 5, 6, 7]
     assert [d.bound for d in got] == [2, 4, 5, 6, 7]
     for t, d in enumerate(got, start=1):
         assert d.boundary <= alpha_bound(0.25, 8, t)
 
 
-def test_warmup_decisions_delay_freezing_but_count_in_t() -> None:
-    spec = _spec(alpha=0.25, warmup_decisions=2)
-    got = _run(spec, [[1.0] * 8] * 4, 8)
-    assert [d.boundary for d in got] == [0, 0, 5, 6]
+def test_warmup_decisions_delay_freezing_and_the_bound_restarts_after_them() -> None:
+    spec = _spec(alpha=0.25, warmup_decisions=2, threshold=0.1)
+    got = _run(spec, [[1.0] * 8] + [[0.01] * 8] * 4, 8)
+    # alpha-bounds 2, 4, 5 at T' = 1, 2, 3 after warm-up: gradual, not 5 at once
+    assert [d.boundary for d in got] == [0, 0, 2, 4, 5]
     assert "warm-up" in got[1].reason
-    sched = _run(FreezeSpec(policy="schedule", alpha=0.25, warmup_decisions=2), [[1.0] * 8] * 4, 8)
-    assert [d.boundary for d in sched] == [0, 0, 5, 6]
+    sched = _run(FreezeSpec(policy="schedule", alpha=0.25, warmup_decisions=2), [[1.0] * 8] * 5, 8)
+    assert [d.boundary for d in sched] == [0, 0, 2, 4, 5]
+
+
+def test_peaks_survive_warm_up_schedule_and_overrides() -> None:
+    # peaks are recorded at every decision point that has norms, whatever the policy decides
+    spec = _spec(alpha=0.99, warmup_decisions=2, threshold=0.1)
+    state = FreezeState()
+    state = decide(spec, state, [5.0, 5.0, 5.0], 3).state  # warm-up
+    state = decide(spec, state, [1.0, 1.0, 1.0], 3, override=1).state  # manual
+    assert state.peak_norms == (5.0, 5.0, 5.0)
+    d = decide(spec, state, [0.5, 0.6, 0.5], 3)  # block 1 has not decayed to 0.1 x its peak 5
+    assert d.boundary == 1 and d.proposed == 1
+    sched = decide(FreezeSpec(policy="schedule"), state, None, 3).state
+    assert sched.peak_norms == state.peak_norms  # no norms: peaks unchanged
+
+
+def test_a_state_without_peaks_uses_its_last_norms() -> None:
+    # a state saved before peaks were kept (or rebuilt from the last norms only): the last norms
+    # stand in for the peaks; that can only delay freezing
+    old = FreezeState.from_dict({"boundary": 0, "decisions": 3, "last_norms": [4.0, 4.0]})
+    assert old.peak_norms is None
+    spec = _spec(alpha=0.99, threshold=0.2)
+    d = decide(spec, old, [0.5, 0.3], 2)
+    assert d.state.peak_norms == (4.0, 4.0) and d.boundary == 1
+    d = decide(spec, FreezeState(0, 3), [0.5, 0.3], 2)
+    assert d.boundary == 0 and d.state.peak_norms == (0.5, 0.3)
 
 
 def test_decide_input_errors() -> None:
@@ -175,7 +227,11 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
     blocks, spec, steps = scenario
     state = FreezeState()
     manual_seen = False
+    seen: list[list[float]] = [[] for _ in range(blocks)]  # finite norms so far, per block
     for norms, override in steps:
+        for i, n in enumerate(norms):
+            if math.isfinite(n):
+                seen[i].append(n)
         before = state.to_dict()
         if override is not None:
             valid = state.boundary <= override <= blocks - spec.keep_trainable
@@ -197,12 +253,21 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
         assert d.boundary <= blocks - spec.keep_trainable
         if d.source == "auto":
             assert state.boundary < d.boundary <= cap
+            if spec.policy == "gradient":  # every newly frozen block has decayed from its peak
+                for i in range(state.boundary, d.boundary):
+                    assert seen[i] and math.isfinite(norms[i])
+                    assert norms[i] <= spec.threshold * max(seen[i])
+        peaks = d.state.peak_norms
+        assert peaks is not None and len(peaks) == blocks
+        for i in range(blocks):  # the peak is the largest finite norm seen (NaN while none)
+            assert peaks[i] == max(seen[i]) if seen[i] else math.isnan(peaks[i])
         if d.source == "none":
             assert d.boundary == state.boundary
         if not manual_seen:  # purely automatic history: within the alpha-bound at every T
             assert d.boundary <= alpha_bound(spec.alpha, blocks, t)
             if spec.policy == "off":
                 assert d.boundary == 0
+            assert d.boundary <= alpha_bound(spec.alpha, blocks, max(0, t - spec.warmup_decisions))
             if spec.policy == "schedule":
                 assert d.boundary == (cap if t > spec.warmup_decisions else 0)
         assert decide(spec, state, norms, blocks, override=None).state.decisions == t
@@ -224,7 +289,9 @@ def test_schedule_follows_the_bound_exactly(blocks, alpha, keep, warmup, rounds)
     state = FreezeState()
     for t in range(1, rounds + 1):
         state = decide(spec, state, None, blocks).state
-        want = min(alpha_bound(alpha, blocks, t), max(0, blocks - keep)) if t > warmup else 0
+        want = (
+            min(alpha_bound(alpha, blocks, t - warmup), max(0, blocks - keep)) if t > warmup else 0
+        )
         assert state.boundary == want
 
 
@@ -356,17 +423,24 @@ def test_keep_trainable_must_leave_a_freezable_block() -> None:
     st.integers(0, 50),
     st.integers(0, 1000),
     st.none() | st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=20),
+    st.none() | st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=20),
 )
-def test_state_round_trips_through_json(boundary, decisions, norms) -> None:
-    state = FreezeState(boundary, decisions, None if norms is None else tuple(norms))
+def test_state_round_trips_through_json(boundary, decisions, norms, peaks) -> None:
+    state = FreezeState(
+        boundary,
+        decisions,
+        None if norms is None else tuple(norms),
+        None if peaks is None else tuple(peaks),
+    )
     text = json.dumps(state.to_dict(), allow_nan=False)  # strict JSON for etcd and checkpoints
     back = FreezeState.from_dict(json.loads(text))
     assert (back.boundary, back.decisions) == (boundary, decisions)
-    if norms is None:
-        assert back.last_norms is None
-    else:
-        want = [n if math.isfinite(n) else None for n in norms]
-        assert [n if math.isfinite(n) else None for n in back.last_norms] == want
+    for sent, got in ((norms, back.last_norms), (peaks, back.peak_norms)):
+        if sent is None:
+            assert got is None
+        else:
+            want = [n if math.isfinite(n) else None for n in sent]
+            assert [n if math.isfinite(n) else None for n in got] == want
 
 
 def test_state_from_dict_rejects_malformed_input() -> None:
@@ -376,6 +450,8 @@ def test_state_from_dict_rejects_malformed_input() -> None:
         FreezeState.from_dict({"decisions": "3"})
     with pytest.raises(ValueError, match=r"last_norms\[1\]"):
         FreezeState.from_dict({"last_norms": [1.0, "x"]})
+    with pytest.raises(ValueError, match=r"peak_norms must be a list"):
+        FreezeState.from_dict({"peak_norms": "1.0"})
     with pytest.raises(ValueError, match="unknown"):
         FreezeState.from_dict({"boundry": 1})
     assert FreezeState.from_dict({}) == FreezeState()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from orchestrator.spec import JobSpec
 from orchestrator.state import Layout
-from trainer.partition import balanced_partition, plan_layout
+from trainer.partition import PlanError, balanced_partition, plan_for_world, plan_layout
 
 
 def _brute_force(costs: list[float], stages: int) -> float:
@@ -64,3 +64,77 @@ def test_layout_rejects_gaps() -> None:
                 {"index": 1, "start": 2, "end": 4, "ranks": [1]},
             ],
         )
+
+
+# -- re-forming for a changed world (node loss / rejoin) -------------------------------------
+
+
+def _world_spec(**parallel) -> JobSpec:
+    base = {"stages": 2, "replicas": 2, "microbatches": 4}
+    return JobSpec.model_validate(
+        {
+            "name": "w",
+            "model": {"depth": 6},
+            "training": {"global_batch_size": 64},
+            "parallel": {**base, **parallel},
+        }
+    )
+
+
+def test_plan_for_world_keeps_depth_and_drops_replicas() -> None:
+    spec = _world_spec()
+    current = plan_layout(spec)  # 2 x 2
+    shrunk = plan_for_world(spec, 2, 0, current)
+    assert (shrunk.pipeline_ranks, shrunk.replicas, shrunk.microbatches) == (2, 1, 4)
+    assert shrunk.version == current.version + 1 and shrunk.world_size == 2
+    widened = plan_for_world(spec, 4, 0, shrunk)
+    assert (widened.pipeline_ranks, widened.replicas) == (2, 2)
+    # an odd world: 3 does not split a depth-2 pipeline, so the deepest shape that divides it
+    three = plan_for_world(spec, 3, 0, current)
+    assert three.world_size == 3 and 3 % three.pipeline_ranks == 0
+
+
+def test_plan_for_world_keeps_frozen_blocks_out_of_the_pipeline() -> None:
+    spec = _world_spec()
+    layout = plan_for_world(spec, 1, 4, plan_layout(spec))
+    assert layout.freeze_boundary == 4
+    assert [(s.start, s.end) for s in layout.stages] == [(4, 6)]
+    # two active blocks cannot fill a 4-deep pipeline: fewer, longer stages instead
+    deep = plan_for_world(_world_spec(stages=4, replicas=1), 4, 4, None)
+    assert deep.pipeline_ranks <= 2 and deep.world_size == 4
+
+
+def test_plan_for_world_says_why_nothing_fits() -> None:
+    spec = _world_spec(stages=2, replicas=1, microbatches=4)
+    spec = spec.model_copy(
+        update={"training": spec.training.model_copy(update={"global_batch_size": 5})}
+    )
+    with pytest.raises(PlanError, match="no layout fits 2 worker"):
+        plan_for_world(spec, 2, 5)  # one active block for two ranks, batch 5 for two replicas
+    with pytest.raises(PlanError, match="no workers"):
+        plan_for_world(spec, 0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 5), st.sampled_from([1, 2, 4]))
+def test_plan_for_world_fits_the_world_whenever_it_succeeds(world, frozen, stages) -> None:
+    spec = _world_spec(stages=stages, replicas=1)
+    try:
+        layout = plan_for_world(spec, world, frozen, plan_layout(spec))
+    except PlanError:
+        return
+    assert layout.world_size == world and layout.freeze_boundary == frozen
+    assert layout.stages[0].start == frozen and layout.stages[-1].end == 6
+    assert 64 % layout.replicas == 0 and (64 // layout.replicas) % layout.microbatches == 0
+
+
+def test_a_per_stage_recompute_list_carries_over_by_block() -> None:
+    from trainer.relayout import recompute_flags
+
+    spec = _world_spec(stages=2, replicas=1, recompute=[False, True])  # blocks 3-5 recompute
+    assert recompute_flags(spec, plan_layout(spec)) == [False, True]
+    three = plan_for_world(_world_spec(stages=3, replicas=1), 3, 0, None)  # [0,2) [2,4) [4,6)
+    assert recompute_flags(spec, three) == [False, True, True]
+    one = plan_for_world(spec, 1, 4, plan_layout(spec))  # frozen prefix, one stage [4, 6)
+    assert recompute_flags(spec, one) == [True]
+    assert recompute_flags(_world_spec(recompute=True), three) == [True, True, True]

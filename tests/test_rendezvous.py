@@ -241,12 +241,14 @@ def test_survivors_follow_the_new_rank0_after_rank0_is_lost(etcd_server: Embedde
         # torch 2.13 alone would hand c the dead node's store; ours follows the new rank 0.
         assert second[1].bootstrap_store_info.master_port == new_master
 
-        # And the new master store really is served by b.
-        client = dist.TCPStore(
-            "127.0.0.1", new_master, is_master=False, timeout=timedelta(seconds=5)
-        )
+        # Workers do not share the agents' store (see create_etcd3_handler): the new round's
+        # rank-0 worker hosts a fresh one on that port, and its peers reach it there.
+        assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        host = second[1].bootstrap_store_info.master_addr
+        server = dist.TCPStore(host, new_master, is_master=True, timeout=timedelta(seconds=5))
+        client = dist.TCPStore(host, new_master, is_master=False, timeout=timedelta(seconds=5))
         client.set("probe", "ok")
-        assert client.get("probe") == b"ok"
+        assert server.get("probe") == b"ok"
     finally:
         for h in (b, c):
             h.shutdown()

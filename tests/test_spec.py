@@ -133,3 +133,43 @@ def test_missing_or_unparsable_file(tmp_path: Path) -> None:
     listy.write_text("- a\n- b\n")
     with pytest.raises(SpecError, match="must be a mapping"):
         load_spec(listy)
+
+
+def test_checkpoint_intervals_parse() -> None:
+    spec = parse_spec({"name": "x"})
+    c = spec.checkpoint
+    assert (c.every_epochs, c.every_steps, c.every_seconds, c.async_save) == (1, None, None, True)
+    c = parse_spec(
+        {
+            "name": "x",
+            "checkpoint": {
+                "every_epochs": None,
+                "every_steps": 50,
+                "every_seconds": 2.5,
+                "async_save": False,
+            },
+        }
+    ).checkpoint
+    assert (c.every_epochs, c.every_steps, c.every_seconds, c.async_save) == (None, 50, 2.5, False)
+    assert JobSpec.model_validate_json(spec.to_json()) == spec  # round-trips
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "field", "phrase"),
+    [
+        ({"every_steps": 0}, "checkpoint.every_steps", "greater than 0"),
+        ({"every_steps": 2.5}, "checkpoint.every_steps", "valid integer"),
+        ({"every_steps": True}, "checkpoint.every_steps", "not a boolean"),
+        ({"every_seconds": -1}, "checkpoint.every_seconds", "greater than 0"),
+        ({"every_seconds": "soon"}, "checkpoint.every_seconds", "valid number"),
+        ({"every_seconds": float("inf")}, "checkpoint.every_seconds", "finite number"),
+        ({"every_epochs": 0}, "checkpoint.every_epochs", "greater than 0"),
+        ({"async_save": "maybe"}, "checkpoint.async_save", "valid boolean"),
+        ({"every_minutes": 5}, "checkpoint.every_minutes", "unknown field"),
+        ({"every_epochs": None}, "checkpoint", "set at least one of checkpoint.every_epochs"),
+    ],
+)
+def test_bad_checkpoint_settings_name_the_field(checkpoint: dict, field: str, phrase: str) -> None:
+    problems = _problems({"name": "x", "checkpoint": checkpoint})
+    assert field in problems, problems
+    assert phrase in problems[field]

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from orchestrator.spec import SCHEDULES, JobSpec
+from orchestrator.spec import SCHEDULES, JobSpec, schedule_problem
 from orchestrator.state import Layout, StageLayout
 
 # PipeTransformer's AutoPipe weights a frozen layer at 1/6 of an active one (its `frozen_layer_cost_factor`).
@@ -106,6 +106,64 @@ def plan_layout(
         placement=rule.placement,
         version=version,
     )
+
+
+def _world_shapes(preferred: int, world: int) -> list[int]:
+    """Pipeline depths P dividing `world`, in the order a re-formed job tries them: the current
+    depth first, then shallower ones (more replicas), then deeper ones."""
+    divs = _divisors(world)
+    return sorted(divs, key=lambda d: (d > preferred, -d if d <= preferred else d))
+
+
+def plan_for_world(
+    spec: JobSpec, world: int, freeze_boundary: int = 0, current: Layout | None = None
+) -> Layout:
+    """The layout a job re-forms with after its world changed (a node lost or back): `world`
+    workers, frozen blocks [0, F) out of the pipeline, uniform block costs (the workers may
+    re-plan from measurement). It keeps the current pipeline depth where it divides the world
+    (the rest become replicas), else the deepest that does, and the current micro-batch count
+    where the schedule and the replica batch allow it. The version is current's + 1 (or 1).
+
+    Pure; raises PlanError saying why when nothing fits (the job then waits for capacity)."""
+    p = spec.parallel
+    L, f, gb = spec.model.depth, freeze_boundary, spec.training.global_batch_size
+    if world < 1:
+        raise PlanError(f"no workers to plan for (world {world})")
+    preferred = current.pipeline_ranks if current is not None else p.stages
+    virtual = current.virtual_stages if current is not None else p.virtual_stages
+    m_now = current.microbatches if current is not None else p.microbatches
+    rule = SCHEDULES[p.schedule]
+    why: list[str] = []
+    for depth in _world_shapes(preferred, world):
+        replicas, stages = world // depth, depth * virtual
+        if stages > L - f:
+            why.append(f"{depth}x{replicas}: {stages} stages > {L - f} active blocks")
+            continue
+        if gb % replicas:
+            why.append(f"{depth}x{replicas}: batch {gb} does not split into {replicas} replicas")
+            continue
+        options = microbatch_candidates(stages, gb // replicas)
+        if m_now != "auto" and (gb // replicas) % m_now == 0:
+            options = [m_now, *options]
+        m = next(
+            (m for m in options if schedule_problem(p.schedule, depth, virtual, m) is None), None
+        )
+        if m is None:
+            why.append(f"{depth}x{replicas}: no micro-batch count suits {p.schedule!r}")
+            continue
+        ranges = [(a + f, b + f) for a, b in balanced_partition([1.0] * (L - f), stages)]
+        return Layout.build(
+            ranges,
+            num_blocks=L,
+            replicas=replicas,
+            microbatches=m,
+            schedule=p.schedule,
+            virtual_stages=virtual,
+            placement=rule.placement,
+            version=(current.version + 1) if current is not None else 1,
+            freeze_boundary=f,
+        )
+    raise PlanError(f"no layout fits {world} worker(s): " + "; ".join(why))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -443,6 +443,7 @@ def relayout_plan(
                 stages=s,
                 replicas=r,
                 schedule=p.schedule,
+                recompute=any(p.recompute_for(i) for i in range(p.num_stages)),
                 allowed_cuts=range(f + 1, L),
             )
         )

@@ -9,12 +9,16 @@ acts on it at the same step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +28,13 @@ import torch
 import torch.distributed as dist
 
 from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
+from orchestrator.etcd_client import EtcdClient, EtcdError
+from orchestrator.launch import EXIT_REFORM
 from orchestrator.manifest import verify_checkpoint
 from orchestrator.spec import JobSpec
-from orchestrator.state import Assignment, Layout, StageLayout, WorkerEvent
+from orchestrator.state import Assignment, JoinRequest, Layout, StageLayout, WorkerEvent
 from trainer.cache import ActivationCache, CachePolicy, decide_cache
-from trainer.checkpoint import read_meta, save_checkpoint
+from trainer.checkpoint import AsyncCheckpointer, checkpoint_due, read_meta
 from trainer.data import Dataset, Split, load_dataset
 from trainer.freeze import (
     FreezeOverrideError,
@@ -76,25 +81,100 @@ class Context:
     world: int
 
 
-def _read_job(etcd: EtcdClient, job_id: str, timeout: float = 60.0):
-    """Wait for the controller to publish spec, layout and assignment (a torchx launch may start
-    workers before the controller has written them)."""
+def _read_spec(etcd: EtcdClient, job_id: str, timeout: float = 60.0) -> JobSpec:
+    """Wait for the controller to publish the spec (a torchx launch may start workers before
+    the controller has written it)."""
     deadline = time.monotonic() + timeout
-    while True:
-        raw = [
-            etcd.get(k) for k in (keys.spec(job_id), keys.layout(job_id), keys.assignment(job_id))
-        ]
-        if all(raw):
-            return (
-                JobSpec.model_validate_json(raw[0]),
-                Layout.model_validate_json(raw[1]),
-                Assignment.model_validate_json(raw[2]),
-            )
+    while (raw := etcd.get(keys.spec(job_id))) is None:
         if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"job {job_id!r} has no spec/layout/assignment in etcd after {timeout}s"
-            )
+            raise RuntimeError(f"job {job_id!r} has no spec in etcd after {timeout}s")
         time.sleep(0.2)
+    return JobSpec.model_validate_json(raw)
+
+
+def _join(etcd: EtcdClient, job_id: str, rank: int, world: int) -> Assignment:
+    """This rendezvous round asks the controller for its generation: rank 0 files a join
+    request naming the round's world and nodes and waits for the assignment answering it (a
+    controller being restarted answers when it is back); every rank gets the same answer."""
+    me = [None] * world
+    # a node is its torchrun agent (our parent): host names alone repeat on one machine
+    dist.all_gather_object(me, (f"{socket.gethostname()}:{os.getppid()}", os.getpid()))
+
+    def ask() -> Assignment:
+        request = JoinRequest(
+            id=uuid.uuid4().hex, world=world, nodes=[n for n, _ in me], pids=[p for _, p in me]
+        )
+        etcd.put(keys.join(job_id), request.model_dump_json())
+        asked = time.monotonic()
+        while True:
+            raw = etcd.get(keys.assignment(job_id))
+            if raw is not None:
+                assignment = Assignment.model_validate_json(raw)
+                if assignment.request == request.id:
+                    return assignment
+            if time.monotonic() - asked > 10:
+                log.info("waiting for the controller to answer join request %s", request.id)
+                asked = time.monotonic()
+            time.sleep(0.05)
+
+    return _from_rank0(rank, ask)
+
+
+class AbortWatch:
+    """Watches `keys.abort`: when the controller aborts this generation (a peer was lost), the
+    process leaves at once with EXIT_REFORM, even from inside a collective that would otherwise
+    wait for the dead peer until the collective timeout; its agent re-rendezvous. Polls (cheap,
+    and immune to watch streams lost across an etcd restart)."""
+
+    def __init__(self, etcd: EtcdClient, job_id: str, generation: int, every: float = 0.2):
+        self.etcd, self.key, self.generation, self.every = (
+            etcd,
+            keys.abort(job_id),
+            generation,
+            every,
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="abort-watch", daemon=True)
+
+    def start(self) -> AbortWatch:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                value = self.etcd.get(self.key)
+            except EtcdError:
+                continue  # etcd restarting: the lease outlives it, keep watching
+            if value == str(self.generation):
+                log.warning("generation %d aborted by the controller: leaving", self.generation)
+                logging.shutdown()
+                os._exit(EXIT_REFORM)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class LeaveRequest:
+    """SIGTERM asks the worker to leave gracefully: finish the step, checkpoint with everyone,
+    exit (EXIT_REFORM). If that cannot happen within `grace_s` (e.g. a peer is gone and a
+    collective blocks), it exits anyway."""
+
+    def __init__(self, grace_s: float = 10.0) -> None:
+        self.grace_s = grace_s
+        self.requested = False
+
+    def install(self) -> LeaveRequest:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.requested:
+            return
+        self.requested = True
+        timer = threading.Timer(self.grace_s, os._exit, args=(EXIT_REFORM,))
+        timer.daemon = True
+        timer.start()
 
 
 def _from_rank0(rank: int, compute: Callable[[], T]) -> T:
@@ -148,8 +228,10 @@ class Trainer:
     """One rank's training run. A re-layout swaps the pipeline, optimizer and placement in
     place; epoch, step, LR schedule position and the sampler cursor carry over."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, leave: LeaveRequest | None = None):
         self.ctx, self.spec, self.tspec = ctx, ctx.spec, ctx.spec.training
+        self.leave = leave or LeaveRequest()
+        self._stepped = False
         self.data = load_dataset(self.spec.data, self.spec.model)
         self.sampler = ElasticSampler(
             len(self.data.train), self.tspec.global_batch_size, self.tspec.seed
@@ -165,9 +247,7 @@ class Trainer:
                 self.freeze = FreezeState.from_dict(saved)
         if self.freeze.boundary < ctx.layout.freeze_boundary:
             # checkpointed just before a re-layout: the recorded layout's boundary holds
-            self.freeze = FreezeState(
-                ctx.layout.freeze_boundary, self.freeze.decisions, self.freeze.last_norms
-            )
+            self.freeze = dataclasses.replace(self.freeze, boundary=ctx.layout.freeze_boundary)
         self.meter = GradNormMeter(self.spec.model.depth)
         self.cache: ActivationCache | None = None
         self._build(load_from=self.state.checkpoint, checksum=ctx.assignment.resume_checksum)
@@ -199,31 +279,77 @@ class Trainer:
         self.pipe.cache = self.cache if decision.use else None
         log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, decision.reason)
 
-    def checkpoint(self, reason: str) -> None:
-        """Collective: write (once per step) and report a checkpoint of the current state."""
-        if self.saved_step == self.state.step:
+    def checkpoint(self, reason: str, wait: bool = True) -> None:
+        """Collective: snapshot the current state (once per step) and write it; rank 0 reports
+        it (the `checkpoint` event the controller commits) once every shard is durable and the
+        directory sealed. With `wait` (re-layout, stop, leave, end) it is complete and reported
+        before this returns; otherwise (periodic, with checkpoint.async_save) training goes on
+        while it persists and a later step boundary reports it."""
+        ckpt = self._checkpointer()
+        if self.saved_step != self.state.step:
+            ctx, state = self.ctx, self.state
+            self._report_checkpoint(block=True)  # at most one in flight; report it first
+            path = Path(ctx.assignment.checkpoint_dir) / f"step-{state.step:08d}"
+            meta = state.model_dump() | {
+                "layout_version": ctx.layout.version,
+                "reason": reason,
+                "freeze": self.freeze.to_dict(),
+            }
+            ckpt.start(path, self.pipe.model, self.optimizer, meta)
+            self._ckpt_state, self._ckpt_time = state, time.monotonic()
+            self.saved_step = state.step
+        if wait or not ckpt.async_save:
+            self._report_checkpoint(block=True)
+
+    def _checkpointer(self) -> AsyncCheckpointer:
+        """This process's checkpointer, made at the first checkpoint: a collective (it creates
+        the gloo group the background writes use), reached by every rank at the same step."""
+        ckpt = self.__dict__.get("_ckpt")
+        if ckpt is None:
+            ckpt = self._ckpt = AsyncCheckpointer(async_save=self.spec.checkpoint.async_save)
+        return ckpt
+
+    def _report_checkpoint(self, block: bool) -> None:
+        """Collect a checkpoint that has been sealed (wait for it if `block`): rank 0 emits the
+        event with the state as of the step it snapshots; every rank records its path."""
+        ckpt = self.__dict__.get("_ckpt")
+        saved = None if ckpt is None else (ckpt.wait() if block else ckpt.poll())
+        if saved is None:
             return
-        ctx, state = self.ctx, self.state
-        path = Path(ctx.assignment.checkpoint_dir) / f"step-{state.step:08d}"
-        meta = state.model_dump() | {
-            "layout_version": ctx.layout.version,
-            "reason": reason,
-            "freeze": self.freeze.to_dict(),
-        }
-        t0 = time.monotonic()
-        saved = save_checkpoint(path, self.pipe.model, self.optimizer, meta)
-        if saved is not None:
-            ctx.reporter.emit(
+        if self.ctx.rank == 0:
+            self.ctx.reporter.emit(
                 "checkpoint",
                 path=saved.path,
                 size_bytes=saved.size_bytes,
                 checksum=saved.checksum,
-                seconds=time.monotonic() - t0,
-                state=state.model_dump(),
-                layout_version=ctx.layout.version,
+                seconds=saved.seconds,
+                blocked_s=saved.blocked_s,
+                state=self._ckpt_state.model_dump(),
+                layout_version=saved.meta["layout_version"],
             )
-        self.state = state.model_copy(update={"checkpoint": str(path)})
-        self.saved_step = state.step
+        self.state = self.state.model_copy(update={"checkpoint": saved.path})
+
+    def _periodic_checkpoint(self, epoch_done: bool) -> None:
+        """At every step boundary: report a checkpoint that finished sealing, and start the next
+        one when an interval of `checkpoint` has elapsed (CheckpointSpec, checkpoint_due)."""
+        self._report_checkpoint(block=False)
+        spec, st = self.spec, self.state
+        since = self.__dict__.setdefault("_ckpt_time", time.monotonic())
+        seconds = None
+        if spec.checkpoint.every_seconds is not None and (
+            st.step % spec.runtime.control_every_steps == 0 or epoch_done
+        ):
+            # clocks differ between ranks: rank 0's decides, so every rank takes the same step
+            seconds = _from_rank0(self.ctx.rank, lambda: time.monotonic() - since)
+        due = checkpoint_due(
+            spec.checkpoint,
+            steps_since=st.step - max(self.saved_step, 0),
+            epoch=st.epoch,
+            epoch_end=epoch_done,
+            seconds_since=seconds,
+        )
+        if due:
+            self.checkpoint(due, wait=False)
 
     def step(self) -> bool:
         """One optimizer step; returns whether it ended an epoch."""
@@ -270,10 +396,17 @@ class Trainer:
             replica=ctx.replica,
             pid=os.getpid(),
             host=socket.gethostname(),
+            node=f"{socket.gethostname()}:{os.getppid()}",  # its torchrun agent
             total_steps=self.total_steps,
         )
         while self.state.epoch < self.tspec.epochs and self.state.step < self.total_steps:
             epoch_done = self.step()
+            if not self._stepped:  # how long the (re)start took, for the record
+                self._stepped = True
+                if ctx.rank == 0:
+                    ctx.reporter.emit("first_step", step=self.state.step, time=time.time())
+            if self._leaving():
+                return "leave"
             if epoch_done:
                 result = evaluate(ctx, self.pipe, self.data)
                 if result is not None and ctx.replica == 0:
@@ -287,8 +420,7 @@ class Trainer:
                 if _broadcast_reached(ctx, self.pipe, result):
                     self.checkpoint("target")
                     return "target"
-                if self.state.epoch % spec.checkpoint.every_epochs == 0:
-                    self.checkpoint("epoch")
+            self._periodic_checkpoint(epoch_done)
             finished = self.state.epoch >= self.tspec.epochs or self.state.step >= self.total_steps
             # decision points run with policy 'off' too: a manual override is applied there
             if not finished and is_decision_point(spec.freeze, self.state.step, epoch_done):
@@ -299,6 +431,22 @@ class Trainer:
                     return "stopped"
         self.checkpoint("end")
         return "done"
+
+    def _leaving(self) -> bool:
+        """Whether any rank was asked to leave (SIGTERM) during this step: then everyone
+        checkpoints this step and exits, and the agents re-form the job without the leaver.
+        One tiny all-reduce per step over the control group, so all ranks agree."""
+        ctx = self.ctx
+        asked = torch.zeros(ctx.world)
+        asked[ctx.rank] = 1.0 if self.leave.requested else 0.0
+        dist.all_reduce(asked)
+        ranks = asked.nonzero().flatten().tolist()
+        if not ranks:
+            return False
+        self.checkpoint("leave")
+        if ctx.rank == 0:
+            ctx.reporter.emit("leaving", ranks=ranks, step=self.state.step)
+        return True
 
     # -- AutoFreeze and re-layout ---------------------------------------------------------------
 
@@ -389,6 +537,15 @@ def _measured_layout(spec: JobSpec, layout: Layout, rank: int, reporter: Reporte
     return planned
 
 
+def _hold(etcd: EtcdClient, assignment: Assignment, leave: LeaveRequest) -> int:
+    """No layout fits this world: keep the lease and wait until the agents re-rendezvous (a
+    node joined: they stop us) or we are told to leave."""
+    log.warning("%s", assignment.waiting)
+    while not leave.requested:
+        time.sleep(0.2)
+    return EXIT_REFORM
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainer.worker", description=__doc__)
     parser.add_argument("--job-id", required=True)
@@ -397,37 +554,67 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s [rank {os.environ.get('RANK', '?')}] %(message)s"
     )
+    leave = LeaveRequest().install()
     etcd = EtcdClient(args.etcd)
-    spec, layout, assignment = _read_job(etcd, args.job_id)
+    spec = _read_spec(etcd, args.job_id)
     torch.set_num_threads(spec.runtime.threads_per_worker)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != layout.world_size:
-        raise SystemExit(f"layout v{layout.version} needs {layout.world_size} ranks, got {world}")
-    reporter = Reporter(etcd, args.job_id, assignment.generation, rank)
-    p = spec.parallel
-    if (p.partition == "autopipe" or p.microbatches == "auto") and layout.planner != "autopipe":
-        layout = _measured_layout(spec, layout, rank, reporter)
-    placements = layout.placements(rank)
-    stages, replica = [s for s, _ in placements], placements[0][1]
+    assignment = _join(etcd, args.job_id, rank, world)
+    generation = assignment.generation
+    reporter = Reporter(etcd, args.job_id, generation, rank)
     lease = etcd.lease(spec.runtime.lease_ttl_s)
-    etcd.put(keys.worker(args.job_id, rank), str(os.getpid()), lease=lease)
+    presence = {"generation": generation, "pid": os.getpid(), "host": socket.gethostname()}
+    etcd.put(keys.worker(args.job_id, rank), json.dumps(presence), lease=lease)
     keepalive = etcd.keep_alive(lease)
-    ctx = Context(
-        args.job_id, spec, layout, assignment, rank, stages, replica, etcd, reporter, world
-    )
+    watch = AbortWatch(etcd, args.job_id, generation).start()
+    code = 0
     try:
-        outcome = Trainer(ctx).run()
-        dist.barrier()
-        if rank == 0:
-            reporter.emit("stopped" if outcome == "stopped" else "done", outcome=outcome)
+        if assignment.layout is None:
+            return _hold(etcd, assignment, leave)
+        layout = _startup_layout(spec, assignment.layout, world, rank, reporter)
+        placements = layout.placements(rank)
+        stages, replica = [s for s, _ in placements], placements[0][1]
+        ctx = Context(
+            args.job_id, spec, layout, assignment, rank, stages, replica, etcd, reporter, world
+        )
+        outcome = Trainer(ctx, leave).run()
+        if outcome == "leave":
+            code = EXIT_REFORM
+        else:
+            dist.barrier()
+            if rank == 0:
+                reporter.emit("stopped" if outcome == "stopped" else "done", outcome=outcome)
+        dist.barrier()  # every final report is queued before any lease is revoked
     except Exception as exc:
         reporter.emit("failed", error=f"{type(exc).__name__}: {exc}")
         raise
     finally:
+        watch.stop()
         keepalive.stop(revoke=True)
         dist.destroy_process_group()
-    return 0
+    return code
+
+
+def _startup_layout(
+    spec: JobSpec, layout: Layout, world: int, rank: int, reporter: Reporter
+) -> Layout:
+    """The layout to train under: the assigned one, or one planned from measurement when the
+    spec asks for AutoPipe or an automatic micro-batch count and it was not measured yet."""
+    p = spec.parallel
+    if layout.planner == "autopipe" or (p.partition != "autopipe" and p.microbatches != "auto"):
+        return layout
+    if world == p.world_size and layout.freeze_boundary == 0:
+        return _measured_layout(spec, layout, rank, reporter)
+    # a re-formed world: plan S' x R' = world from measurement, as a re-layout does
+    t0 = time.monotonic()
+    planned, reason = _from_rank0(
+        rank, lambda: relayout_plan(spec, layout, layout.freeze_boundary, world)
+    )
+    if rank == 0:
+        seconds = time.monotonic() - t0
+        reporter.emit("layout", layout=planned.model_dump(), reason=reason, seconds=seconds)
+    return planned
 
 
 if __name__ == "__main__":

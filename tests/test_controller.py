@@ -1,0 +1,188 @@
+"""The controller's generation protocol against a real etcd and a real SQLite store, without
+workers: join requests become generations planned for the world that joined, a lost lease
+aborts the generation, and a restarted controller takes over the running one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import keys
+from orchestrator.controller import Controller
+from orchestrator.etcd_client import EtcdClient
+from orchestrator.etcd_server import EmbeddedEtcd
+from orchestrator.launch import EXIT_REFORM
+from orchestrator.spec import JobSpec
+from orchestrator.state import Assignment, JoinRequest, WorkerEvent
+from orchestrator.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _spec() -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "name": "ft",
+            "model": {"depth": 4, "dim": 32, "heads": 4},
+            "training": {"epochs": 1, "global_batch_size": 64},
+            "parallel": {"stages": 2, "replicas": 1, "microbatches": 4},
+            "runtime": {"nodes": 2, "lease_ttl_s": 2},
+        }
+    )
+
+
+@pytest.fixture
+def ctrl(store: Store, etcd: EtcdClient, tmp_path: Path) -> Controller:
+    c = Controller.create(store, etcd, _spec(), tmp_path, "job-ft")
+    c.publish("job-ft-rdzv")
+    return c
+
+
+def _join(etcd: EtcdClient, world: int, nodes: list[str]) -> JoinRequest:
+    request = JoinRequest(id=f"r-{time.monotonic_ns()}", world=world, nodes=nodes)
+    etcd.put(keys.join("job-ft"), request.model_dump_json())
+    return request
+
+
+def _assignment(etcd: EtcdClient) -> Assignment:
+    return Assignment.model_validate_json(etcd.get(keys.assignment("job-ft")))
+
+
+def _register(etcd: EtcdClient, generation: int, rank: int, ttl: int = 2):
+    lease = etcd.lease(ttl)
+    etcd.put(keys.worker("job-ft", rank), json.dumps({"generation": generation}), lease=lease)
+    return lease
+
+
+def test_publish_prepares_a_launch(ctrl: Controller, etcd: EtcdClient, store: Store) -> None:
+    assert json.loads(etcd.get(keys.launch("job-ft"))) == {"rdzv_id": "job-ft-rdzv"}
+    assert etcd.get(keys.control("job-ft")) == "run"
+    assert etcd.get(keys.assignment("job-ft")) is None  # generations start on a join request
+    assert ctrl.answer_join() is None
+    assert store.get_job("job-ft").message == "waiting for workers to join"
+
+
+def test_join_starts_a_generation_and_is_answered_once(ctrl: Controller, etcd, store) -> None:
+    request = _join(etcd, 2, ["a", "b"])
+    a = ctrl.answer_join()
+    assert a is not None and a.request == request.id and a.generation == 1
+    assert a.layout.world_size == 2 and a.waiting is None and a.start.step == 0
+    assert _assignment(etcd) == a
+    assert ctrl.answer_join() is None  # the same request is not answered twice
+    assert [g["state"] for g in store.generations("job-ft")] == ["running"]
+
+
+def test_node_loss_shrinks_and_a_rejoin_widens(ctrl: Controller, etcd, store) -> None:
+    _join(etcd, 2, ["a", "b"])
+    first = ctrl.answer_join()
+    _join(etcd, 1, ["a"])  # node b is gone: the survivors re-rendezvous as a world of one
+    shrunk = ctrl.answer_join()
+    assert shrunk.generation == 2 and shrunk.layout.world_size == 1
+    assert shrunk.layout.version == first.layout.version + 1
+    assert store.current_layout("job-ft") == shrunk.layout
+    _join(etcd, 2, ["a", "c"])  # a new node joins
+    widened = ctrl.answer_join()
+    assert widened.generation == 3 and widened.layout.world_size == 2
+    gens = store.generations("job-ft")
+    assert [(g["world_size"], g["state"]) for g in gens] == [
+        (2, "aborted"),
+        (1, "aborted"),
+        (2, "running"),
+    ]
+    kinds = [e["kind"] for e in reversed(store.events("job-ft"))]
+    assert kinds.count("generation_started") == 3
+    assert "job_shrank" in kinds and "job_widened" in kinds
+    joined = [e for e in store.events("job-ft") if e["kind"] == "worker_joined"]
+    left = [e for e in store.events("job-ft") if e["kind"] == "worker_left"]
+    assert [e["data"]["node"] for e in joined] == ["c"]
+    assert sorted(e["data"]["node"] for e in left) == ["b"]
+
+
+def test_no_layout_fits_so_the_job_waits_for_capacity(store, etcd, tmp_path) -> None:
+    zbv = {"stages": 2, "microbatches": 4, "schedule": "zbv", "virtual_stages": 2}
+    spec = JobSpec.model_validate(_spec().model_dump() | {"parallel": zbv})
+    ctrl = Controller.create(store, etcd, spec, tmp_path, "job-ft")
+    ctrl.publish("rdzv")
+    _join(etcd, 3, ["a", "b", "c"])  # 4 blocks cannot make 3 ranks x 2 V-placed stages
+    a = ctrl.answer_join()
+    assert a.layout is None and "waiting for capacity" in a.waiting
+    assert "waiting for capacity" in store.get_job("job-ft").message
+    assert ctrl.check_workers() == []  # a waiting generation is never aborted
+    assert "waiting_for_capacity" in [e["kind"] for e in store.events("job-ft")]
+
+
+def test_a_lost_lease_aborts_the_generation(ctrl: Controller, etcd, store) -> None:
+    _join(etcd, 2, ["a", "b"])
+    a = ctrl.answer_join()
+    leases = [_register(etcd, a.generation, r) for r in (0, 1)]
+    _register(etcd, a.generation - 1, 5)  # a stale worker of an older generation is ignored
+    assert ctrl.check_workers() == []
+    leases[1].revoke()  # rank 1 dies (its lease is gone)
+    assert ctrl.check_workers() == [1]
+    assert etcd.get(keys.abort("job-ft")) == str(a.generation)
+    assert store.generations("job-ft")[-1]["state"] == "aborted"
+    assert "generation_aborted" in [e["kind"] for e in store.events("job-ft")]
+
+
+def test_a_final_report_racing_the_leases_is_not_an_abort(ctrl, etcd, store) -> None:
+    _join(etcd, 2, ["a", "b"])
+    a = ctrl.answer_join()
+    leases = [_register(etcd, a.generation, r) for r in (0, 1)]
+    ctrl.check_workers()
+    done = WorkerEvent(kind="done", rank=0, generation=a.generation, data={"outcome": "done"})
+    etcd.put(keys.event("job-ft", a.generation, 0, 0), done.model_dump_json())
+    for lease in leases:
+        lease.revoke()
+    assert ctrl.check_workers() == []
+    assert etcd.get(keys.abort("job-ft")) is None
+
+
+def test_a_restarted_controller_takes_over_the_running_generation(
+    ctrl: Controller, etcd, store
+) -> None:
+    _join(etcd, 2, ["a", "b"])
+    a = ctrl.answer_join()
+    successor = Controller(store, etcd, "job-ft")
+    assert successor.attach()
+    assert successor.assignment == a and successor.generation == a.generation
+    assert successor.answer_join() is None  # the running generation's request is answered
+    assert [g["state"] for g in store.generations("job-ft")] == ["running"]
+    assert "controller_attached" in [e["kind"] for e in store.events("job-ft")]
+    # nothing to take over once the generation ended
+    store.end_generation("job-ft", a.generation, "completed")
+    assert not Controller(store, etcd, "job-ft").attach()
+
+
+def test_abort_watch_exits_the_worker_at_once(etcd_server: EmbeddedEtcd, etcd) -> None:
+    """A worker stuck anywhere (here: sleeping) leaves with EXIT_REFORM within a fraction of a
+    second of the controller aborting its generation; another generation's abort is ignored."""
+    script = textwrap.dedent(
+        f"""
+        import time
+        from orchestrator.etcd_client import EtcdClient
+        from trainer.worker import AbortWatch
+        AbortWatch(EtcdClient({etcd_server.endpoint!r}), "job-ft", 7, every=0.05).start()
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        etcd.put(keys.abort("job-ft"), "6")
+        time.sleep(0.5)
+        assert proc.poll() is None
+        etcd.put(keys.abort("job-ft"), "7")
+        t0 = time.monotonic()
+        assert proc.wait(timeout=10) == EXIT_REFORM
+        assert time.monotonic() - t0 < 2
+    finally:
+        proc.kill()

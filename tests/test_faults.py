@@ -1,0 +1,265 @@
+"""Fault injection against real jobs: two torchrun agents ("nodes") of one process each on a
+real etcd, SQLite store and gloo. After each fault the job completes on its own, every step is
+recorded exactly once, no committed checkpoint is lost, and the store's events say what
+happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.manifest import verify_checkpoint
+from orchestrator.spec import JobSpec
+from orchestrator.store import Store, sqlite_url
+from tests.fixtures_run import STEPS_PER_EPOCH, cli, start_cli, store_probe, wait_for, write_spec
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 4
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+ELASTIC = {"nodes": 2, "lease_ttl_s": 3}
+
+
+def _spec(tmp_path: Path, **runtime: Any) -> Path:
+    return write_spec(
+        tmp_path / "spec.yaml", training={"epochs": EPOCHS}, runtime={**ELASTIC, **runtime}
+    )
+
+
+def _probe(workdir: Path, job_id: str, read):
+    return store_probe(workdir / "store.db", job_id, read)
+
+
+def _workers(store: Store, job_id: str) -> dict[int, dict]:
+    """rank -> `worker_started` data of the newest generation's workers."""
+    out: dict[int, dict] = {}
+    for e in reversed(store.events(job_id, limit=1000)):  # oldest first: newer ones win
+        if e["kind"] == "worker_started":
+            out[e["rank"]] = e["data"]
+    return out
+
+
+def _running_after_checkpoint(workdir: Path, job_id: str, log: Path) -> dict[int, dict]:
+    """Wait until the job committed a checkpoint and return its live workers."""
+    wait_for(_probe(workdir, job_id, lambda s, j: s.latest_checkpoint(j)), 150, "a checkpoint", log)
+    return wait_for(_probe(workdir, job_id, _workers), 30, "workers", log)
+
+
+def _finish(proc, log: Path, timeout: float = 240) -> None:
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    assert code == 0, log.read_text(errors="replace")[-4000:]
+
+
+def _check_consistent(workdir: Path, job_id: str) -> Store:
+    """The invariants every fault must leave intact."""
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    job = store.get_job(job_id)
+    assert job.state == "completed" and job.step == TOTAL, job.message
+    steps = [m["step"] for m in store.metrics(job_id)]
+    assert steps == list(range(1, TOTAL + 1)), "every step recorded exactly once"
+    for c in store.checkpoints(job_id):  # every checkpoint still committed is intact
+        assert verify_checkpoint(c.path, c.checksum) == c.size_bytes
+    gens = store.generations(job_id)
+    assert gens[-1]["state"] == "completed"
+    assert all(g["state"] == "aborted" for g in gens[:-1])
+    return store
+
+
+def _kinds(store: Store, job_id: str) -> list[str]:
+    return [e["kind"] for e in reversed(store.events(job_id, limit=1000))]
+
+
+def _resumed_steps(store: Store, job_id: str) -> list[int]:
+    return [
+        e["data"]["start"]["step"]
+        for e in reversed(store.events(job_id, limit=1000))
+        if e["kind"] == "generation_started"
+    ]
+
+
+def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Path) -> None:
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    proc = start_cli(
+        "run", str(_spec(tmp_path)), "--workdir", str(workdir), "--job-id", "k", log=log
+    )
+    try:
+        workers = _running_after_checkpoint(workdir, "k", log)
+        committed = _probe(workdir, "k", lambda s, j: s.latest_checkpoint(j).step)()
+        os.kill(workers[1]["pid"], signal.SIGKILL)
+        killed_at = time.time()
+    finally:
+        _finish(proc, log)
+    store = _check_consistent(workdir, "k")
+    kinds = _kinds(store, "k")
+    assert "generation_aborted" in kinds or "worker_failed" in kinds
+    assert kinds.count("generation_started") >= 2
+    resumed = _resumed_steps(store, "k")[1]
+    assert committed <= resumed <= TOTAL, "resumed from a checkpoint committed by then or later"
+    restarted = [e for e in store.events("k") if e["kind"] == "generation_started"][0]
+    assert restarted["time"] >= killed_at - 1
+    # lost work is bounded by the checkpoint interval
+    assert store.metrics("k")[-1]["step"] == TOTAL
+    assert resumed > 0 and resumed % STEPS_PER_EPOCH == 0
+
+
+def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    proc = start_cli(
+        "run", str(_spec(tmp_path)), "--workdir", str(workdir), "--job-id", "t", log=log
+    )
+    try:
+        workers = _running_after_checkpoint(workdir, "t", log)
+        os.kill(workers[1]["pid"], signal.SIGTERM)
+        leaving = wait_for(
+            _probe(
+                workdir,
+                "t",
+                lambda s, j: [e for e in s.events(j) if e["kind"] == "worker_leaving"],
+            ),
+            60,
+            "the leave to be recorded",
+            log,
+        )[0]
+    finally:
+        _finish(proc, log)
+    store = _check_consistent(workdir, "t")
+    left_at = leaving["data"]["step"]
+    assert leaving["data"]["ranks"] == [1]
+    assert left_at in [c.step for c in store.checkpoints("t")] or left_at < TOTAL - 2 * 23
+    assert left_at in _resumed_steps(store, "t"), "the next generation resumes where it left"
+
+
+def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> None:
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    spec = write_spec(
+        tmp_path / "spec.yaml", training={"epochs": 2 * EPOCHS}, runtime=dict(ELASTIC)
+    )
+    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "n", log=log)
+    joiner = None
+    try:
+        workers = _running_after_checkpoint(workdir, "n", log)
+        agent = int(workers[1]["node"].rsplit(":", 1)[1])
+        os.killpg(agent, signal.SIGKILL)  # the whole node: its agent ...
+        os.kill(workers[1]["pid"], signal.SIGKILL)  # ... and its worker (own session)
+
+        def world_of_last_generation(store: Store, job: str) -> int | None:
+            gens = store.generations(job)
+            return gens[-1]["world_size"] if gens[-1]["state"] == "running" else None
+
+        wait_for(
+            lambda: _probe(workdir, "n", world_of_last_generation)() == 1,
+            90,
+            "a generation of one",
+            log,
+        )
+        endpoint = (workdir / "jobs" / "n" / "etcd.endpoint").read_text().strip()
+        joiner = start_cli(
+            "workers", "--job-id", "n", "--etcd", endpoint, "--nnodes", "1:2",
+            log=tmp_path / "joiner.log",
+        )  # fmt: skip
+        wait_for(
+            lambda: _probe(workdir, "n", world_of_last_generation)() == 2,
+            90,
+            "the job to widen again",
+            tmp_path / "joiner.log",
+        )
+    finally:
+        try:
+            code = proc.wait(timeout=300)
+        finally:
+            proc.kill()
+        if joiner is not None:
+            joiner.wait(timeout=60)
+    assert code in (0, 1), log.read_text()[-3000:]  # the killed agent's exit code may surface
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    job = store.get_job("n")
+    assert job.state == "completed", job.message
+    steps = [m["step"] for m in store.metrics("n")]
+    assert steps == list(range(1, 2 * EPOCHS * STEPS_PER_EPOCH + 1))
+    worlds = [g["world_size"] for g in store.generations("n")]
+    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2
+    kinds = _kinds(store, "n")
+    assert "job_shrank" in kinds and "job_widened" in kinds and "worker_joined" in kinds
+    layouts = [e for e in store.events("n") if e["kind"] == "generation_started"]
+    assert any(e["data"]["world"] == 1 for e in layouts)
+
+
+def test_controller_sigkill_and_restart_carries_on(tmp_path: Path, etcd_factory) -> None:
+    server = etcd_factory()
+    spec = _spec(tmp_path, nodes=1)
+    workdir = tmp_path / "runs"
+    common = ["--workdir", str(workdir), "--etcd", server.endpoint]
+    ctl_args = ["controller", str(spec), "--job-id", "c", "--join-timeout", "60", *common]
+    ctl = start_cli(*ctl_args, log=tmp_path / "ctl1.log")
+    workers = start_cli(
+        "workers", "--job-id", "c", "--etcd", server.endpoint, "--nproc-per-node", "2",
+        log=tmp_path / "workers.log",
+    )  # fmt: skip
+    ctl2 = None
+    try:
+        _running_after_checkpoint(workdir, "c", tmp_path / "ctl1.log")
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        time.sleep(2)  # workers keep training, their reports queue in etcd
+        assert workers.poll() is None
+        ctl2 = start_cli(*ctl_args, log=tmp_path / "ctl2.log")
+        assert ctl2.wait(timeout=240) == 0, (tmp_path / "ctl2.log").read_text()[-3000:]
+        assert workers.wait(timeout=60) == 0
+    finally:
+        for p in (ctl, workers, ctl2):
+            if p is not None:
+                p.kill()
+    store = _check_consistent(workdir, "c")
+    assert len(store.generations("c")) == 1, "the restarted controller adopted the generation"
+    assert "controller_attached" in _kinds(store, "c")
+    assert "took over the running generation" in (tmp_path / "ctl2.log").read_text()
+
+
+def test_etcd_restart_is_ridden_out(tmp_path: Path, etcd_factory) -> None:
+    server = etcd_factory()
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    spec = _spec(tmp_path)
+    proc = start_cli(
+        "run", str(spec), "--workdir", str(workdir), "--etcd", server.endpoint, "--job-id", "e",
+        log=log,
+    )  # fmt: skip
+    try:
+        _running_after_checkpoint(workdir, "e", log)
+        server.stop()
+        time.sleep(2)
+        server.start()
+    finally:
+        _finish(proc, log)
+    store = _check_consistent(workdir, "e")
+    assert "control_plane_recovered" in _kinds(store, "e")
+
+
+def test_bad_requests_change_nothing(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    workdir = tmp_path / "runs"
+    res = cli("resume", "no-such-job", "--workdir", str(workdir))
+    assert res.returncode == 2 and "no store" in res.stderr
+    res = cli("run", str(spec), "--workdir", str(workdir), "--job-id", "Bad Id!")
+    assert res.returncode == 2 and "--job-id 'Bad Id!'" in res.stderr
+    assert not workdir.exists(), "a rejected request creates nothing"
+
+    workdir.mkdir()
+    store = Store.open(sqlite_url(workdir / "store.db"))
+    store.create_job("taken", JobSpec.model_validate(yaml.safe_load(spec.read_text())), "w")
+    before = store.status("taken")
+    res = cli("run", str(spec), "--workdir", str(workdir), "--job-id", "taken")
+    assert res.returncode == 2 and "already exists" in res.stderr and "resume taken" in res.stderr
+    res = cli("freeze", "taken", "--layers", "-1", "--workdir", str(workdir))
+    assert res.returncode == 2
+    res = cli("status", "nope", "--workdir", str(workdir))
+    assert res.returncode == 2 and "nope" in res.stderr
+    assert store.status("taken") == before and [j.id for j in store.list_jobs()] == ["taken"]
