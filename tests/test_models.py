@@ -268,3 +268,18 @@ def test_recompute_is_off_outside_training() -> None:
     x = _inputs(BERT, 4)
     with torch.no_grad():
         assert torch.equal(stage(x), build_model(BERT, 0).eval()(x))
+
+
+def test_digits_are_cached_and_read_back_identically(tmp_path, monkeypatch) -> None:
+    from orchestrator.spec import DataSpec, ModelSpec
+    from trainer.data import load_dataset
+
+    monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path))
+    first = load_dataset(DataSpec(), ModelSpec())
+    cached = list((tmp_path / "data").glob("digits-sklearn-*.npz"))
+    assert len(cached) == 1 and not list((tmp_path / "data").glob("*.tmp.*"))
+    again = load_dataset(DataSpec(), ModelSpec())
+    assert torch.equal(first.train.inputs, again.train.inputs)
+    assert torch.equal(first.test.labels, again.test.labels)
+    cached[0].write_bytes(b"torn")  # an unreadable cache is rebuilt, not trusted
+    assert torch.equal(load_dataset(DataSpec(), ModelSpec()).train.labels, first.train.labels)

@@ -4,7 +4,10 @@ sequence-classification task for the BERT-style encoder. Nothing is downloaded."
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -69,17 +72,41 @@ def synthetic_text(
     return ids, labels
 
 
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits (nothing is downloaded), kept as an .npz under
+    `$PIPETRANSFORMER_CACHE` (default ~/.cache/pipetransformer): importing scikit-learn and
+    parsing its CSV takes ~2 s, which every worker of a re-formed generation would pay again."""
+    version = importlib.metadata.version("scikit-learn")
+    root = os.environ.get("PIPETRANSFORMER_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "pipetransformer"
+    path = base / "data" / f"digits-sklearn-{version}.npz"
+    try:
+        with np.load(path, allow_pickle=False) as cached:
+            return cached["images"], cached["target"]
+    except (OSError, KeyError, ValueError):
+        pass  # absent or unreadable: build it again
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, images=raw.images, target=raw.target)
+        os.replace(tmp, path)  # atomic: concurrent workers never read a half-written file
+    except OSError:
+        pass  # a read-only cache only costs the time
+    return raw.images, raw.target
+
+
 def load_dataset(data: DataSpec, model: ModelSpec) -> Dataset:
     problem = data.model_problem(model)
     if problem:
         raise ValueError(problem)
     if data.dataset == "digits":
-        from sklearn.datasets import load_digits  # ships the data; nothing is downloaded
-
-        raw = load_digits()
-        inputs = (raw.images.astype(np.float32) / 16.0 - 0.5) / 0.5  # pixels 0..16 -> -1..1
+        images, labels = _digits()
+        inputs = (images.astype(np.float32) / 16.0 - 0.5) / 0.5  # pixels 0..16 -> -1..1
         inputs = inputs[:, None, :, :]
-        labels = raw.target.astype(np.int64)
+        labels = labels.astype(np.int64)
     elif data.dataset == "synthetic":
         rng = np.random.default_rng(data.seed)
         n = data.synthetic_samples
