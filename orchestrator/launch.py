@@ -13,6 +13,9 @@ EXIT_REFORM = 75
 # Rendezvous timing: a round waits this long for more nodes once `min` have joined. Short, since
 # recovery time counts; a node that misses a round joins the next one and the job widens.
 LAST_CALL_S = 2
+# A lost node leaves the rendezvous once it missed this many heartbeats of this interval (torch's
+# default, 5 s x 3, kept the survivors of a node loss waiting 15 s for it).
+HEARTBEAT_S, HEARTBEATS_MISSED = 1, 3
 
 
 def torchrun_command(
@@ -45,7 +48,8 @@ def torchrun_command(
         "--rdzv-id",
         rdzv_id,
         "--rdzv-conf",
-        f"last_call_timeout={LAST_CALL_S}",
+        f"last_call_timeout={LAST_CALL_S},keep_alive_interval={HEARTBEAT_S},"
+        f"keep_alive_max_attempt={HEARTBEATS_MISSED}",
         "--max-restarts",
         str(max_restarts),
         "--monitor-interval",
