@@ -118,6 +118,7 @@ class Controller:
         self._seen: set[int] = set()  # ranks of this generation whose lease was seen
         self._nodes: list[str] = []  # node of each rank of the previous generation
         self.aborted_at: float | None = None  # wall time of the last abort (for recovery timing)
+        self._open: int | None = None  # generation this controller opened in the store, until ended
         self._outage: float | None = None  # since when etcd or the store has not answered
         self._report: str | None = None  # etcd key of the worker report being applied
         self._leaving: int | None = None  # generation whose workers leave gracefully
@@ -219,6 +220,7 @@ class Controller:
         if not running or running[-1]["number"] != a.generation:
             return False
         self.assignment, self.generation, self._answered = a, a.generation, a.request
+        self._open = a.generation  # the store says it is running (checked above)
         self.layout = a.layout or self.layout
         job = self.store.get_job(self.job_id)
         self.progress = Progress(step=job.step, epoch=job.epoch, layout=self.layout)
@@ -251,6 +253,7 @@ class Controller:
         if previous is not None and self._generation_running():
             # re-formed before its lease loss was seen (the agents noticed first)
             self.store.end_generation(self.job_id, previous.generation, "aborted")
+            self._open = None
             self.aborted_at = time.time()
         world = request.world
         start, ckpt = self.resume_point()
@@ -267,7 +270,7 @@ class Controller:
                 )
                 self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
                 self.layout = layout
-        self.generation = self.store.start_generation(self.job_id, world)
+        self.generation = self._open = self.store.start_generation(self.job_id, world)
         assignment = Assignment(
             generation=self.generation,
             checkpoint_dir=str(self.checkpoint_dir),
@@ -324,10 +327,10 @@ class Controller:
         self._nodes = list(after)
 
     def _generation_running(self) -> bool:
-        gens = self.store.generations(self.job_id)
-        return (
-            bool(gens) and gens[-1]["number"] == self.generation and gens[-1]["state"] == "running"
-        )
+        """Whether this controller's generation is still open (running) in the store. The
+        controller is the store's single writer, so it knows without asking the store, which
+        matters because the lease watch calls this every tick."""
+        return self._open is not None
 
     def check_workers(self) -> list[int]:
         """Abort the generation if a worker that registered has lost its lease (it died, hung
@@ -364,6 +367,7 @@ class Controller:
         self.etcd.put(keys.abort(self.job_id), str(gen))
         if self._generation_running():
             self.store.end_generation(self.job_id, gen, "aborted")
+            self._open = None
         self.store.add_event(
             self.job_id, "generation_aborted", f"generation {gen} aborted: {reason}"
         )
@@ -391,6 +395,7 @@ class Controller:
                 message += f"\n{detail}"
         if self._generation_running():
             self.store.end_generation(self.job_id, self.generation, state)
+            self._open = None
         self.store.set_job_state(self.job_id, state, message.splitlines()[0])
         self.store.add_event(self.job_id, f"job_{state}", message)
         return state

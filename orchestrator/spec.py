@@ -280,6 +280,11 @@ class ParallelSpec(_Strict):
     def recompute_for(self, stage: int) -> bool:
         return self.recompute[stage] if isinstance(self.recompute, list) else self.recompute
 
+    @property
+    def recomputes_any(self) -> bool:
+        """Whether any stage recomputes activations (the planner's memory model is per job)."""
+        return any(self.recompute_for(i) for i in range(self.num_stages))
+
 
 class CheckpointSpec(_Strict):
     """When checkpoints are taken and how they are written (trainer/checkpoint.py).

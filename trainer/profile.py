@@ -400,7 +400,7 @@ def autopipe_layout(spec: JobSpec, layout: Layout) -> tuple[Layout, str]:
         stages=p.stages,
         replicas=p.replicas,
         schedule=p.schedule,
-        recompute=any(p.recompute_for(i) for i in range(p.num_stages)),
+        recompute=p.recomputes_any,
         allowed_cuts=keep_cuts,
     )
     new = best.to_layout(version=layout.version + 1, schedule=p.schedule)
@@ -443,7 +443,7 @@ def relayout_plan(
                 stages=s,
                 replicas=r,
                 schedule=p.schedule,
-                recompute=any(p.recompute_for(i) for i in range(p.num_stages)),
+                recompute=p.recomputes_any,
                 allowed_cuts=range(f + 1, L),
             )
         )
