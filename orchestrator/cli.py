@@ -17,14 +17,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator import keys
+from orchestrator import forkserver, keys
 from orchestrator.controller import (
     Controller,
     ControllerError,
@@ -106,31 +106,39 @@ def _tail(path: Path, lines: int = 25) -> str:
 # -- run / resume ------------------------------------------------------------------------------
 
 
-def _agent_commands(ctrl: Controller, etcd: str, rdzv_id: str) -> list[list[str]]:
-    """One torchrun agent per `runtime.nodes`, each running its share of the spec's workers;
-    elastic between `runtime.min_nodes` and `runtime.nodes` when there is more than one."""
+def _agent_command(ctrl: Controller, etcd: str, rdzv_id: str) -> Callable[[str | None], list[str]]:
+    """The torchrun agent command of each of `runtime.nodes` nodes (given the node's fork
+    server), each running its share of the spec's workers; elastic between `runtime.min_nodes`
+    and `runtime.nodes` when there is more than one."""
     rt = ctrl.spec.runtime
     nnodes = f"{rt.min_nodes or 1}:{rt.nodes}" if rt.nodes > 1 else "1"
     per_node = ctrl.spec.parallel.world_size // rt.nodes
-    return [
-        torchrun_command(etcd, ctrl.job_id, rdzv_id, per_node, nnodes, rt.max_restarts)
-        for _ in range(rt.nodes)
-    ]
+    return lambda server: torchrun_command(
+        etcd, ctrl.job_id, rdzv_id, per_node, nnodes, rt.max_restarts, forkserver=server
+    )
 
 
 class Agents:
-    """The local torchrun agents of one launch, each in its own session (a terminal Ctrl-C
-    reaches only us; we stop the workers gracefully) and tied to this process (they die with
-    it), each logging to its own file."""
+    """The local torchrun agents of one launch, one per node, each with the node's fork server
+    (workers start without importing torch again). Each runs in its own session (a terminal
+    Ctrl-C reaches only us; we stop the workers gracefully), tied to this process (they die with
+    it), and logs to its own file."""
 
-    def __init__(self, commands: list[list[str]], logs: list[Path], env: dict[str, str]):
+    def __init__(
+        self, command: Callable[[str | None], list[str]], logs: list[Path], env: dict[str, str]
+    ):
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
-        for cmd, path in zip(commands, logs, strict=True):
+        self.servers: list[subprocess.Popen] = []
+        for path in logs:
+            name = None
+            if forkserver.available():
+                server, name = forkserver.start(env, path, new_session=True)
+                self.servers.append(server)
             with open(path, "ab") as log:
                 self.procs.append(
                     subprocess.Popen(
-                        tied_to_parent(cmd),
+                        tied_to_parent(command(name)),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         env=env,
@@ -146,9 +154,15 @@ class Agents:
         return next((c for c in codes if c), 0)
 
     def kill(self) -> None:
-        for p in self.procs:
+        for p in self.procs + self.servers:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Stop the fork servers once the agents are done (their workers have exited)."""
+        for p in self.servers:
+            p.terminate()
+            p.wait()
 
 
 def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
@@ -158,19 +172,17 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
     try:
         rdzv_id = f"{ctrl.job_id}-{uuid.uuid4().hex[:6]}"
         ctrl.publish(rdzv_id)
-        commands = _agent_commands(ctrl, etcd.endpoint, rdzv_id)
+        command = _agent_command(ctrl, etcd.endpoint, rdzv_id)
         jdir = job_dir(ctrl.job.workdir, ctrl.job_id)
-        logs = [jdir / f"workers-{rdzv_id}-n{i}.log" for i in range(len(commands))]
+        logs = [jdir / f"workers-{rdzv_id}-n{i}.log" for i in range(ctrl.spec.runtime.nodes)]
         start, _ = ctrl.resume_point()
         if start.checkpoint:
             console.print(
                 f"resuming from [bold]{start.checkpoint}[/] (epoch {start.epoch}, step {start.step})"
             )
-        console.print(
-            f"workers: {len(commands)} x {' '.join(commands[0][2:9])} ... (log: {logs[0]})"
-        )
+        console.print(f"workers: {len(logs)} x {' '.join(command(None)[2:9])} ... (log: {logs[0]})")
         with ProgressView(console, ctrl.layout) as view:
-            agents = Agents(commands, logs, worker_env(ctrl.spec.runtime.threads_per_worker))
+            agents = Agents(command, logs, worker_env(ctrl.spec.runtime.threads_per_worker))
             interrupts = 0
 
             def on_sigint(signum: int, frame: object) -> None:
@@ -189,6 +201,7 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
                 code = ctrl.supervise(agents.poll, view.update)
             finally:
                 signal.signal(signal.SIGINT, previous)
+                agents.close()
         detail = (
             "" if code == 0 else "\n".join(f"last lines of {path}:\n{_tail(path)}" for path in logs)
         )
@@ -397,6 +410,10 @@ def cmd_workers(args: argparse.Namespace) -> int:
         time.sleep(0.5)
     rdzv_id = json.loads(raw)["rdzv_id"]
     spec = JobSpec.model_validate_json(client.get(keys.spec(args.job_id)) or "{}")
+    env = worker_env(1)
+    server, name = None, None
+    if forkserver.available():  # this node's workers are forked from it, torch imported once
+        server, name = forkserver.start(env)
     cmd = torchrun_command(
         args.etcd,
         args.job_id,
@@ -404,15 +421,19 @@ def cmd_workers(args: argparse.Namespace) -> int:
         args.nproc_per_node,
         nnodes=args.nnodes,
         max_restarts=spec.runtime.max_restarts if args.max_restarts is None else args.max_restarts,
+        forkserver=name,
     )
     # presence for the controller, which keeps its embedded etcd up until every launcher left
     lease = client.lease(ttl=10)
     client.put(f"{keys.agents(args.job_id)}{socket.gethostname()}-{os.getpid()}", "", lease=lease)
     keepalive = client.keep_alive(lease)
     try:
-        return subprocess.call(tied_to_parent(cmd), env=worker_env(1))
+        return subprocess.call(tied_to_parent(cmd), env=env)
     finally:
         keepalive.stop(revoke=True)
+        if server is not None:
+            server.terminate()
+            server.wait()
 
 
 def cmd_etcd(args: argparse.Namespace) -> int:

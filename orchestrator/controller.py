@@ -34,7 +34,7 @@ from sqlalchemy.exc import OperationalError
 
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
-from orchestrator.manifest import CheckpointError, verify_checkpoint
+from orchestrator.manifest import CheckpointError, read_meta, verify_checkpoint
 from orchestrator.spec import JobSpec
 from orchestrator.state import Assignment, JoinRequest, Layout, TrainingState, WorkerEvent
 from orchestrator.store import CheckpointInfo, Store, StoreUnavailable
@@ -172,20 +172,24 @@ class Controller:
 
     def resume_point(self) -> tuple[TrainingState, CheckpointInfo | None]:
         """The last committed checkpoint that is intact on disk; corrupt ones are marked and
-        skipped (the previous committed one is used)."""
+        skipped (the previous committed one is used). The freeze boundary is the checkpoint's
+        own: falling back to an older one takes its boundary back too (the steps after it are
+        trained again, and the freeze policy decides again)."""
         for ckpt in self.store.checkpoints(self.job_id):
             try:
                 verify_checkpoint(ckpt.path, ckpt.checksum)
-            except CheckpointError as exc:
+                meta = read_meta(ckpt.path)  # covered by the manifest just verified
+            except (CheckpointError, ValueError) as exc:
                 self.store.set_checkpoint_state(ckpt.id, "corrupt")
                 self.store.add_event(self.job_id, "checkpoint_corrupt", str(exc))
                 continue
+            frozen = (meta.get("freeze") or {}).get("boundary", self.job.freeze_boundary)
             state = TrainingState(
                 epoch=ckpt.epoch,
                 step=ckpt.step,
                 samples_consumed=ckpt.samples_consumed,
                 lr=self.job.lr,
-                freeze_boundary=self.job.freeze_boundary,
+                freeze_boundary=frozen,
                 layout_version=ckpt.layout_version,
                 checkpoint=ckpt.path,
             )
@@ -257,17 +261,18 @@ class Controller:
             self.aborted_at = time.time()
         world = request.world
         start, ckpt = self.resume_point()
-        frozen = self.layout.freeze_boundary if self.layout else 0
+        frozen = start.freeze_boundary
         layout, waiting = self.layout, None
-        if layout is None or layout.world_size != world:
+        if layout is None or layout.world_size != world or layout.freeze_boundary != frozen:
             try:
                 layout = plan_for_world(self.spec, world, frozen, self.layout)
             except PlanError as exc:
                 waiting = f"waiting for capacity: {exc}"
             else:
-                self.store.record_layout(
-                    self.job_id, layout, reason=f"re-formed for {world} worker(s)"
-                )
+                why = f"re-formed for {world} worker(s)"
+                if self.layout is not None and self.layout.freeze_boundary != frozen:
+                    why += f" at the resumed checkpoint's freeze boundary {frozen}"
+                self.store.record_layout(self.job_id, layout, reason=why)
                 self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
                 self.layout = layout
         self.generation = self._open = self.store.start_generation(self.job_id, world)
@@ -493,6 +498,13 @@ class Controller:
             )
         elif e.kind == "checkpoint":
             self._commit_checkpoint(e)
+        elif e.kind == "checkpoint_failed":  # nothing committed: the previous one still holds
+            self._record_event(
+                "checkpoint_failed",
+                f"checkpoint at step {d['step']} was not committed: {d['error']}",
+                rank=e.rank,
+                data=d,
+            )
         elif e.kind == "layout":
             self._adopt_layout(Layout.model_validate(d["layout"]), d["reason"], d.get("seconds"))
         elif e.kind == "freeze":
@@ -628,14 +640,18 @@ class Controller:
                 "control_plane_recovered",
                 f"store/etcd answered again after {took:.1f}s",
             )
-        while self.etcd.recoveries:  # outages the client rode out inside one call
-            op, took = self.etcd.recoveries.popleft()
-            self.store.add_event(
-                self.job_id,
-                "control_plane_recovered",
-                f"etcd answered again after {took:.1f}s (during {op})",
-                data={"service": "etcd", "seconds": took},
-            )
+        for service, recoveries in (
+            ("etcd", self.etcd.recoveries),
+            ("store", self.store.recoveries),
+        ):
+            while recoveries:  # outages the client rode out inside one call
+                op, took = recoveries.popleft()
+                self.store.add_event(
+                    self.job_id,
+                    "control_plane_recovered",
+                    f"{service} answered again after {took:.1f}s (during {op})",
+                    data={"service": service, "seconds": took},
+                )
 
     def workers_alive(self) -> int:
         return self.etcd.count_prefix(keys.workers(self.job_id))

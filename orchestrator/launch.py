@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from orchestrator.forkserver import client_args
+
 # Exit code of a worker that leaves its generation on purpose (aborted by the controller, or
 # re-forming after a graceful SIGTERM): non-zero, so its torchrun agent restarts it into the next
 # rendezvous round (EX_TEMPFAIL).
@@ -26,13 +28,16 @@ def torchrun_command(
     nnodes: str = "1",
     max_restarts: int = 0,
     python: str | None = None,
+    forkserver: str | None = None,
 ) -> list[str]:
     """`torchrun --rdzv-backend etcd3 ... -m trainer.worker` for one launch of a job's workers.
 
     Every agent of one launch meets at `rdzv_id` (a finished rendezvous is closed for good, so a
     resumed job uses a fresh id). With `nnodes` MIN:MAX and `max_restarts` > 0 the agents are
     elastic: a failed worker group is restarted into a new rendezvous round with the nodes that
-    are left (at least MIN), and a node that arrives later widens the job at the next round."""
+    are left (at least MIN), and a node that arrives later widens the job at the next round.
+    With `forkserver` (a running server's name) each worker is forked from that node's server,
+    torch already imported, instead of starting a fresh Python."""
     return [
         python or sys.executable,
         "-m",
@@ -54,8 +59,7 @@ def torchrun_command(
         str(max_restarts),
         "--monitor-interval",
         "0.2",
-        "-m",
-        "trainer.worker",
+        *client_args(forkserver),
         "--job-id",
         job_id,
         "--etcd",

@@ -1,6 +1,7 @@
 """Checkpoint manifests: the contract between the trainer that writes a checkpoint and the
-controller that commits it. A manifest lists the size and sha256 of every shard file; its own
-digest is the checksum recorded in the store at commit time."""
+controller that commits it. A manifest lists the size and sha256 of every other file (the shards
+and `meta.json`, the training state besides tensors); its own digest is the checksum recorded in
+the store at commit time."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def build_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     return {
         p.name: {"size": p.stat().st_size, "sha256": _file_digest(p)}
         for p in sorted(Path(directory).iterdir())
-        if p.is_file() and p.name not in (MANIFEST, META)
+        if p.is_file() and p.name != MANIFEST
     }
 
 
@@ -52,3 +53,9 @@ def verify_checkpoint(path: str | Path, checksum: str) -> int:
         bad = sorted(k for k in set(manifest) | set(actual) if actual.get(k) != manifest.get(k))
         raise CheckpointError(f"{path}: files differ from the manifest: {', '.join(bad)}")
     return sum(e["size"] for e in manifest.values())
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's `meta.json` (epoch, step, sampler cursor, freeze state...); verify the
+    checkpoint first, the manifest covers it."""
+    return json.loads((Path(path) / META).read_text())

@@ -188,6 +188,7 @@ EventKind = Literal[
     "metrics",
     "eval",
     "checkpoint",
+    "checkpoint_failed",
     "layout",
     "freeze",
     "done",

@@ -19,6 +19,7 @@ seconds (`Store.open(url, retry_s=30)`), logging each retry, then raises `StoreU
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -424,6 +425,8 @@ class Store:
         self.url = url
         self.read_only = read_only
         self.retry_s = float(retry_s)
+        # outages ridden out inside one call, (what, seconds): the caller reports them
+        self.recoveries: collections.deque[tuple[str, float]] = collections.deque(maxlen=100)
         self._engine = make_engine(url, read_only=read_only)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
 
@@ -482,7 +485,10 @@ class Store:
         tries = 1
         while True:
             try:
-                return attempt()
+                result = attempt()
+                if tries > 1:
+                    self.recoveries.append((what, monotonic() - started))
+                return result
             except DBAPIError as exc:
                 if not is_transient(exc):
                     raise

@@ -78,14 +78,16 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, log: Path | Non
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{detail}")
 
 
-def store_probe(db: Path, job_id: str, read: Callable[[Store, str], Any]) -> Callable[[], Any]:
-    """For `wait_for`: `read(store, job_id)` once a run's store exists and holds the job, else
-    None (the file may exist before its migrations have run)."""
+def store_probe(
+    db: Path | str, job_id: str, read: Callable[[Store, str], Any]
+) -> Callable[[], Any]:
+    """For `wait_for`: `read(store, job_id)` once a run's store (an SQLite file, or a database
+    URL) exists and holds the job, else None (it may exist before its migrations have run)."""
 
     def check() -> Any:
-        if not db.exists():
+        if isinstance(db, Path) and not db.exists():
             return None
-        store = Store.open(sqlite_url(db), migrate=False)
+        store = Store.open(sqlite_url(db) if isinstance(db, Path) else db, migrate=False)
         try:
             if store.revision() is None or not store.list_jobs():
                 return None

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from orchestrator.controller import Controller
-from orchestrator.manifest import CheckpointError, verify_checkpoint
+from orchestrator.manifest import CheckpointError, read_meta, verify_checkpoint
 from orchestrator.spec import CheckpointSpec, JobSpec
 from orchestrator.store import Store
 from tests.mp import _entry, run_distributed
@@ -31,7 +31,6 @@ from trainer.checkpoint import (
     _optimizer_tensors,
     checkpoint_due,
     load_checkpoint,
-    read_meta,
     save_checkpoint,
 )
 from trainer.models import build_model
@@ -107,6 +106,11 @@ def test_truncated_shard_is_detected(two_stage_checkpoint, tmp_path: Path) -> No
     shard = next(p for p in copy.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match=shard.name):
+        verify_checkpoint(copy, results[0]["saved"].checksum)
+    shutil.rmtree(copy)
+    shutil.copytree(path, copy)
+    (copy / "meta.json").write_text('{"step": 999}')  # the training state is covered too
+    with pytest.raises(CheckpointError, match="meta.json"):
         verify_checkpoint(copy, results[0]["saved"].checksum)
     with pytest.raises(CheckpointError, match="does not match the committed checksum"):
         verify_checkpoint(path, "0" * 64)
@@ -357,6 +361,45 @@ def test_writer_killed_mid_write_leaves_nothing_sealed(tmp_path: Path) -> None:
     saved = ckpt.wait()
     assert verify_checkpoint(path, saved.checksum) == saved.size_bytes
     assert not (path / "stale.distcp").exists() and not partial.exists()
+
+
+def _shard_lost_before_seal(rank: int, world: int, spec_json: str, root: str):
+    """Rank 1's shard vanishes after DCP wrote (and this rank hashed) it, before the seal."""
+    import trainer.checkpoint as checkpoint
+
+    spec = JobSpec.model_validate_json(spec_json)
+    pipe, opt = _pipeline(spec, rank)
+    if rank == 1:
+        hash_entry = checkpoint._entry
+
+        def entry_then_lose(path: Path) -> dict:
+            result = hash_entry(path)
+            path.unlink()
+            return result
+
+        checkpoint._entry = entry_then_lose
+    ckpt = AsyncCheckpointer()
+    ckpt.start(Path(root) / "lost", pipe.model, opt, {"step": 1})
+    try:
+        ckpt.wait()
+        error = None
+    except CheckpointWriteError as exc:
+        error = str(exc)
+    if rank == 1:
+        checkpoint._entry = hash_entry
+    ckpt.start(Path(root) / "next", pipe.model, opt, {"step": 2})  # the next one is fine
+    return {"error": error, "next": ckpt.wait()}
+
+
+@pytest.mark.slow
+def test_a_shard_lost_before_the_seal_fails_the_checkpoint(tmp_path: Path) -> None:
+    results = run_distributed(_shard_lost_before_seal, 2, SPEC.model_dump_json(), str(tmp_path))
+    for r in results:  # every rank learns that it failed
+        assert r["error"] and "shard __1_0.distcp is missing" in r["error"], r["error"]
+    assert not (tmp_path / "lost").exists()  # never sealed, so never committed
+    assert not (tmp_path / "lost.partial" / "manifest.json").exists()
+    saved = results[0]["next"]
+    assert verify_checkpoint(tmp_path / "next", saved.checksum) == saved.size_bytes
 
 
 # -- loading unpickles nothing but DCP's index ---------------------------------------------------

@@ -18,9 +18,11 @@ from orchestrator.controller import Controller
 from orchestrator.etcd_client import EtcdClient
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.launch import EXIT_REFORM
+from orchestrator.manifest import build_manifest, manifest_checksum
 from orchestrator.spec import JobSpec
 from orchestrator.state import Assignment, JoinRequest, WorkerEvent
 from orchestrator.store import Store
+from trainer.partition import plan_for_world
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,3 +188,53 @@ def test_abort_watch_exits_the_worker_at_once(etcd_server: EmbeddedEtcd, etcd) -
         assert time.monotonic() - t0 < 2
     finally:
         proc.kill()
+
+
+def _fake_checkpoint(store: Store, root: Path, step: int, boundary: int) -> Path:
+    """A sealed checkpoint directory as far as the controller looks (manifest, checksum,
+    meta), committed in the store."""
+    path = root / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(bytes(range(step % 200, step % 200 + 32)))
+    meta = {"step": step, "freeze": {"boundary": boundary}}
+    (path / "meta.json").write_text(json.dumps(meta))
+    manifest = build_manifest(path)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    store.commit_checkpoint(
+        "job-ft",
+        step=step,
+        epoch=0,
+        layout_version=1,
+        path=str(path),
+        size_bytes=sum(e["size"] for e in manifest.values()),
+        checksum=manifest_checksum(manifest),
+        samples_consumed=64 * step,
+    )
+    return path
+
+
+def test_falling_back_to_an_older_checkpoint_takes_its_freeze_boundary_back(
+    ctrl: Controller, etcd, store, tmp_path: Path
+) -> None:
+    """The newest committed checkpoint is torn (after commit): the next generation resumes
+    from the previous one, with the freeze boundary that one was saved with, and the layout
+    is planned again for it."""
+    _join(etcd, 2, ["a", "b"])
+    ctrl.answer_join()
+    _fake_checkpoint(store, tmp_path / "ckpt", 4, boundary=0)
+    newer = _fake_checkpoint(store, tmp_path / "ckpt", 8, boundary=2)
+    frozen = plan_for_world(ctrl.spec, 2, 2, ctrl.layout)  # the re-layout at step 8
+    store.record_layout("job-ft", frozen, reason="autofreeze")
+    ctrl.layout = frozen
+    (newer / "meta.json").write_text(json.dumps({"step": 8, "freeze": {"boundary": 3}}))
+
+    a = ctrl.start_generation(_join(etcd, 2, ["a", "b"]))
+    assert a.start.step == 4 and a.start.freeze_boundary == 0
+    assert a.start.checkpoint.endswith("step-00000004")
+    assert a.layout.freeze_boundary == 0 and a.layout.version > frozen.version
+    assert [c.step for c in store.checkpoints("job-ft")] == [4]
+    assert store.checkpoints("job-ft", state="corrupt")[0].step == 8
+    corrupt = [e for e in store.events("job-ft") if e["kind"] == "checkpoint_corrupt"]
+    assert "meta.json" in corrupt[0]["message"]
+    layout, reason, _ = store.layouts("job-ft")[-1]
+    assert layout == a.layout and "freeze boundary 0" in reason

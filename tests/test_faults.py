@@ -59,9 +59,9 @@ def _finish(proc, log: Path, timeout: float = 240) -> None:
     assert code == 0, log.read_text(errors="replace")[-4000:]
 
 
-def _check_consistent(workdir: Path, job_id: str) -> Store:
+def _check_consistent(workdir: Path, job_id: str, db: str | None = None) -> Store:
     """The invariants every fault must leave intact."""
-    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    store = Store.open(db or sqlite_url(workdir / "store.db"), migrate=False)
     job = store.get_job(job_id)
     assert job.state == "completed" and job.step == TOTAL, job.message
     steps = [m["step"] for m in store.metrics(job_id)]
@@ -263,3 +263,101 @@ def test_bad_requests_change_nothing(tmp_path: Path) -> None:
     res = cli("status", "nope", "--workdir", str(workdir))
     assert res.returncode == 2 and "nope" in res.stderr
     assert store.status("taken") == before and [j.id for j in store.list_jobs()] == ["taken"]
+
+
+# -- checkpoint and store faults -------------------------------------------------------------------
+
+EVERY = 30  # steps between checkpoints: commits at 30, 60, 90 and the end (92)
+
+
+def _checkpoint_spec(tmp_path: Path) -> Path:
+    return write_spec(
+        tmp_path / "spec.yaml",
+        training={"epochs": EPOCHS},
+        runtime=dict(ELASTIC),
+        checkpoint={"every_epochs": None, "every_steps": EVERY, "keep": 5},
+    )
+
+
+def _committed(workdir: Path, job_id: str) -> list:
+    return _probe(workdir, job_id, lambda s, j: s.checkpoints(j))() or []
+
+
+def test_a_shard_torn_after_commit_falls_back_to_the_previous_checkpoint(tmp_path: Path) -> None:
+    """The newest committed checkpoint loses bytes of a shard, then a worker dies: the next
+    generation detects the damage, marks it corrupt and resumes from the one before."""
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    spec = _checkpoint_spec(tmp_path)
+    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "torn", log=log)
+    try:
+        wait_for(
+            lambda: any(c.step == 2 * EVERY for c in _committed(workdir, "torn")),
+            150,
+            "the second checkpoint",
+            log,
+        )
+        workers = _probe(workdir, "torn", _workers)()
+        torn = next(c for c in _committed(workdir, "torn") if c.step == 2 * EVERY)
+        shard = sorted(Path(torn.path).glob("*.distcp"))[-1]
+        shard.write_bytes(shard.read_bytes()[:-100])
+        os.kill(workers[1]["pid"], signal.SIGKILL)  # long before the next one, at step 90
+    finally:
+        _finish(proc, log)
+    store = _check_consistent(workdir, "torn")  # step 60's checkpoint was written again, whole
+    corrupt = [e for e in store.events("torn") if e["kind"] == "checkpoint_corrupt"]
+    assert len(corrupt) == 1 and shard.name in corrupt[0]["message"]
+    assert _resumed_steps(store, "torn")[:2] == [0, EVERY], "resumed from the one before"
+
+
+def test_a_checkpoint_that_cannot_be_written_is_never_committed(tmp_path: Path) -> None:
+    """The checkpoint at step 60 cannot be written (its directory's name is taken by a file):
+    it is reported and never committed, training goes on, and a worker dying before the next
+    one resumes from step 30."""
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    spec = _checkpoint_spec(tmp_path)
+    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "unw", log=log)
+    try:
+        ckpts = workdir / "jobs" / "unw" / "checkpoints"
+        wait_for(ckpts.exists, 60, "the checkpoint folder", log)
+        (ckpts / f"step-{2 * EVERY:08d}.partial").write_text("in the way")
+        failed = wait_for(
+            _probe(
+                workdir,
+                "unw",
+                lambda s, j: [e for e in s.events(j) if e["kind"] == "checkpoint_failed"],
+            ),
+            150,
+            "the failed checkpoint to be reported",
+            log,
+        )
+        workers = _probe(workdir, "unw", _workers)()
+        os.kill(workers[1]["pid"], signal.SIGKILL)
+    finally:
+        _finish(proc, log)
+    store = _check_consistent(workdir, "unw")
+    assert failed[0]["data"]["step"] == 2 * EVERY and "not committed" in failed[0]["message"]
+    steps = [c.step for c in store.checkpoints("unw")]
+    assert 2 * EVERY not in steps and EVERY in steps and TOTAL in steps
+    assert _resumed_steps(store, "unw")[:2] == [0, EVERY]
+
+
+def test_the_store_unreachable_for_seconds_is_ridden_out(tmp_path: Path, private_postgres) -> None:
+    """PostgreSQL goes away for a few seconds mid-job: training never stops (reports queue in
+    etcd), the controller retries, and once it is back the job completes with nothing lost."""
+    db = private_postgres.create_database("job")
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    spec = _spec(tmp_path)
+    proc = start_cli(
+        "run", str(spec), "--workdir", str(workdir), "--db", db, "--job-id", "db", log=log
+    )
+    try:
+        wait_for(store_probe(db, "db", lambda s, j: s.latest_checkpoint(j)), 150, "a commit", log)
+        private_postgres.stop(mode="fast")
+        time.sleep(3)
+        private_postgres.start()
+    finally:
+        _finish(proc, log)
+    store = _check_consistent(workdir, "db", db)
+    recovered = [e for e in store.events("db") if e["kind"] == "control_plane_recovered"]
+    assert recovered and all(e["data"]["service"] == "store" for e in recovered)
+    assert len(store.generations("db")) == 1, "the workers never noticed"

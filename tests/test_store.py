@@ -740,6 +740,8 @@ def test_write_survives_a_postgres_restart(
         assert store.get_job("j").state == "pending"  # reads work again too
         retries = [r for r in caplog.records if "add_event failed" in r.getMessage()]
         assert len(retries) >= 2
+        (what, seconds), *_ = store.recoveries  # for the caller to report as an event
+        assert what == "add_event" and 2.5 <= seconds < 15
 
 
 def test_write_gives_up_after_retry_s(private_postgres: PostgresServer) -> None:

@@ -149,6 +149,37 @@ def _shard_files(directory: Path, prefix: str = "") -> list[Path]:
     )
 
 
+def _check_complete(partial: Path, hashed: dict[str, dict[str, Any]]) -> None:
+    """Refuse to seal unless every byte DCP's index refers to is on disk, and every shard a
+    writing rank hashed is still there as hashed: a shard lost or cut short before the commit
+    must fail the checkpoint, not become part of a committed one."""
+    try:
+        with open(partial / ".metadata", "rb") as f:
+            index = _MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError) as exc:
+        raise CheckpointError(f"{partial}: no readable .metadata ({exc})") from None
+    needed: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, entry in hashed.items():
+        needed[name] = max(needed.get(name, 0), entry["size"])
+    for name, end in sorted(needed.items()):
+        shard = partial / name
+        if not shard.is_file():
+            raise CheckpointError(f"{partial}: shard {name} is missing")
+        size = shard.stat().st_size
+        if size < end or (name in hashed and size != hashed[name]["size"]):
+            raise CheckpointError(f"{partial}: shard {name} has {size} bytes, expected {end}")
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(content, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _seal(
     path: Path, meta: dict[str, Any], hashed: dict[str, dict[str, Any]] | None = None
 ) -> tuple[int, str]:
@@ -157,12 +188,11 @@ def _seal(
     is hashed here. Returns (size in bytes, manifest checksum)."""
     partial = _partial(path)
     hashed = hashed or {}
+    _check_complete(partial, hashed)
+    _write_json(partial / META, meta)  # first: the manifest covers it like any shard
     manifest = {p.name: hashed.get(p.name) or _entry(p) for p in _shard_files(partial)}
-    for name, content in ((MANIFEST, manifest), (META, meta)):
-        with open(partial / name, "w") as f:
-            json.dump(content, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+    manifest[META] = _entry(partial / META)
+    _write_json(partial / MANIFEST, manifest)
     _fsync_dir(partial)
     if path.exists():  # an uncommitted directory of the same step from an earlier attempt
         shutil.rmtree(path)
@@ -485,10 +515,6 @@ class AsyncCheckpointer:
             blocked_s=job.blocked_s,
             seconds=time.monotonic() - job.started,
         )
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / META).read_text())
 
 
 class _MetadataUnpickler(pickle.Unpickler):

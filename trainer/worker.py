@@ -29,12 +29,13 @@ import torch.distributed as dist
 
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient, EtcdError
+from orchestrator.forkserver import AGENT_PID_ENV
 from orchestrator.launch import EXIT_REFORM
-from orchestrator.manifest import verify_checkpoint
+from orchestrator.manifest import read_meta, verify_checkpoint
 from orchestrator.spec import JobSpec
 from orchestrator.state import Assignment, JoinRequest, Layout, StageLayout, WorkerEvent
 from trainer.cache import ActivationCache, CachePolicy, decide_cache
-from trainer.checkpoint import AsyncCheckpointer, checkpoint_due, read_meta
+from trainer.checkpoint import AsyncCheckpointer, CheckpointWriteError, checkpoint_due
 from trainer.data import Dataset, Split, load_dataset
 from trainer.freeze import (
     FreezeOverrideError,
@@ -92,13 +93,19 @@ def _read_spec(etcd: EtcdClient, job_id: str, timeout: float = 60.0) -> JobSpec:
     return JobSpec.model_validate_json(raw)
 
 
+def node_id() -> str:
+    """This worker's node: its torchrun agent, as "host:agent-pid" (host names alone repeat on
+    one machine). A worker forked by the node's fork server is told its agent's pid."""
+    agent = os.environ.get(AGENT_PID_ENV) or str(os.getppid())
+    return f"{socket.gethostname()}:{agent}"
+
+
 def _join(etcd: EtcdClient, job_id: str, rank: int, world: int) -> Assignment:
     """This rendezvous round asks the controller for its generation: rank 0 files a join
     request naming the round's world and nodes and waits for the assignment answering it (a
     controller being restarted answers when it is back); every rank gets the same answer."""
     me = [None] * world
-    # a node is its torchrun agent (our parent): host names alone repeat on one machine
-    dist.all_gather_object(me, (f"{socket.gethostname()}:{os.getppid()}", os.getpid()))
+    dist.all_gather_object(me, (node_id(), os.getpid()))
 
     def ask() -> Assignment:
         request = JoinRequest(
@@ -286,9 +293,12 @@ class Trainer:
         before this returns; otherwise (periodic, with checkpoint.async_save) training goes on
         while it persists and a later step boundary reports it."""
         ckpt = self._checkpointer()
+        # at most one in flight: collect the previous (background) one first
+        if not self._report_checkpoint(block=True, tolerate=True):
+            if self.saved_step == self.state.step:  # it was this very step's: write it again
+                self.saved_step = -1
         if self.saved_step != self.state.step:
             ctx, state = self.ctx, self.state
-            self._report_checkpoint(block=True)  # at most one in flight; report it first
             path = Path(ctx.assignment.checkpoint_dir) / f"step-{state.step:08d}"
             meta = state.model_dump() | {
                 "layout_version": ctx.layout.version,
@@ -299,7 +309,7 @@ class Trainer:
             self._ckpt_state, self._ckpt_time = state, time.monotonic()
             self.saved_step = state.step
         if wait or not ckpt.async_save:
-            self._report_checkpoint(block=True)
+            self._report_checkpoint(block=True, tolerate=not wait)
 
     def _checkpointer(self) -> AsyncCheckpointer:
         """This process's checkpointer, made at the first checkpoint: a collective (it creates
@@ -309,13 +319,28 @@ class Trainer:
             ckpt = self._ckpt = AsyncCheckpointer(async_save=self.spec.checkpoint.async_save)
         return ckpt
 
-    def _report_checkpoint(self, block: bool) -> None:
+    def _report_checkpoint(self, block: bool, tolerate: bool = True) -> bool:
         """Collect a checkpoint that has been sealed (wait for it if `block`): rank 0 emits the
-        event with the state as of the step it snapshots; every rank records its path."""
+        event with the state as of the step it snapshots; every rank records its path.
+
+        A checkpoint that failed to write or seal was never committed. With `tolerate` (a
+        background checkpoint) that is reported (`checkpoint_failed`) and training goes on: the
+        last committed checkpoint stays the resume point and the next interval tries again.
+        Returns False for such a failure."""
         ckpt = self.__dict__.get("_ckpt")
-        saved = None if ckpt is None else (ckpt.wait() if block else ckpt.poll())
+        try:
+            saved = None if ckpt is None else (ckpt.wait() if block else ckpt.poll())
+        except CheckpointWriteError as exc:
+            if not tolerate:
+                raise
+            log.warning("rank %d: %s; training goes on", self.ctx.rank, exc)
+            if self.ctx.rank == 0:
+                self.ctx.reporter.emit(
+                    "checkpoint_failed", step=self._ckpt_state.step, error=str(exc)
+                )
+            return False
         if saved is None:
-            return
+            return True
         if self.ctx.rank == 0:
             self.ctx.reporter.emit(
                 "checkpoint",
@@ -328,6 +353,7 @@ class Trainer:
                 layout_version=saved.meta["layout_version"],
             )
         self.state = self.state.model_copy(update={"checkpoint": saved.path})
+        return True
 
     def _periodic_checkpoint(self, epoch_done: bool) -> None:
         """At every step boundary: report a checkpoint that finished sealing, and start the next
@@ -396,7 +422,7 @@ class Trainer:
             replica=ctx.replica,
             pid=os.getpid(),
             host=socket.gethostname(),
-            node=f"{socket.gethostname()}:{os.getppid()}",  # its torchrun agent
+            node=node_id(),
             total_steps=self.total_steps,
         )
         while self.state.epoch < self.tspec.epochs and self.state.step < self.total_steps:

@@ -1,0 +1,295 @@
+"""A per-node fork server for trainer workers: torch is imported once, not once per generation.
+
+A re-formed generation's workers are new processes (torchrun restarts them), and importing torch,
+DCP and the pipelining package costs about 4.5 s of a recovery on this machine. Each node's
+launcher therefore starts one server that imports `trainer.worker` and waits; the command torchrun
+runs is this module's thin client (stdlib only, tens of milliseconds), which hands its argv,
+environment, working directory and stdio to the server and gets a forked worker in return.
+
+The client stands in for the worker towards torchrun: it forwards the signals torchrun sends
+(SIGTERM stops a worker group gracefully) and exits as the worker did (the same code, or the same
+signal). If the client dies (SIGKILL from torchrun), the server kills its worker; if the server
+dies, its workers die with it (parent-death signal). Without a server (none given, none
+reachable, or not Linux) the client simply execs `python -m trainer.worker`.
+
+Multiprocessing's own forkserver does not fit: torchrun starts workers as commands, not as
+Python callables of a `multiprocessing` context.
+
+    start(env)                                          # per node, by its launcher
+    python -m orchestrator.forkserver --server NAME trainer.worker ARGS...   # per worker
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import random
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import NoReturn
+
+from orchestrator.procs import tied_to_parent
+
+TARGET = "trainer.worker"  # imported by the server, its main(argv) run by each forked worker
+AGENT_PID_ENV = "PIPETRANSFORMER_AGENT_PID"  # the worker's torchrun agent (its node's identity)
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_HEADER = struct.Struct("!I")
+_PR_SET_PDEATHSIG = 1
+
+
+def available() -> bool:
+    """Fork servers need Linux: abstract sockets, peer credentials and pidfds."""
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+
+
+def start(
+    env: dict[str, str],
+    log: Path | None = None,
+    new_session: bool = False,
+    target: str = TARGET,
+) -> tuple[subprocess.Popen, str]:
+    """Start a node's server for `target` (a module with `main(argv) -> int`), tied to this
+    process and logging to `log` (else to our stdout); returns it and its name for
+    `client_args`. Its socket is bound and listening before this returns (we bind it and hand
+    it over), so no worker started afterwards misses it."""
+    name = f"pipetransformer-forkserver-{uuid.uuid4().hex[:12]}"
+    cmd = [sys.executable, "-m", "orchestrator.forkserver", "--serve-fd", "FD", target]
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        listener.bind(_address(name))
+        listener.listen(64)  # clients arriving while the server imports torch wait here
+        cmd[4] = str(listener.fileno())
+        out = stack.enter_context(open(log, "ab")) if log else None  # noqa: SIM115
+        proc = subprocess.Popen(
+            tied_to_parent(cmd),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            env=env,
+            pass_fds=[listener.fileno()],
+            start_new_session=new_session,
+        )
+    return proc, name
+
+
+def client_args(name: str | None, target: str = TARGET) -> list[str]:
+    """What torchrun runs per worker (after `python`): `-m target`, through server `name` if
+    one is given."""
+    if name is None:
+        return ["-m", target]
+    return ["-m", "orchestrator.forkserver", "--server", name, target]
+
+
+def _address(name: str) -> str:
+    return "\0" + name  # Linux abstract namespace: nothing on disk to clean up
+
+
+def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(message).encode()
+    packet = _HEADER.pack(len(data)) + data
+    if fds:
+        socket.send_fds(sock, [packet], fds)
+    else:
+        sock.sendall(packet)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk, got, _, _ = socket.recv_fds(sock, n - len(buf), 8)
+        fds.extend(got)
+        if not chunk:
+            raise EOFError("peer closed the connection")
+        buf += chunk
+    return buf
+
+
+def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
+    fds: list[int] = []
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, fds))
+    return json.loads(_recv_exact(sock, size, fds)), fds
+
+
+# -- client (torchrun's entrypoint) ----------------------------------------------------------------
+
+
+def _exec_directly(target: str, argv: list[str]) -> NoReturn:
+    os.environ[AGENT_PID_ENV] = str(os.getppid())
+    os.execv(sys.executable, [sys.executable, "-m", target, *argv])
+
+
+def client(name: str, target: str, argv: list[str]) -> int:
+    """Run `target`'s main(argv) forked from the server `name`, and exit as it did."""
+    env = dict(os.environ)
+    env[AGENT_PID_ENV] = str(os.getppid())
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(_address(name))
+        request = {"target": target, "argv": argv, "env": env, "cwd": os.getcwd()}
+        _send(sock, request, [0, 1, 2])
+        reply, _ = _recv(sock)  # waits while the server is still importing torch
+        worker = int(reply["pid"])
+    except (OSError, EOFError, ValueError, KeyError):
+        sock.close()
+        _exec_directly(target, argv)  # no usable server: a plain worker process
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signum)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        status = _recv(sock)[0]["status"]
+    except (OSError, EOFError, ValueError, KeyError):
+        return 1  # the server died, and its workers with it
+    if os.WIFSIGNALED(status):  # die the same way, so torchrun reports the signal
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    return os.waitstatus_to_exitcode(status)
+
+
+# -- server ----------------------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, pid: int, conn: socket.socket):
+        self.pid, self.conn = pid, conn
+        self.pidfd = os.pidfd_open(pid)
+        self.client_gone = False
+
+
+def serve(listener: socket.socket, target: str = TARGET) -> dict:
+    """Import `target`, then fork a worker per client on `listener` until killed. Returns only
+    in a forked child: the request it is to run, its process already set up as the client's.
+
+    Single-threaded on purpose (one selector over the listener, the clients' connections and
+    the workers' pidfds): forking a process that runs other threads is unsafe."""
+    importlib.import_module(target)
+    server_pid = os.getpid()
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, None)
+    workers: dict[int, _Worker] = {}  # by pidfd
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                request = _accept(conn, target)
+                if request is None:
+                    continue
+                message, fds = request
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    sel.close()
+                    listener.close()
+                    for w in workers.values():
+                        w.conn.close()
+                        os.close(w.pidfd)
+                    conn.close()
+                    _become_client(message, fds, server_pid)
+                    return message
+                for fd in fds:
+                    os.close(fd)
+                worker = _Worker(pid, conn)
+                workers[worker.pidfd] = worker
+                sel.register(worker.pidfd, selectors.EVENT_READ, worker)
+                sel.register(conn, selectors.EVENT_READ, worker)
+                try:
+                    _send(conn, {"pid": pid})
+                except OSError:
+                    os.kill(pid, signal.SIGKILL)  # the client is gone already
+            elif isinstance(key.fileobj, int):  # a worker exited: tell its client how
+                worker = key.data
+                _, status = os.waitpid(worker.pid, 0)
+                sel.unregister(worker.pidfd)
+                os.close(worker.pidfd)
+                del workers[worker.pidfd]
+                if not worker.client_gone:
+                    sel.unregister(worker.conn)
+                    with contextlib.suppress(OSError):
+                        _send(worker.conn, {"status": status})
+                worker.conn.close()
+            else:  # a client only ever hangs up (killed, e.g. by torchrun): kill its worker
+                worker = key.data
+                try:
+                    data = worker.conn.recv(1)
+                except OSError:
+                    data = b""
+                if not data:
+                    worker.client_gone = True
+                    sel.unregister(worker.conn)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(worker.pid, signal.SIGKILL)
+
+
+def _accept(conn: socket.socket, target: str) -> tuple[dict, list[int]] | None:
+    """A request for `target` from a process of our own user (an abstract socket can be reached
+    from the whole network namespace), or None after refusing it (that client runs without us)."""
+    fds: list[int] = []
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            raise PermissionError(f"client uid {uid} is not ours")
+        conn.settimeout(10)
+        message, fds = _recv(conn)
+        conn.settimeout(None)
+        if len(fds) != 3 or not isinstance(message.get("argv"), list):
+            raise ValueError("malformed request")
+        if message.get("target") != target:
+            raise ValueError(f"this server runs {target}, not {message.get('target')}")
+        return message, fds
+    except (OSError, EOFError, ValueError) as exc:
+        print(f"forkserver: refused a client: {exc}", file=sys.stderr, flush=True)
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            _send(conn, {"error": str(exc)})
+        conn.close()
+        return None
+
+
+def _become_client(message: dict, fds: list[int], server_pid: int) -> None:
+    """In the forked child: die with the server, and take over the client's stdio, environment
+    and working directory."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server_pid:  # the server died between fork and prctl
+        os._exit(1)
+    for target_fd, fd in enumerate(fds):
+        os.dup2(fd, target_fd)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(message["env"])
+    os.chdir(message["cwd"])
+    random.seed()  # not the server's state, which every fork would share
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve-fd"] and len(argv) == 3:
+        target = argv[2]
+        request = serve(socket.socket(fileno=int(argv[1])), target)
+        sys.argv = [target, *request["argv"]]
+        return importlib.import_module(target).main(request["argv"])
+    if argv[:1] == ["--server"] and len(argv) >= 3:
+        if not available():
+            _exec_directly(argv[2], argv[3:])
+        return client(argv[1], argv[2], argv[3:])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""A light stand-in for trainer.worker in the fork server tests (importing torch takes seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+IMPORTED_BY = os.getpid()  # the fork server, when the worker was forked from it
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[0]
+    if mode == "echo":
+        print(
+            json.dumps(
+                {
+                    "argv": argv,
+                    "pid": os.getpid(),
+                    "ppid": os.getppid(),
+                    "imported_by": IMPORTED_BY,
+                    "cwd": os.getcwd(),
+                    "env": os.environ.get("FORKSERVER_TEST"),
+                    "agent": os.environ.get("PIPETRANSFORMER_AGENT_PID"),
+                }
+            ),
+            flush=True,
+        )
+        print("to stderr", file=sys.stderr, flush=True)
+        return int(argv[1])
+    if mode == "wait":  # until SIGTERM, then leave as a re-forming worker does
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+        print(os.getpid(), flush=True)
+        time.sleep(60)
+        return 0
+    if mode == "raise":
+        raise RuntimeError("boom")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
