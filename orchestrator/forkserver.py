@@ -33,6 +33,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import NoReturn
@@ -44,6 +45,7 @@ AGENT_PID_ENV = "PIPETRANSFORMER_AGENT_PID"  # the worker's torchrun agent (its 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
 _PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 30.0  # after a SIGTERM, how long workers may take to leave before being killed
 
 
 def available() -> bool:
@@ -174,14 +176,30 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
     in a forked child: the request it is to run, its process already set up as the client's.
 
     Single-threaded on purpose (one selector over the listener, the clients' connections and
-    the workers' pidfds): forking a process that runs other threads is unsafe."""
+    the workers' pidfds): forking a process that runs other threads is unsafe.
+
+    SIGTERM (the node's launcher going away, e.g. a pod being stopped) does not cut its workers
+    short: torchrun stops them gracefully through their clients at the same time, so the server
+    takes no new clients and exits once they are gone (after STOP_GRACE_S it kills them)."""
+    stopping: list[float] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.monotonic()))
     importlib.import_module(target)
     server_pid = os.getpid()
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, None)
     workers: dict[int, _Worker] = {}  # by pidfd
     while True:
-        for key, _ in sel.select():
+        if stopping:
+            if listener.fileno() >= 0:
+                sel.unregister(listener)
+                listener.close()
+            if not workers:
+                sys.exit(0)
+            if time.monotonic() - stopping[0] > STOP_GRACE_S:
+                for w in workers.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w.pid, signal.SIGKILL)
+        for key, _ in sel.select(timeout=0.5):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
                 request = _accept(conn, target)
@@ -267,6 +285,7 @@ def _become_client(message: dict, fds: list[int], server_pid: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != server_pid:  # the server died between fork and prctl
         os._exit(1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for target_fd, fd in enumerate(fds):
         os.dup2(fd, target_fd)
         os.close(fd)

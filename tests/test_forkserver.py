@@ -136,3 +136,21 @@ def test_a_server_refuses_another_target_and_the_client_runs_it_itself(tmp_path)
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_stopped_server_lets_its_workers_leave_first(server):
+    """SIGTERM to the server (its node is going away) while torchrun stops the workers too: the
+    workers leave gracefully, new clients run on their own, and then the server exits."""
+    proc, name = server
+    client = _client(name, "wait")
+    worker = int(client.stdout.readline())
+    proc.terminate()
+    time.sleep(1.0)
+    assert proc.poll() is None and not _gone(worker, within=0)
+    late = _client(name, "echo", "0")
+    out, err = late.communicate(timeout=30)
+    assert late.returncode == 0, err
+    assert json.loads(out)["pid"] == late.pid  # the server takes no new clients
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(timeout=10) == 75
+    assert proc.wait(timeout=10) == 0
