@@ -14,7 +14,7 @@ The last line is one JSON object; a PNG of samples/s and frozen blocks over time
 goes to bench/out/elastic_speedup.png.
 
     .venv/bin/python bench/elastic_speedup.py [--seeds 0 1 2] [--epochs 20] [--policy gradient]
-        [--alpha 0.25] [--threshold 0.2] [--warmup 0]
+        [--alpha 0.25] [--threshold 0.2] [--warmup 0] [--keep-trainable 1]
 
 The defaults are the recommended AutoFreeze configuration (trainer/freeze.py says why).
 """
@@ -141,12 +141,19 @@ def main() -> None:
         "fraction of its peak",
     )
     parser.add_argument("--warmup", type=int, default=0, help="freeze.warmup_decisions")
+    parser.add_argument(
+        "--keep-trainable",
+        type=int,
+        default=1,
+        help="freeze.keep_trainable: top blocks never frozen",
+    )
     args = parser.parse_args()
     freeze = {
         "policy": args.policy,
         "alpha": args.alpha,
         "threshold": args.threshold,
         "warmup_decisions": args.warmup,
+        "keep_trainable": args.keep_trainable,
     }
     per_seed = []
     first = None

@@ -132,6 +132,18 @@ def client(name: str, target: str, argv: list[str]) -> int:
     """Run `target`'s main(argv) forked from the server `name`, and exit as it did."""
     env = dict(os.environ)
     env[AGENT_PID_ENV] = str(os.getppid())
+    worker: int | None = None
+    pending: list[int] = []  # signals that came before the worker existed
+
+    def forward(signum: int, frame: object) -> None:
+        if worker is None:
+            pending.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signum)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(_address(name))
@@ -141,14 +153,12 @@ def client(name: str, target: str, argv: list[str]) -> int:
         worker = int(reply["pid"])
     except (OSError, EOFError, ValueError, KeyError):
         sock.close()
+        if pending:  # told to stop before anything ran: do so
+            signal.signal(pending[0], signal.SIG_DFL)
+            os.kill(os.getpid(), pending[0])
         _exec_directly(target, argv)  # no usable server: a plain worker process
-
-    def forward(signum: int, frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker, signum)
-
-    for sig in _FORWARDED:
-        signal.signal(sig, forward)
+    for signum in pending:
+        forward(signum, None)
     try:
         status = _recv(sock)[0]["status"]
     except (OSError, EOFError, ValueError, KeyError):
