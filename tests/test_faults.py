@@ -36,6 +36,11 @@ def _probe(workdir: Path, job_id: str, read):
     return store_probe(workdir / "store.db", job_id, read)
 
 
+def _events(workdir: Path, job_id: str, kind: str):
+    """For `wait_for`: the job's store events of `kind` (newest first)."""
+    return _probe(workdir, job_id, lambda s, j: [e for e in s.events(j) if e["kind"] == kind])
+
+
 def _workers(store: Store, job_id: str) -> dict[int, dict]:
     """rank -> `worker_started` data of the newest generation's workers."""
     out: dict[int, dict] = {}
@@ -120,11 +125,7 @@ def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:
         workers = _running_after_checkpoint(workdir, "t", log)
         os.kill(workers[1]["pid"], signal.SIGTERM)
         leaving = wait_for(
-            _probe(
-                workdir,
-                "t",
-                lambda s, j: [e for e in s.events(j) if e["kind"] == "worker_leaving"],
-            ),
+            _events(workdir, "t", "worker_leaving"),
             60,
             "the leave to be recorded",
             log,
@@ -139,10 +140,11 @@ def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:
 
 
 def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> None:
+    """One node dies: the survivor trains alone; a new node joins and the job widens again. The
+    job is far longer than the test (one worker alone must not finish before the new node has
+    started), so it is stopped with Ctrl-C once the widened generation trains."""
     workdir, log = tmp_path / "runs", tmp_path / "run.log"
-    spec = write_spec(
-        tmp_path / "spec.yaml", training={"epochs": 2 * EPOCHS}, runtime=dict(ELASTIC)
-    )
+    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 40}, runtime=dict(ELASTIC))
     proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "n", log=log)
     joiner = None
     try:
@@ -172,19 +174,25 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
             "the job to widen again",
             tmp_path / "joiner.log",
         )
+
+        def widened_and_training(store: Store, job: str) -> bool:
+            resumed = [e for e in store.events(job) if e["kind"] == "generation_resumed"]
+            return resumed[0]["data"]["generation"] == store.generations(job)[-1]["number"]
+
+        wait_for(_probe(workdir, "n", widened_and_training), 60, "a step after widening", log)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
     finally:
-        try:
-            code = proc.wait(timeout=300)
-        finally:
-            proc.kill()
+        proc.kill()
         if joiner is not None:
             joiner.wait(timeout=60)
-    assert code in (0, 1), log.read_text()[-3000:]  # the killed agent's exit code may surface
+    assert code == 130, log.read_text()[-3000:]
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     job = store.get_job("n")
-    assert job.state == "completed", job.message
+    assert job.state == "interrupted", job.message
+    assert store.latest_checkpoint("n").step == job.step, "the stop checkpointed its step"
     steps = [m["step"] for m in store.metrics("n")]
-    assert steps == list(range(1, 2 * EPOCHS * STEPS_PER_EPOCH + 1))
+    assert steps == list(range(1, job.step + 1)), "every step recorded exactly once"
     worlds = [g["world_size"] for g in store.generations("n")]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2
     kinds = _kinds(store, "n")
@@ -321,11 +329,7 @@ def test_a_checkpoint_that_cannot_be_written_is_never_committed(tmp_path: Path) 
         wait_for(ckpts.exists, 60, "the checkpoint folder", log)
         (ckpts / f"step-{2 * EVERY:08d}.partial").write_text("in the way")
         failed = wait_for(
-            _probe(
-                workdir,
-                "unw",
-                lambda s, j: [e for e in s.events(j) if e["kind"] == "checkpoint_failed"],
-            ),
+            _events(workdir, "unw", "checkpoint_failed"),
             150,
             "the failed checkpoint to be reported",
             log,
