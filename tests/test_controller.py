@@ -5,6 +5,7 @@ aborts the generation, and a restarted controller takes over the running one."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -238,3 +239,41 @@ def test_falling_back_to_an_older_checkpoint_takes_its_freeze_boundary_back(
     assert "meta.json" in corrupt[0]["message"]
     layout, reason, _ = store.layouts("job-ft")[-1]
     assert layout == a.layout and "freeze boundary 0" in reason
+
+
+def test_sigterm_starts_the_grace_timer_even_inside_a_collective(tmp_path: Path) -> None:
+    """A worker blocked in a gloo receive (its peer will never send) runs no Python signal
+    handler; its SIGTERM grace timer must start anyway, so it leaves with EXIT_REFORM."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time, datetime
+        import torch, torch.distributed as dist
+        rank = int(sys.argv[1])
+        dist.init_process_group(
+            "gloo", init_method="file://{tmp_path / "rdzv"}", rank=rank, world_size=2,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        if rank == 1:
+            time.sleep(60)
+        from trainer.worker import LeaveRequest
+        LeaveRequest(grace_s=1.0).install()
+        print("ready", flush=True)
+        dist.recv(torch.zeros(1), src=1)
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank)], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        assert procs[0].stdout.readline().strip() == "ready"
+        time.sleep(0.5)  # inside the receive by now
+        procs[0].send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert procs[0].wait(timeout=20) == EXIT_REFORM
+        assert time.monotonic() - t0 < 5
+    finally:
+        for p in procs:
+            p.kill()

@@ -170,15 +170,30 @@ class LeaveRequest:
     def __init__(self, grace_s: float = 10.0) -> None:
         self.grace_s = grace_s
         self.requested = False
+        self._lock = threading.Lock()
 
     def install(self) -> LeaveRequest:
-        signal.signal(signal.SIGTERM, self._on_signal)
+        """From the main thread. Python runs signal handlers only between the main thread's
+        bytecodes, so a worker blocked in a collective or an RPC would not even start its grace
+        timer; the C-level handler also writes the signal number to a wakeup fd, and a thread
+        reading it starts the timer at once."""
+        signal.signal(signal.SIGTERM, lambda signum, frame: self.request())
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), name="leave", daemon=True).start()
         return self
 
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if self.requested:
-            return
-        self.requested = True
+    def _watch(self, read_fd: int) -> None:
+        while data := os.read(read_fd, 64):
+            if signal.SIGTERM in data:
+                self.request()
+
+    def request(self) -> None:
+        with self._lock:
+            if self.requested:
+                return
+            self.requested = True
         timer = threading.Timer(self.grace_s, os._exit, args=(EXIT_REFORM,))
         timer.daemon = True
         timer.start()
