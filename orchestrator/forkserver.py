@@ -64,12 +64,12 @@ def start(
     `client_args`. Its socket is bound and listening before this returns (we bind it and hand
     it over), so no worker started afterwards misses it."""
     name = f"pipetransformer-forkserver-{uuid.uuid4().hex[:12]}"
-    cmd = [sys.executable, "-m", "orchestrator.forkserver", "--serve-fd", "FD", target]
     with contextlib.ExitStack() as stack:
         listener = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         listener.bind(_address(name))
         listener.listen(64)  # clients arriving while the server imports torch wait here
-        cmd[4] = str(listener.fileno())
+        fd = str(listener.fileno())
+        cmd = [sys.executable, "-m", "orchestrator.forkserver", "--serve-fd", fd, target]
         out = stack.enter_context(open(log, "ab")) if log else None  # noqa: SIM115
         proc = subprocess.Popen(
             tied_to_parent(cmd),

@@ -32,6 +32,16 @@ def _spec(tmp_path: Path, **runtime: Any) -> Path:
     )
 
 
+def _run(tmp_path: Path, job_id: str, spec: Path | None = None, *extra: str):
+    """`pipetransformer run` of the job in the background: (workdir, log, process)."""
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    spec = spec or _spec(tmp_path)
+    proc = start_cli(
+        "run", str(spec), "--workdir", str(workdir), "--job-id", job_id, *extra, log=log
+    )
+    return workdir, log, proc
+
+
 def _probe(workdir: Path, job_id: str, read):
     return store_probe(workdir / "store.db", job_id, read)
 
@@ -92,10 +102,7 @@ def _resumed_steps(store: Store, job_id: str) -> list[int]:
 
 
 def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Path) -> None:
-    workdir, log = tmp_path / "runs", tmp_path / "run.log"
-    proc = start_cli(
-        "run", str(_spec(tmp_path)), "--workdir", str(workdir), "--job-id", "k", log=log
-    )
+    workdir, log, proc = _run(tmp_path, "k")
     try:
         workers = _running_after_checkpoint(workdir, "k", log)
         committed = _probe(workdir, "k", lambda s, j: s.latest_checkpoint(j).step)()
@@ -117,10 +124,7 @@ def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Pa
 
 
 def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:
-    workdir, log = tmp_path / "runs", tmp_path / "run.log"
-    proc = start_cli(
-        "run", str(_spec(tmp_path)), "--workdir", str(workdir), "--job-id", "t", log=log
-    )
+    workdir, log, proc = _run(tmp_path, "t")
     try:
         workers = _running_after_checkpoint(workdir, "t", log)
         os.kill(workers[1]["pid"], signal.SIGTERM)
@@ -143,9 +147,8 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
     """One node dies: the survivor trains alone; a new node joins and the job widens again. The
     job is far longer than the test (one worker alone must not finish before the new node has
     started), so it is stopped with Ctrl-C once the widened generation trains."""
-    workdir, log = tmp_path / "runs", tmp_path / "run.log"
     spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 40}, runtime=dict(ELASTIC))
-    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "n", log=log)
+    workdir, log, proc = _run(tmp_path, "n", spec)
     joiner = None
     try:
         workers = _running_after_checkpoint(workdir, "n", log)
@@ -234,12 +237,7 @@ def test_controller_sigkill_and_restart_carries_on(tmp_path: Path, etcd_factory)
 
 def test_etcd_restart_is_ridden_out(tmp_path: Path, etcd_factory) -> None:
     server = etcd_factory()
-    workdir, log = tmp_path / "runs", tmp_path / "run.log"
-    spec = _spec(tmp_path)
-    proc = start_cli(
-        "run", str(spec), "--workdir", str(workdir), "--etcd", server.endpoint, "--job-id", "e",
-        log=log,
-    )  # fmt: skip
+    workdir, log, proc = _run(tmp_path, "e", None, "--etcd", server.endpoint)
     try:
         _running_after_checkpoint(workdir, "e", log)
         server.stop()
@@ -294,9 +292,7 @@ def _committed(workdir: Path, job_id: str) -> list:
 def test_a_shard_torn_after_commit_falls_back_to_the_previous_checkpoint(tmp_path: Path) -> None:
     """The newest committed checkpoint loses bytes of a shard, then a worker dies: the next
     generation detects the damage, marks it corrupt and resumes from the one before."""
-    workdir, log = tmp_path / "runs", tmp_path / "run.log"
-    spec = _checkpoint_spec(tmp_path)
-    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "torn", log=log)
+    workdir, log, proc = _run(tmp_path, "torn", _checkpoint_spec(tmp_path))
     try:
         wait_for(
             lambda: any(c.step == 2 * EVERY for c in _committed(workdir, "torn")),
@@ -321,9 +317,7 @@ def test_a_checkpoint_that_cannot_be_written_is_never_committed(tmp_path: Path) 
     """The checkpoint at step 60 cannot be written (its directory's name is taken by a file):
     it is reported and never committed, training goes on, and a worker dying before the next
     one resumes from step 30."""
-    workdir, log = tmp_path / "runs", tmp_path / "run.log"
-    spec = _checkpoint_spec(tmp_path)
-    proc = start_cli("run", str(spec), "--workdir", str(workdir), "--job-id", "unw", log=log)
+    workdir, log, proc = _run(tmp_path, "unw", _checkpoint_spec(tmp_path))
     try:
         ckpts = workdir / "jobs" / "unw" / "checkpoints"
         wait_for(ckpts.exists, 60, "the checkpoint folder", log)
@@ -349,11 +343,7 @@ def test_the_store_unreachable_for_seconds_is_ridden_out(tmp_path: Path, private
     """PostgreSQL goes away for a few seconds mid-job: training never stops (reports queue in
     etcd), the controller retries, and once it is back the job completes with nothing lost."""
     db = private_postgres.create_database("job")
-    workdir, log = tmp_path / "runs", tmp_path / "run.log"
-    spec = _spec(tmp_path)
-    proc = start_cli(
-        "run", str(spec), "--workdir", str(workdir), "--db", db, "--job-id", "db", log=log
-    )
+    workdir, log, proc = _run(tmp_path, "db", None, "--db", db)
     try:
         wait_for(store_probe(db, "db", lambda s, j: s.latest_checkpoint(j)), 150, "a commit", log)
         private_postgres.stop(mode="fast")
