@@ -1,6 +1,15 @@
 """Elastic speed-up: the digits ViT trained (a) statically on 2 pipeline stages with no freezing,
 and (b) with AutoFreeze + in-process re-layout + AutoCache, same seeds, same global batch.
 
+Two regimes (`--regime`):
+
+    scratch   (a) and (b) train from a seeded random initialisation on all ten digits
+              (examples/vit-digits.yaml)
+    finetune  PipeTransformer's setting: one pretraining job first trains the ViT on all ten
+              digits; (a) and (b) then fine-tune its weights, with a new head, on digits 5-9
+              (`init`, `data.classes`; the held-out images are the pretraining job's held-out
+              images of those digits), at a fine-tuning learning rate
+
 Each configuration is a real job through `pipetransformer run` (2 worker processes, 1 thread
 each); (a) and (b) alternate per seed so machine-load drift hits both alike. From the stores:
 
@@ -9,12 +18,14 @@ each); (a) and (b) alternate per seed so machine-load drift hits both alike. Fro
     time_to_accuracy_ratio  wall time for (a) to reach its final accuracy / time for (b) to reach
                             the same accuracy; median over seeds (null if (b) never does)
     accuracy_delta_pp       final held-out accuracy (b) - (a), mean over seeds, percentage points
+    wall_time_ratio         wall time of the whole run (same epochs), (a) over (b); median
 
 The last line is one JSON object; a PNG of samples/s and frozen blocks over time (first seed)
 goes to bench/out/elastic_speedup.png.
 
-    .venv/bin/python bench/elastic_speedup.py [--seeds 0 1 2] [--epochs 20] [--policy gradient]
-        [--alpha 0.25] [--threshold 0.2] [--warmup 0] [--keep-trainable 1]
+    .venv/bin/python bench/elastic_speedup.py [--regime scratch|finetune] [--seeds 0 1 2]
+        [--epochs 20 (finetune: 10)] [--policy gradient] [--alpha 0.25] [--threshold 0.2]
+        [--warmup 0] [--keep-trainable 1]
 
 The defaults are the recommended AutoFreeze configuration (trainer/freeze.py says why).
 """
@@ -34,16 +45,45 @@ from _common import ROOT, emit, environment, out_dir, progress
 
 from orchestrator.store import Store, sqlite_url  # noqa: E402
 
+PRETRAIN_SEED = 100  # the pretraining job's training seed: none of the fine-tuning seeds
+FINETUNE_CLASSES = [5, 6, 7, 8, 9]
+FINETUNE = {"lr": 0.001, "warmup_steps": 10}  # a tenth of warm-up and a third of the LR
 
-def _spec(path: Path, seed: int, epochs: int, elastic: bool, freeze: dict) -> Path:
+
+def _spec(
+    path: Path,
+    seed: int,
+    epochs: int,
+    elastic: bool,
+    freeze: dict,
+    pretrained: Path | None = None,
+) -> Path:
     spec = yaml.safe_load((ROOT / "examples" / "vit-digits.yaml").read_text())
     spec["name"] = "elastic" if elastic else "static"
     spec["training"].update(seed=seed, epochs=epochs)
-    spec["data"]["seed"] = seed
+    if pretrained is None:
+        spec["data"]["seed"] = seed
+    else:
+        # the pretraining job's held-out split (data.seed 0), filtered to the new task's digits
+        spec["training"].update(FINETUNE)
+        spec["data"]["classes"] = FINETUNE_CLASSES
+        spec["model"]["num_classes"] = len(FINETUNE_CLASSES)
+        spec["init"] = {"checkpoint": str(pretrained), "skip": ["head"]}
     if elastic:
         spec["freeze"] = {**freeze, "cache": "auto"}
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+def _pretrain(tmp: Path, epochs: int) -> Path:
+    """The pretraining job: the example ViT on all ten digits; returns its checkpoints."""
+    spec = yaml.safe_load((ROOT / "examples" / "vit-digits.yaml").read_text())
+    spec["name"] = "pretrain"
+    spec["training"].update(seed=PRETRAIN_SEED, epochs=epochs)
+    path = tmp / "pretrain.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    _run(tmp / "pretrain", path, "pretrain", tmp / "profile-cache")
+    return tmp / "pretrain" / "jobs" / "pretrain" / "checkpoints"
 
 
 def _run(workdir: Path, spec: Path, job_id: str, cache: Path) -> None:
@@ -98,7 +138,7 @@ def _time_to(hist: dict, accuracy: float) -> float | None:
     return None
 
 
-def _plot(static: dict, elastic: dict, path: Path) -> None:
+def _plot(static: dict, elastic: dict, path: Path, regime: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,15 +162,25 @@ def _plot(static: dict, elastic: dict, path: Path) -> None:
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
-    ax.set_title("Digits ViT, 2 processes x 1 thread")
+    what = "fine-tuned on digits 5-9" if regime == "finetune" else "from scratch"
+    ax.set_title(f"Digits ViT {what}, 2 processes x 1 thread")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--regime", default="scratch", choices=["scratch", "finetune"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="training epochs (default: scratch 20, finetune 10)",
+    )
+    parser.add_argument(
+        "--pretrain-epochs", type=int, default=20, help="finetune: the pretraining job's epochs"
+    )
     parser.add_argument("--policy", default="gradient", choices=["gradient", "schedule"])
     parser.add_argument("--alpha", type=float, default=0.25)
     parser.add_argument(
@@ -148,6 +198,7 @@ def main() -> None:
         help="freeze.keep_trainable: top blocks never frozen",
     )
     args = parser.parse_args()
+    epochs = args.epochs or (10 if args.regime == "finetune" else 20)
     freeze = {
         "policy": args.policy,
         "alpha": args.alpha,
@@ -159,12 +210,16 @@ def main() -> None:
     first = None
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        pretrained = None
+        if args.regime == "finetune":
+            progress(f"pretraining on all ten digits ({args.pretrain_epochs} epochs) ...")
+            pretrained = _pretrain(tmp, args.pretrain_epochs)
         for seed in args.seeds:
             runs = {}
             for elastic in (False, True):
                 name = "elastic" if elastic else "static"
                 progress(f"seed {seed}: training ({name}) ...")
-                spec = _spec(tmp / f"{name}-{seed}.yaml", seed, args.epochs, elastic, freeze)
+                spec = _spec(tmp / f"{name}-{seed}.yaml", seed, epochs, elastic, freeze, pretrained)
                 workdir = tmp / f"{name}-{seed}"
                 _run(workdir, spec, f"{name}-{seed}", tmp / "profile-cache")
                 store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
@@ -180,6 +235,8 @@ def main() -> None:
                 "half_frozen_at_step": half,
                 "throughput_ratio": ratio,
                 "time_to_accuracy_ratio": (t_a / t_b) if t_a and t_b else None,
+                "time_to_accuracy_s": {"static": t_a, "elastic": t_b},
+                "wall_time_ratio": a["time"][-1] / b["time"][-1],
                 "final_accuracy": {"static": a["final_accuracy"], "elastic": b["final_accuracy"]},
                 "wall_s": {"static": a["time"][-1], "elastic": b["time"][-1]},
                 "freezes": b["freezes"],
@@ -196,17 +253,20 @@ def main() -> None:
         vals = [r[key] for r in per_seed if r[key] is not None]
         return statistics.median(vals) if vals else None
 
-    png = out_dir() / "elastic_speedup.png"
-    _plot(*first, png)
+    suffix = "" if args.regime == "scratch" else f"-{args.regime}"
+    png = out_dir() / f"elastic_speedup{suffix}.png"
+    _plot(*first, png, args.regime)
     emit(
         {
             "benchmark": "elastic_speedup",
             "throughput_ratio": med("throughput_ratio"),
+            "regime": args.regime,
             "time_to_accuracy_ratio": med("time_to_accuracy_ratio"),
             # the median above is over the seeds where (b) reached (a)'s accuracy at all
             "time_to_accuracy_reached": sum(
                 r["time_to_accuracy_ratio"] is not None for r in per_seed
             ),
+            "wall_time_ratio": med("wall_time_ratio"),
             "accuracy_delta_pp": 100
             * statistics.mean(
                 r["final_accuracy"]["elastic"] - r["final_accuracy"]["static"] for r in per_seed
@@ -216,12 +276,24 @@ def main() -> None:
                 "time_to_accuracy_ratio": 1.3,
                 "accuracy_delta_pp": -0.5,
             },
-            "config": {"epochs": args.epochs, **freeze},
+            "config": {
+                "epochs": epochs,
+                **freeze,
+                **(
+                    {
+                        "pretrain_epochs": args.pretrain_epochs,
+                        "classes": FINETUNE_CLASSES,
+                        **FINETUNE,
+                    }
+                    if pretrained
+                    else {}
+                ),
+            },
             "per_seed": per_seed,
             "plot": str(png),
             "environment": environment(),
         },
-        save_as="elastic_speedup.json",
+        save_as=f"elastic_speedup{suffix}.json",
     )
 
 

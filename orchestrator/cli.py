@@ -36,6 +36,7 @@ from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.launch import torchrun_command, worker_env
 from orchestrator.overrides import OverrideError, file_freeze_request
+from orchestrator.pretrained import resolve_init
 from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
 from orchestrator.spec import JobSpec, SpecError, load_spec
@@ -238,9 +239,13 @@ def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: 
     return 130 if ctrl.progress.outcome == "stopped" else 1  # 130: stopped on request (Ctrl-C)
 
 
-def _new_job(args: argparse.Namespace, spec_path: str):
-    """Validate a new job's spec and id before anything is created; then its store."""
+def _new_job(args: argparse.Namespace, spec_path: str, fresh: bool = True):
+    """Validate a new job's spec and id before anything is created; then its store. With `fresh`
+    (the job cannot exist yet) a fine-tuning spec's checkpoint is checked here too; a controller
+    that may be continuing its job leaves that to `Controller.create`."""
     spec = load_spec(spec_path)  # rejects a bad spec before anything starts
+    if fresh:
+        spec = resolve_init(spec)
     job_id = check_job_id(args.job_id) if args.job_id else new_job_id(spec)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     store = open_store(args, create=True)
@@ -359,7 +364,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     """Controller role of a torchx launch: creates (or continues) the job, publishes it in etcd,
     and records what the workers report until they finish."""
     started = time.monotonic()
-    spec, job_id, store = _new_job(args, args.spec)
+    spec, job_id, store = _new_job(args, args.spec, fresh=False)
     with etcd_for(args, job_id, port=args.etcd_port) as etcd:
         try:
             ctrl = Controller(store, etcd, job_id)

@@ -35,6 +35,7 @@ from sqlalchemy.exc import OperationalError
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
 from orchestrator.manifest import CheckpointError, read_meta, verify_checkpoint
+from orchestrator.pretrained import resolve_init
 from orchestrator.spec import JobSpec
 from orchestrator.state import Assignment, JoinRequest, Layout, TrainingState, WorkerEvent
 from orchestrator.store import CheckpointInfo, Store, StoreUnavailable
@@ -134,11 +135,20 @@ class Controller:
         workdir: str | Path,
         job_id: str | None = None,
     ) -> Controller:
-        """Record a new job (pending) with its initial layout."""
+        """Record a new job (pending) with its initial layout. A fine-tuning spec's checkpoint is
+        checked and pinned first (SpecError, nothing stored, if it cannot be used)."""
+        spec = resolve_init(spec)
         job_id = job_id or new_job_id(spec)
         store.create_job(job_id, spec, str(Path(workdir).resolve()))
         store.record_layout(job_id, plan_layout(spec), reason="initial")
-        store.add_event(job_id, "job_created", f"job {job_id} created from spec {spec.name!r}")
+        init = spec.init
+        source = f", initialised from {init.checkpoint}" if init.checkpoint else ""
+        store.add_event(
+            job_id,
+            "job_created",
+            f"job {job_id} created from spec {spec.name!r}{source}",
+            data={"init": init.model_dump()} if init.checkpoint else None,
+        )
         return cls(store, etcd, job_id)
 
     @property

@@ -93,12 +93,20 @@ class DataSpec(_Strict):
     """`digits`: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes; vit).
     `synthetic`: seeded random images/labels of the model's shape, for benchmarks (vit).
     `synthetic-text`: seeded token sequences of the model's seq_len; the label is whichever of the
-    num_classes keyword tokens (ids 0 .. num_classes-1) occurs most often (bert)."""
+    num_classes keyword tokens (ids 0 .. num_classes-1) occurs most often (bert).
+
+    `classes` (digits) keeps only those digits, relabelled 0 .. len(classes)-1 in the order given.
+    The held-out split is drawn from the whole data set first and then filtered, so jobs with
+    the same `seed` never train on each other's held-out images, whatever classes they keep (a
+    model pretrained on some digits can be fine-tuned on all of them)."""
 
     dataset: str = "digits"
     test_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
     synthetic_samples: PositiveInt = 2048
     seed: int = 0
+    classes: list[Annotated[int, Field(ge=0, le=9)]] | None = Field(
+        None, description="digits only: the digits to keep (at least 2), relabelled in this order"
+    )
 
     @model_validator(mode="after")
     def _known(self) -> DataSpec:
@@ -106,7 +114,24 @@ class DataSpec(_Strict):
             raise ValueError(
                 f"dataset {self.dataset!r} is not available; choose one of {', '.join(DATASETS)}"
             )
+        if self.classes is not None:
+            if self.dataset != "digits":
+                raise ValueError(
+                    f"data.classes selects digits and needs dataset 'digits' "
+                    f"(got {self.dataset!r}); remove it"
+                )
+            if len(self.classes) < 2 or len(set(self.classes)) != len(self.classes):
+                raise ValueError(
+                    f"data.classes must list at least 2 different digits (got {self.classes})"
+                )
         return self
+
+    @property
+    def num_classes(self) -> int | None:
+        """Classes the data set has (None where the model's num_classes decides)."""
+        if self.dataset == "digits":
+            return 10 if self.classes is None else len(self.classes)
+        return None
 
     def model_problem(self, model: ModelSpec) -> str | None:
         """Why this data set cannot feed `model` (a message naming the fields), or None."""
@@ -115,12 +140,14 @@ class DataSpec(_Strict):
                 f"data.dataset {self.dataset!r} is images and needs model.family 'vit' "
                 f"(got {model.family!r}); for bert use 'synthetic-text'"
             )
-        digit_shape = (model.image_size, model.channels, model.num_classes)
-        if self.dataset == "digits" and digit_shape != (8, 1, 10):
-            return (
-                "dataset 'digits' is 8x8 grey images of 10 classes: set model.image_size=8, "
-                "model.channels=1, model.num_classes=10"
-            )
+        if self.dataset == "digits":
+            k = self.num_classes
+            if (model.image_size, model.channels, model.num_classes) != (8, 1, k):
+                kept = "" if self.classes is None else " (the digits data.classes keeps)"
+                return (
+                    f"dataset 'digits' is 8x8 grey images of {k} classes{kept}: set "
+                    f"model.image_size=8, model.channels=1, model.num_classes={k}"
+                )
         if self.dataset == "synthetic-text":
             if model.family != "bert":
                 return (
@@ -430,6 +457,55 @@ class FreezeSpec(_Strict):
         raise ValueError("must be 'epoch' or a positive whole number of optimizer steps")
 
 
+_UNIT_RE = re.compile(r"^(embed|head|blocks\.(0|[1-9][0-9]*))$")
+
+
+class InitSpec(_Strict):
+    """Fine-tuning: start from the model weights of a checkpoint another job committed, instead
+    of a seeded random initialisation. Only weights are taken: the optimizer, LR schedule,
+    sampler and freeze state start afresh (a resume of this job, by contrast, continues from its
+    own checkpoints and never reads this one again).
+
+    The architecture must match the checkpoint's (model.family, dim, depth, heads, mlp_ratio and
+    the family's input fields); units listed in `skip` keep their fresh initialisation, so a
+    new classifier head (`skip: [head]`) may have a different model.num_classes."""
+
+    checkpoint: str | None = Field(
+        None,
+        description="a committed checkpoint directory (`.../checkpoints/step-NNNNNNNN`), or a "
+        "checkpoints directory to take its newest complete checkpoint from; a path as the "
+        "controller and workers see it (a relative one is resolved at submission)",
+    )
+    skip: list[str] = Field(
+        [],
+        description="units left freshly initialised: 'embed', 'head' or 'blocks.<i>'",
+    )
+    checksum: str | None = Field(
+        None,
+        description="the checkpoint's manifest checksum; filled in at submission, so the "
+        "workers load exactly the checkpoint that was checked (give it to pin one)",
+    )
+
+    @field_validator("skip")
+    @classmethod
+    def _units(cls, value: list[str]) -> list[str]:
+        bad = [u for u in value if not _UNIT_RE.match(u)]
+        if bad:
+            raise ValueError(
+                f"unknown unit(s) {', '.join(map(repr, bad))}: use 'embed', 'head' or "
+                "'blocks.<i>' (i from 0 to model.depth - 1)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _needs_checkpoint(self) -> InitSpec:
+        if self.checkpoint is None and (self.skip or self.checksum):
+            raise ValueError(
+                "init.skip and init.checksum need init.checkpoint; set it or remove them"
+            )
+        return self
+
+
 class JobSpec(_Strict):
     name: str = Field(..., description="lowercase letters, digits and '-', at most 40 characters")
     model: ModelSpec = ModelSpec()
@@ -439,6 +515,7 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     runtime: RuntimeSpec = RuntimeSpec()
     freeze: FreezeSpec = FreezeSpec()
+    init: InitSpec = InitSpec()
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -462,6 +539,14 @@ class JobSpec(_Strict):
                 f"freeze.keep_trainable ({fz.keep_trainable}) must be less than model.depth "
                 f"({self.model.depth}) when freeze.policy is {fz.policy!r}: at least one block "
                 "must be freezable; lower freeze.keep_trainable or raise model.depth"
+            )
+        beyond = [
+            u for u in self.init.skip if u.startswith("blocks.") and int(u[7:]) >= self.model.depth
+        ]
+        if beyond:
+            raise ValueError(
+                f"init.skip names {', '.join(beyond)}, beyond the model's blocks "
+                f"(blocks.0 .. blocks.{self.model.depth - 1})"
             )
         rt = self.runtime
         if rt.min_nodes is not None and rt.min_nodes > rt.nodes:

@@ -49,7 +49,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from orchestrator.manifest import MANIFEST, META, CheckpointError, manifest_checksum
+from orchestrator.manifest import (
+    MANIFEST,
+    META,
+    CheckpointError,
+    manifest_checksum,
+    verify_checkpoint,
+)
 from orchestrator.spec import CheckpointSpec
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -580,16 +586,11 @@ class _TensorOnlyPlanner(DefaultLoadPlanner):
         return plan
 
 
-def load_checkpoint(
-    path: str | Path,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    group: dist.ProcessGroup | None = None,
-) -> None:
-    """Fill this rank's blocks and their optimizer state from a checkpoint written under any
-    layout (DCP reshards by key). Reads tensors only: nothing in the checkpoint is unpickled
-    beyond DCP's own index classes."""
-    state = _state_dict(module, optimizer)  # initialises optimizer state, giving load its keys
+def _load_packed(
+    path: str | Path, state: dict[str, Any], group: dist.ProcessGroup | None
+) -> dict[str, Any]:
+    """Read the units of `state` ({part: {name: tensor}}) from a checkpoint: per-name tensors of
+    the same shapes. Collective over `group` when a process group is initialised."""
     packed = {
         part: {
             key: torch.empty(sum(v.numel() for _, v in members), dtype=members[0][1].dtype)
@@ -607,8 +608,66 @@ def load_checkpoint(
         )
     except CheckpointException as exc:  # a BaseException: make it an ordinary error
         raise CheckpointError(f"{path}: cannot load: {_describe(exc)}") from exc
-    loaded = _unpack(state, packed)
+    return _unpack(state, packed)
+
+
+def load_checkpoint(
+    path: str | Path,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Fill this rank's blocks and their optimizer state from a checkpoint written under any
+    layout (DCP reshards by key). Reads tensors only: nothing in the checkpoint is unpickled
+    beyond DCP's own index classes."""
+    state = _state_dict(module, optimizer)  # initialises optimizer state, giving load its keys
+    loaded = _load_packed(path, state, group)
     module.load_state_dict(loaded["model"])
     full = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
     full.update(loaded["optim"])
     set_optimizer_state_dict(module, optimizer, full, options=_OPTIONS)
+
+
+def load_weights(
+    path: str | Path,
+    module: nn.Module,
+    skip: list[str] | tuple[str, ...] = (),
+    checksum: str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[str]:
+    """Fine-tuning: fill this rank's units of `module` with the weights of a checkpoint another
+    job wrote (under any layout), except the units in `skip`, which keep their initialisation.
+    Nothing else is taken from it (no optimizer state). With `checksum`, the checkpoint is
+    verified against it first. Returns the units loaded.
+
+    Raises CheckpointError naming each unit the checkpoint lacks or holds at another size (the
+    model spec differs from the checkpoint's), before anything is read. Collective."""
+    if checksum is not None:
+        verify_checkpoint(path, checksum)
+    tensors = module.state_dict()
+    wanted = {
+        name: value
+        for key, members in _units(tensors).items()
+        if key.partition("@")[0] not in skip
+        for name, value in members
+    }
+    units = _units(wanted)
+    stored = _SafeReader(str(path)).read_metadata().state_dict_metadata
+    problems = []
+    for key, members in units.items():
+        size = sum(v.numel() for _, v in members)
+        entry = stored.get(f"model.{key}")
+        if entry is None:
+            problems.append(f"it has no {key}")
+        elif not hasattr(entry, "size") or entry.size.numel() != size:
+            held = entry.size.numel() if hasattr(entry, "size") else "no tensor"
+            problems.append(f"its {key} holds {held} values, this model's {size}")
+    if problems:
+        raise CheckpointError(
+            f"{path}: cannot initialise this model from it: {'; '.join(problems)}. The model "
+            "spec must have the checkpoint's architecture (or list the unit in init.skip)"
+        )
+    loaded = _load_packed(path, {"model": wanted}, group)
+    missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
+    assert not unexpected and all(_unit(n) in skip for n in missing), (missing, unexpected)
+    return sorted({key.partition("@")[0] for key in units})

@@ -122,6 +122,15 @@ def load_dataset(data: DataSpec, model: ModelSpec) -> Dataset:
     else:  # JobSpec validation makes this unreachable; keep the error explicit anyway
         raise ValueError(f"unknown dataset {data.dataset!r}")
     train_idx, test_idx = _stratified_split(labels, data.test_fraction, data.seed)
+    if data.classes is not None:
+        # split first, then filter: the held-out images of a digit are the same whichever
+        # digits a job keeps, so a pretraining job never sees a fine-tuning job's test set
+        keep = np.asarray(data.classes)
+        train_idx = train_idx[np.isin(labels[train_idx], keep)]
+        test_idx = test_idx[np.isin(labels[test_idx], keep)]
+        relabel = np.full(10, -1, dtype=np.int64)
+        relabel[keep] = np.arange(len(keep))
+        labels = relabel[labels]
 
     def split(idx: np.ndarray) -> Split:
         return Split(torch.from_numpy(inputs[idx].copy()), torch.from_numpy(labels[idx].copy()))

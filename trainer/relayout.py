@@ -8,7 +8,7 @@ import torch
 
 from orchestrator.spec import JobSpec
 from orchestrator.state import Layout
-from trainer.checkpoint import load_checkpoint
+from trainer.checkpoint import load_checkpoint, load_weights
 from trainer.optim import build_optimizer
 from trainer.partition import plan_layout
 from trainer.pipeline import RankPipeline, build_rank_pipeline
@@ -33,7 +33,8 @@ def build_training(
     spec: JobSpec, layout: Layout, rank: int, load_from: str | None = None
 ) -> tuple[RankPipeline, torch.optim.Optimizer]:
     """This rank's pipeline (groups, stages, schedule) and optimizer under `layout`; with
-    `load_from`, weights and optimizer state come from that checkpoint, written under any layout.
+    `load_from`, weights and optimizer state come from that checkpoint, written under any layout;
+    without it, a fine-tuning spec (`init`) takes the weights of its pretrained checkpoint.
     Frozen blocks (below the layout's boundary) are in no optimizer. Collective."""
     recompute = recompute_flags(spec, layout)
     replica_batch = spec.training.global_batch_size // layout.replicas
@@ -43,4 +44,7 @@ def build_training(
     optimizer = build_optimizer(pipe.model, spec.training)
     if load_from:
         load_checkpoint(load_from, pipe.model, optimizer)
+    elif spec.init.checkpoint:
+        init = spec.init
+        load_weights(init.checkpoint, pipe.model, init.skip, checksum=init.checksum)
     return pipe, optimizer

@@ -319,6 +319,8 @@ class Trainer:
                 "layout_version": ctx.layout.version,
                 "reason": reason,
                 "freeze": self.freeze.to_dict(),
+                # what the weights are for: a fine-tuning job checks it at submission
+                "model": self.spec.model.model_dump(),
             }
             ckpt.start(path, self.pipe.model, self.optimizer, meta)
             self._ckpt_state, self._ckpt_time = state, time.monotonic()

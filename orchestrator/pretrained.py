@@ -1,0 +1,114 @@
+"""Fine-tuning from another job's checkpoint (`init` in the job spec): the checkpoint is found,
+checked and pinned when the job is submitted, before anything is stored or started, so a wrong
+path or a checkpoint of another architecture is a spec error, not a failed worker. The workers
+load the weights (trainer/checkpoint.load_weights); this side needs no torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator.manifest import (
+    MANIFEST,
+    CheckpointError,
+    manifest_checksum,
+    read_meta,
+    verify_checkpoint,
+)
+from orchestrator.spec import JobSpec, ModelSpec, SpecError
+
+# the fields that decide the shape and meaning of the weights (dropout does not)
+_ARCHITECTURE = {
+    "any": ("family", "dim", "depth", "heads", "mlp_ratio"),
+    "vit": ("image_size", "patch_size", "channels"),
+    "bert": ("vocab_size", "seq_len"),
+}
+
+
+def _checksum(path: Path) -> str:
+    return manifest_checksum(json.loads((path / MANIFEST).read_text()))
+
+
+def _newest_complete(directory: Path) -> Path | None:
+    """The newest `step-*` checkpoint under `directory` whose files match its manifest."""
+    sealed = [
+        p
+        for p in directory.glob("step-*")
+        if not p.name.endswith(".partial") and (p / MANIFEST).is_file()
+    ]
+    for path in sorted(sealed, key=lambda p: p.name, reverse=True):
+        try:
+            verify_checkpoint(path, _checksum(path))
+            return path
+        except (CheckpointError, OSError, ValueError):
+            continue
+    return None
+
+
+def architecture_mismatch(saved: dict, model: ModelSpec, skip: list[str]) -> list[str]:
+    """How the model a checkpoint's meta records differs from `model` where it matters for
+    loading its weights (`num_classes` only when the head is loaded), as 'field: A there, B here'."""
+    fields = [*_ARCHITECTURE["any"], *_ARCHITECTURE.get(model.family, ())]
+    if "head" not in skip:
+        fields.append("num_classes")
+    return [
+        f"model.{f}: {saved.get(f)!r} there, {getattr(model, f)!r} here"
+        for f in fields
+        if saved.get(f) != getattr(model, f)
+    ]
+
+
+def resolve_init(spec: JobSpec, cwd: Path | None = None) -> JobSpec:
+    """`spec` with `init.checkpoint` made absolute (a checkpoints directory resolved to its newest
+    complete checkpoint) and `init.checksum` pinned to that checkpoint's manifest; unchanged when
+    the spec does not fine-tune. Raises SpecError naming the field when the checkpoint is missing,
+    damaged, not the pinned one, or was written by a model of another architecture."""
+    init = spec.init
+    if init.checkpoint is None:
+        return spec
+
+    def problem(field: str, message: str) -> SpecError:
+        return SpecError([(f"init.{field}", message)])
+
+    path = Path(init.checkpoint).expanduser()
+    path = (path if path.is_absolute() else (cwd or Path.cwd()) / path).resolve()
+    if not path.is_dir():
+        raise problem("checkpoint", f"no such directory: {path}")
+    if not (path / MANIFEST).is_file():
+        newest = _newest_complete(path)
+        if newest is None:
+            raise problem(
+                "checkpoint",
+                f"{path} is neither a checkpoint (it has no {MANIFEST}) nor a directory holding "
+                "complete ones (step-*/manifest.json); point it at a job's "
+                "`checkpoints/step-NNNNNNNN` directory",
+            )
+        path = newest
+    try:
+        checksum = _checksum(path)
+        verify_checkpoint(path, checksum)
+        saved = read_meta(path).get("model")
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise problem("checkpoint", f"{path} is damaged: {exc}") from None
+    if init.checksum is not None and init.checksum != checksum:
+        raise problem(
+            "checksum",
+            f"{path} has manifest checksum {checksum}, not the pinned {init.checksum}; "
+            "it was replaced since: point init.checkpoint at the pinned one or drop "
+            "init.checksum",
+        )
+    if saved is not None:  # checkpoints record their model since fine-tuning exists
+        differences = architecture_mismatch(saved, spec.model, init.skip)
+        if differences:
+            hint = (
+                " (a new classifier head for another num_classes: init.skip: [head])"
+                if any(d.startswith("model.num_classes") for d in differences)
+                else ""
+            )
+            raise problem(
+                "checkpoint",
+                f"{path} holds weights of another architecture: {'; '.join(differences)}. "
+                f"Set these model fields as the checkpoint has them{hint}",
+            )
+    pinned = init.model_copy(update={"checkpoint": str(path), "checksum": checksum})
+    return spec.model_copy(update={"init": pinned})
