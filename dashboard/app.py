@@ -102,7 +102,10 @@ def fmt_time(t: float | datetime | None) -> str:
 
 def header(store: Store, job: JobInfo) -> None:
     st.title(job.id)
-    st.caption(f"{job.name} · workdir `{job.workdir}` · created {fmt_time(job.created_at)}")
+    init = job.spec.init
+    # provenance of a fine-tuning job: which checkpoint its weights started from
+    source = f" · fine-tuned from `{init.checkpoint}`" if init.checkpoint else ""
+    st.caption(f"{job.name} · workdir `{job.workdir}` · created {fmt_time(job.created_at)}{source}")
     epochs = job.spec.training.epochs
     c = st.columns([1.6, 1, 1, 1, 1])  # state names are the longest values
     c[0].metric("State", job.state)

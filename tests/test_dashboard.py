@@ -68,18 +68,24 @@ def test_job_page_renders(monkeypatch: pytest.MonkeyPatch, finished_run) -> None
 def test_job_selected_by_query_param(monkeypatch: pytest.MonkeyPatch, finished_run) -> None:
     store = Store.open(finished_run.db_url)
     try:
-        store.create_job("newer-job-000001", store.get_job(finished_run.job_id).spec, "/w")
+        spec = store.get_job(finished_run.job_id).spec
+        init = {"checkpoint": "/w/jobs/pre/checkpoints/step-00000040", "checksum": "ab12"}
+        tuned = spec.model_copy(update={"init": spec.init.model_copy(update=init)})
+        store.create_job("newer-job-000001", tuned, "/w")
     finally:
         store.close()
     # Default: newest job, which has nothing recorded yet; the page still renders.
     at = run_app(monkeypatch, finished_run.db_url)
     assert not at.exception
     assert [t.value for t in at.main.title] == ["newer-job-000001"]
-    assert "No layout recorded yet." in page_text(at)
+    text = page_text(at)
+    assert "No layout recorded yet." in text
+    assert "fine-tuned from `/w/jobs/pre/checkpoints/step-00000040`" in text
 
     at = run_app(monkeypatch, finished_run.db_url, job=finished_run.job_id)
     assert not at.exception
     assert [t.value for t in at.main.title] == [finished_run.job_id]
+    assert "fine-tuned from" not in page_text(at)
 
     at = run_app(monkeypatch, finished_run.db_url, job="no-such-job")
     assert not at.exception
