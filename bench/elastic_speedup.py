@@ -47,7 +47,7 @@ from orchestrator.store import Store, sqlite_url  # noqa: E402
 
 PRETRAIN_SEED = 100  # the pretraining job's training seed: none of the fine-tuning seeds
 FINETUNE_CLASSES = [5, 6, 7, 8, 9]
-FINETUNE = {"lr": 0.001, "warmup_steps": 10}  # a tenth of warm-up and a third of the LR
+FINETUNE = {"lr": 0.001, "warmup_steps": 10}  # a quarter of the warm-up, a third of the LR
 
 
 def _spec(
