@@ -38,14 +38,25 @@ def manifest_checksum(manifest: dict[str, dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+
+
+def checkpoint_checksum(path: str | Path) -> str:
+    """The checksum of a sealed checkpoint's manifest, as it would be committed (for one that
+    no store of ours committed, such as another job's checkpoint a fine-tuning job starts from);
+    verify the files against it with `verify_checkpoint`."""
+    return manifest_checksum(_read_manifest(Path(path)))
+
+
 def verify_checkpoint(path: str | Path, checksum: str) -> int:
     """Raise CheckpointError unless every file matches the manifest and the manifest matches
     `checksum`; return the checkpoint's size in bytes."""
     path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+    manifest = _read_manifest(path)
     if manifest_checksum(manifest) != checksum:
         raise CheckpointError(f"{path}: manifest does not match the committed checksum")
     actual = build_manifest(path)

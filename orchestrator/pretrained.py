@@ -5,13 +5,12 @@ load the weights (trainer/checkpoint.load_weights); this side needs no torch."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from orchestrator.manifest import (
     MANIFEST,
     CheckpointError,
-    manifest_checksum,
+    checkpoint_checksum,
     read_meta,
     verify_checkpoint,
 )
@@ -25,12 +24,16 @@ _ARCHITECTURE = {
 }
 
 
-def _checksum(path: Path) -> str:
-    return manifest_checksum(json.loads((path / MANIFEST).read_text()))
+def _verified(path: Path) -> str:
+    """The checksum of a checkpoint whose files match its own manifest (CheckpointError if not)."""
+    checksum = checkpoint_checksum(path)
+    verify_checkpoint(path, checksum)
+    return checksum
 
 
-def _newest_complete(directory: Path) -> Path | None:
-    """The newest `step-*` checkpoint under `directory` whose files match its manifest."""
+def _newest_complete(directory: Path) -> tuple[Path, str] | None:
+    """The newest `step-*` checkpoint under `directory` whose files match its manifest, with
+    its checksum."""
     sealed = [
         p
         for p in directory.glob("step-*")
@@ -38,9 +41,8 @@ def _newest_complete(directory: Path) -> Path | None:
     ]
     for path in sorted(sealed, key=lambda p: p.name, reverse=True):
         try:
-            verify_checkpoint(path, _checksum(path))
-            return path
-        except (CheckpointError, OSError, ValueError):
+            return path, _verified(path)
+        except (CheckpointError, OSError):
             continue
     return None
 
@@ -74,6 +76,7 @@ def resolve_init(spec: JobSpec, cwd: Path | None = None) -> JobSpec:
     path = (path if path.is_absolute() else (cwd or Path.cwd()) / path).resolve()
     if not path.is_dir():
         raise problem("checkpoint", f"no such directory: {path}")
+    checksum = None  # each checkpoint is hashed once: it may be gigabytes
     if not (path / MANIFEST).is_file():
         newest = _newest_complete(path)
         if newest is None:
@@ -83,10 +86,9 @@ def resolve_init(spec: JobSpec, cwd: Path | None = None) -> JobSpec:
                 "complete ones (step-*/manifest.json); point it at a job's "
                 "`checkpoints/step-NNNNNNNN` directory",
             )
-        path = newest
+        path, checksum = newest
     try:
-        checksum = _checksum(path)
-        verify_checkpoint(path, checksum)
+        checksum = checksum or _verified(path)
         saved = read_meta(path).get("model")
     except (CheckpointError, OSError, ValueError) as exc:
         raise problem("checkpoint", f"{path} is damaged: {exc}") from None
