@@ -778,8 +778,13 @@ def measure_prefix_costs(
         times: dict[str, list[float]] = {"compute": [], "ram": [], "warm": [], "cold": []}
 
         def timed(fn) -> float:
+            # CUDA kernels run asynchronously: without a sync, recompute would time its launches
+            if out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
             t0 = time.perf_counter()
             fn()
+            if out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
             return time.perf_counter() - t0
 
         for _ in range(max(1, repeats)):
