@@ -154,7 +154,8 @@ class Replica:
         full = build_model(self.spec, seed=0).to(self.device)
         f, L = self.boundary, self.spec.depth
         self.full = full
-        for module in [full.embed] * (f > 0) + [full.blocks[str(i)] for i in range(f)]:
+        frozen = ([full.embed] if f else []) + [full.blocks[str(i)] for i in range(f)]
+        for module in frozen:
             module.requires_grad_(False)
         blocks = {i: full.blocks[str(i)] for i in range(f, L)}
         self.stage = StageModule(self.spec, f, L, full.embed, blocks, full.head)
