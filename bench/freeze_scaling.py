@@ -65,6 +65,7 @@ from orchestrator.spec import ModelSpec, TrainingSpec  # noqa: E402
 from trainer.cache import ActivationCache, FrozenPrefix  # noqa: E402
 from trainer.models import StageModule, build_model, num_tokens  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
+from trainer.profile import synchronize  # noqa: E402
 
 PERCENTS = (0, 25, 50, 75)
 MODELS: dict[str, tuple[ModelSpec, int]] = {  # name -> (model, default batch)
@@ -99,11 +100,6 @@ class CheckFailed(RuntimeError):
 def boundary_for(depth: int, percent: int) -> int:
     """Frozen blocks for `percent` % of `depth` (rounded; 0 % -> 0, never all of them)."""
     return min(depth - 1, (depth * percent + 50) // 100)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -167,12 +163,11 @@ class Replica:
         self.cache: ActivationCache | None = None
         if self.mode == "cache":
             assert self.prefix is not None and self.cache_dir is not None
-            row = num_tokens(self.spec) * self.spec.dim * 4
             self.cache = ActivationCache.for_model(
                 self.cache_dir / self.name.replace(" ", "-").replace("%", "pct"),
                 self.spec,
                 len(self.data),
-                ram_bytes=row * len(self.data),  # steady state: every row in the RAM tier
+                ram_bytes=1 << 62,  # steady state: every row in the RAM tier (capped at the set)
                 shared=False,
             )
             self.cache.set_boundary(f, self.prefix.fingerprints(f))
@@ -205,11 +200,11 @@ class Replica:
         if cuda:
             resident = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        _sync(self.device)
+        synchronize(self.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
-        _sync(self.device)
+        synchronize(self.device)
         if record:
             self.times.append((time.perf_counter() - t0) / steps)
             if cuda:

@@ -83,6 +83,7 @@ import torch
 from torch import nn
 
 from orchestrator.spec import ModelSpec
+from trainer.profile import synchronize
 
 CacheMode = Literal["off", "auto", "on"]
 Indices = torch.Tensor | np.ndarray | Sequence[int]
@@ -778,13 +779,11 @@ def measure_prefix_costs(
         times: dict[str, list[float]] = {"compute": [], "ram": [], "warm": [], "cold": []}
 
         def timed(fn) -> float:
-            # CUDA kernels run asynchronously: without a sync, recompute would time its launches
-            if out.device.type == "cuda":
-                torch.cuda.synchronize(out.device)
+            # without the syncs, recompute on a GPU would time only its kernel launches
+            synchronize(out.device)
             t0 = time.perf_counter()
             fn()
-            if out.device.type == "cuda":
-                torch.cuda.synchronize(out.device)
+            synchronize(out.device)
             return time.perf_counter() - t0
 
         for _ in range(max(1, repeats)):

@@ -95,7 +95,9 @@ def cache_key(model_spec: ModelSpec, microbatch: int, device: str | torch.device
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-def _sync(dev: torch.device) -> None:
+def synchronize(dev: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs kernels asynchronously), so a timer read
+    afterwards covers it; a no-op on the CPU."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -148,13 +150,13 @@ def _measure_unit(
 
     def once() -> tuple[float, float]:
         x = fresh_input()
-        _sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         y = module(x)
-        _sync(dev)
+        synchronize(dev)
         t1 = time.perf_counter()
         y.backward(grad)
-        _sync(dev)
+        synchronize(dev)
         t2 = time.perf_counter()
         # a training step starts from no gradients, so the backward allocates them every time
         module.zero_grad(set_to_none=True)
