@@ -51,6 +51,19 @@ FINETUNE_CLASSES = [5, 6, 7, 8, 9]
 FINETUNE = {"lr": 0.001, "warmup_steps": 10}  # a quarter of the warm-up, a third of the LR
 
 
+def _example(name: str, seed: int, epochs: int) -> dict:
+    """examples/vit-digits.yaml under another name, training seed and length."""
+    spec = yaml.safe_load((ROOT / "examples" / "vit-digits.yaml").read_text())
+    spec["name"] = name
+    spec["training"].update(seed=seed, epochs=epochs)
+    return spec
+
+
+def _write(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 def _spec(
     path: Path,
     seed: int,
@@ -59,9 +72,7 @@ def _spec(
     freeze: dict,
     pretrained: Path | None = None,
 ) -> Path:
-    spec = yaml.safe_load((ROOT / "examples" / "vit-digits.yaml").read_text())
-    spec["name"] = "elastic" if elastic else "static"
-    spec["training"].update(seed=seed, epochs=epochs)
+    spec = _example("elastic" if elastic else "static", seed, epochs)
     if pretrained is None:
         spec["data"]["seed"] = seed
     else:
@@ -72,17 +83,12 @@ def _spec(
         spec["init"] = {"checkpoint": str(pretrained), "skip": ["head"]}
     if elastic:
         spec["freeze"] = {**freeze, "cache": "auto"}
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    return _write(path, spec)
 
 
 def _pretrain(tmp: Path, epochs: int) -> Path:
     """The pretraining job: the example ViT on all ten digits; returns its checkpoints."""
-    spec = yaml.safe_load((ROOT / "examples" / "vit-digits.yaml").read_text())
-    spec["name"] = "pretrain"
-    spec["training"].update(seed=PRETRAIN_SEED, epochs=epochs)
-    path = tmp / "pretrain.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path = _write(tmp / "pretrain.yaml", _example("pretrain", PRETRAIN_SEED, epochs))
     _run(tmp / "pretrain", path, "pretrain", tmp / "profile-cache")
     return tmp / "pretrain" / "jobs" / "pretrain" / "checkpoints"
 
