@@ -41,6 +41,7 @@ from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from orchestrator.store import Store, UnknownJob, sqlite_url
+from orchestrator.summary import bought_line, cache_line, history_from_store, history_table
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -234,6 +235,15 @@ def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: 
         table.add_row("resume", f"pipetransformer resume {job.id} {where}")
     console.rule("summary")
     console.print(table)
+    # What the elastic machinery did: one row per layout version, and what re-laying out bought
+    history, bought = history_from_store(store, job.id)
+    if history:
+        console.print()
+        console.print(history_table(history))
+        console.print(bought_line(history, bought))
+        cached = cache_line(store.events(job.id, limit=1000))
+        if cached:
+            console.print(escape(cached))
     if job.state == "completed":
         return 0
     return 130 if ctrl.progress.outcome == "stopped" else 1  # 130: stopped on request (Ctrl-C)
@@ -242,8 +252,18 @@ def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: 
 def _new_job(args: argparse.Namespace, spec_path: str, fresh: bool = True):
     """Validate a new job's spec and id before anything is created; then its store. With `fresh`
     (the job cannot exist yet) a fine-tuning spec's checkpoint is checked here too; a controller
-    that may be continuing its job leaves that to `Controller.create`."""
+    that may be continuing its job leaves that to `Controller.create`.
+
+    Admission: a spec whose job cannot run is refused here too. `run` (`fresh`) puts every worker
+    on this machine, so they must fit its memory together; the controller role's workers run on
+    other pods whose memory it does not know, so it checks only what needs no machine (the batch
+    against the data set)."""
+    from orchestrator import admission  # here: this function is the only caller in the CLI
+
     spec = load_spec(spec_path)  # rejects a bad spec before anything starts
+    capacity = admission.host_memory_bytes() if fresh else None
+    if problems := admission.admit(spec, capacity):
+        raise SpecError(problems, spec_path)
     if fresh:
         spec = resolve_init(spec)
     job_id = check_job_id(args.job_id) if args.job_id else new_job_id(spec)
@@ -318,7 +338,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     layout = store.current_layout(job_id)
     if layout:
         table.add_row("layout", layout.describe())
-    ckpt = status.get("latest_checkpoint")
+    ckpt = status.get("checkpoint")
     if ckpt:
         table.add_row("checkpoint", f"{ckpt['path']} (step {ckpt['step']})")
     console.print(table)

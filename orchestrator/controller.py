@@ -35,9 +35,18 @@ from sqlalchemy.exc import OperationalError
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
 from orchestrator.manifest import CheckpointError, read_meta, verify_checkpoint
+from orchestrator.postmortem import PostMortem, RankEnd, describe_status
 from orchestrator.pretrained import resolve_init
 from orchestrator.spec import JobSpec
-from orchestrator.state import Assignment, JoinRequest, Layout, TrainingState, WorkerEvent
+from orchestrator.state import (
+    Assignment,
+    JoinRequest,
+    Layout,
+    TrainingState,
+    WorkerEvent,
+    WorkerExit,
+    parse_freeze_request,
+)
 from orchestrator.store import CheckpointInfo, Store, StoreUnavailable
 
 # the pure planner: the one trainer import allowed here
@@ -123,6 +132,13 @@ class Controller:
         self._outage: float | None = None  # since when etcd or the store has not answered
         self._report: str | None = None  # etcd key of the worker report being applied
         self._leaving: int | None = None  # generation whose workers leave gracefully
+        # how each rank of a generation ended, for the current one and for ended ones still
+        # being explained (until the deadline: a dead rank's lease lapses after its peers'
+        # reports arrive); see orchestrator/postmortem.py
+        self._pms: dict[int, PostMortem] = {}
+        self._explain_until: dict[int, float] = {}
+        self._explained: dict[int, str] = {}  # generation -> reason last written to the store
+        self._fatal: str | None = None  # every rank failed the same way while starting
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -215,6 +231,7 @@ class Controller:
             self.etcd.delete(key)
         self.drain()  # reports a dead launch left behind still count (idempotent)
         self.etcd.delete_prefix(keys.events(self.job_id))
+        self.etcd.delete_prefix(keys.exits(self.job_id))
         self.layout = self.layout or plan_layout(self.spec)
         self.etcd.put(keys.spec(self.job_id), self.spec.to_json())
         self.etcd.put(keys.layout(self.job_id), self.layout.model_dump_json())
@@ -235,6 +252,15 @@ class Controller:
             return False
         self.assignment, self.generation, self._answered = a, a.generation, a.request
         self._open = a.generation  # the store says it is running (checked above)
+        raw_join = self.etcd.get(keys.join(self.job_id))
+        joined = JoinRequest.model_validate_json(raw_join) if raw_join else None
+        if joined is not None and joined.id == a.request:
+            self._pms[a.generation] = PostMortem.of(
+                a.generation, joined.world, joined.pids, joined.nodes
+            )
+        else:  # ranks known by number only
+            world = a.layout.world_size if a.layout else 0
+            self._pms[a.generation] = PostMortem(a.generation, {}, world)
         self.layout = a.layout or self.layout
         job = self.store.get_job(self.job_id)
         self.progress = Progress(step=job.step, epoch=job.epoch, layout=self.layout)
@@ -254,8 +280,10 @@ class Controller:
         if raw is None:
             return None
         request = JoinRequest.model_validate_json(raw)
-        if request.id == self._answered:
-            return None
+        if request.id != self._answered:
+            self.drain()  # the last generation's failures decide whether there is a next one
+        if request.id == self._answered or self._fatal:
+            return None  # a fatal failure is answered by the assignment already published
         return self.start_generation(request)
 
     def start_generation(self, request: JoinRequest) -> Assignment:
@@ -266,7 +294,7 @@ class Controller:
         previous = self.assignment
         if previous is not None and self._generation_running():
             # re-formed before its lease loss was seen (the agents noticed first)
-            self.store.end_generation(self.job_id, previous.generation, "aborted")
+            self._end_explained(previous.generation, "aborted", "re-formed by the agents")
             self._open = None
             self.aborted_at = time.time()
         world = request.world
@@ -286,6 +314,9 @@ class Controller:
                 self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
                 self.layout = layout
         self.generation = self._open = self.store.start_generation(self.job_id, world)
+        self._pms[self.generation] = PostMortem.of(
+            self.generation, request.world, request.pids, request.nodes
+        )
         assignment = Assignment(
             generation=self.generation,
             checkpoint_dir=str(self.checkpoint_dir),
@@ -347,44 +378,196 @@ class Controller:
         matters because the lease watch calls this every tick."""
         return self._open is not None
 
+    def _presence(self) -> dict[int, int | None]:
+        """rank -> the generation its presence key (on its lease) holds now."""
+        held: dict[int, int | None] = {}
+        for key, value in self.etcd.get_prefix(keys.workers(self.job_id)):
+            try:
+                held[int(key.rsplit("/", 1)[1])] = json.loads(value).get("generation")
+            except (ValueError, AttributeError):
+                continue
+        return held
+
     def check_workers(self) -> list[int]:
-        """Abort the generation if a worker that registered has lost its lease (it died, hung
-        or was cut off) without the generation having reported its end. Returns lost ranks."""
+        """Abort the generation if a worker is gone without the generation having reported its
+        end: it failed, lost a peer, was reaped dead by its fork server, or its lease lapsed
+        (it died, hung or was cut off). Returns the ranks gone."""
         a = self.assignment
         if a is None or a.waiting or self.progress.outcome or self._leaving == a.generation:
             return []  # nothing to watch, or its workers are leaving on purpose (SIGTERM)
         if not self._generation_running():
             return []
-        alive = set()
-        for key, value in self.etcd.get_prefix(keys.workers(self.job_id)):
-            try:
-                if json.loads(value).get("generation") == a.generation:
-                    alive.add(int(key.rsplit("/", 1)[1]))
-            except (ValueError, AttributeError):
-                continue
+        alive = {r for r, g in self._presence().items() if g == a.generation}
         self._seen |= alive
-        lost = sorted(self._seen - alive)
-        if not lost:
+        pm = self._pms.get(a.generation)
+        ended = set() if pm is None else {r for r, e in pm.ends.items() if e.kind != "left"}
+        gone = sorted((self._seen - alive) | ended)
+        if not gone:
             return []
         self.drain()  # a final report (done, stopped, leaving) may have raced the leases
         if self.progress.outcome or self._leaving == a.generation:
             return []
-        self.abort(f"lost rank(s) {', '.join(map(str, lost))}: lease expired or worker exited")
-        return lost
+        if pm is not None:
+            for rank in sorted(self._seen - alive):
+                self._vanished(pm, rank)
+        self.abort(pm.summary() if pm is not None else f"lost rank(s) {gone}")
+        return gone
 
     def abort(self, reason: str) -> None:
         """Mark the generation in force aborted in etcd (its workers exit at once, their agents
-        re-rendezvous) and in the store."""
+        re-rendezvous) and in the store, saying why."""
         if self.assignment is None:
             return
         gen = self.assignment.generation
         self.aborted_at = time.time()
         self.etcd.put(keys.abort(self.job_id), str(gen))
         if self._generation_running():
-            self.store.end_generation(self.job_id, gen, "aborted")
+            self._end_explained(gen, "aborted", reason)
             self._open = None
         self.store.add_event(
-            self.job_id, "generation_aborted", f"generation {gen} aborted: {reason}"
+            self.job_id,
+            "generation_aborted",
+            f"generation {gen} aborted: {reason}",
+            data={"generation": gen, "reason": reason},
+        )
+
+    # -- post-mortems: which rank died and how -------------------------------------------------
+
+    def _end_explained(self, generation: int, state: str, fallback: str) -> None:
+        """End a generation in the store with the best explanation known, and keep explaining
+        it for a while (a dead rank's lease lapses a TTL after its peers reported)."""
+        pm = self._pms.get(generation)
+        reason = pm.summary() if pm is not None and pm.ends else fallback
+        self.store.end_generation(self.job_id, generation, state, reason=reason)
+        self._explained[generation] = reason
+        if pm is not None and not pm.complete:
+            self._explain_until[generation] = time.monotonic() + self.spec.runtime.lease_ttl_s + 3
+
+    def _vanished(self, pm: PostMortem, rank: int) -> None:
+        how = "its lease lapsed with no report (the process or its node died, or it hung)"
+        if pm.vanished(rank, how):
+            self._record_end(pm, rank)
+
+    def _record_end(self, pm: PostMortem, rank: int) -> None:
+        """One store event for how a rank's part in a generation ended (once per rank and
+        generation, whatever order the facts came in); leaving as told is not an event."""
+        end: RankEnd = pm.ends[rank]
+        kind = {
+            "died": "worker_died",
+            "vanished": "worker_lost",
+            "failed": "worker_failed",
+            "peer_lost": "peer_lost",
+        }.get(end.kind)
+        if kind is None:
+            return
+        m = end.member
+        data = {
+            "generation": pm.generation,
+            "pid": m.pid,
+            "host": m.host,
+            "exit_code": end.exit_code,
+            "signal": end.signal,
+            "phase": end.phase,
+            "error" if end.kind in ("failed", "peer_lost") else "how": end.detail,
+        }
+        self.store.add_event(
+            self.job_id,
+            kind,
+            f"{end.sentence()} [generation {pm.generation}]",
+            rank=rank,
+            data=data,
+            key=f"end:{pm.generation}:{rank}:{kind}",
+        )
+
+    def _follow_up(self) -> None:
+        """Keep explaining ended generations: ranks whose presence key has gone without a word
+        (lapsed, or taken by a later generation's rank) vanished; an improved explanation
+        replaces the generation row's reason."""
+        if not self._explain_until:
+            return
+        held = self._presence()
+        self.drain()  # after reading the keys: a report put before a lease was revoked counts
+        now = time.monotonic()
+        for gen, until in list(self._explain_until.items()):
+            pm = self._pms[gen]
+            for rank in sorted(set(pm.members) | set(range(pm.world))):
+                if rank not in pm.ends and held.get(rank) != gen:
+                    self._vanished(pm, rank)
+            self._write_reason(gen)
+            if pm.complete or now > until:
+                del self._explain_until[gen]
+
+    def _write_reason(self, generation: int) -> None:
+        pm = self._pms.get(generation)
+        if pm is None or generation == self._open or not pm.ends:
+            return
+        reason = pm.summary()
+        if reason != self._explained.get(generation):
+            self.store.explain_generation(self.job_id, generation, reason)
+            self._explained[generation] = reason
+
+    def _apply_end(self, e: WorkerEvent) -> None:
+        """A rank's own final report (failed / peer_lost / aborted / left)."""
+        pm = self._pms.get(e.generation)
+        if pm is None:
+            pm = self._pms[e.generation] = PostMortem(e.generation, {}, 0)
+        d = e.data
+        detail = d.get("error") or d.get("why") or ""
+        if pm.report(e.rank, e.kind, detail, d.get("phase")):
+            self._record_end(pm, e.rank)
+        self._write_reason(e.generation)
+        if e.kind == "failed":
+            self._check_fatal(pm)
+
+    def _apply_exit(self, report: WorkerExit) -> None:
+        """How a worker process ended, from its fork server: matched to its generation's rank by
+        host and pid."""
+        for gen in sorted(self._pms, reverse=True):
+            pm = self._pms[gen]
+            rank = pm.rank_of(report.host, report.pid)
+            if rank is not None:
+                if pm.exited(rank, report.exit_code, report.signal):
+                    self._record_end(pm, rank)
+                self._write_reason(gen)
+                return
+        # a worker that died before its generation was formed (no rank to blame in one)
+        rank = f"rank {report.rank} " if report.rank is not None else ""
+        self.store.add_event(
+            self.job_id,
+            "worker_died",
+            f"worker {rank}(pid {report.pid} on {report.host}) "
+            f"{describe_status(report.exit_code, report.signal)} before joining a generation",
+            rank=report.rank,
+            data=report.model_dump(),
+            key=f"exit:{report.host}:{report.pid}",
+        )
+
+    def _check_fatal(self, pm: PostMortem) -> None:
+        """Every rank of the generation failed while starting, with the same error: a restart
+        would fail the same way (a bad spec, a missing file), so the job fails now instead of
+        burning runtime.max_restarts. The next rendezvous round's workers see the fatal
+        assignment and exit 0, so their agents stop."""
+        a = self.assignment
+        if a is None or a.generation != pm.generation or self._fatal:
+            return
+        error = pm.deterministic_failure()
+        if error is None:
+            return
+        self._fatal = error
+        message = f"every rank failed the same way while starting: {error}"
+        # failed, whether or not the first failure reports already got it aborted
+        self.store.end_generation(self.job_id, pm.generation, "failed", reason=message)
+        self._explained[pm.generation] = message
+        self._explain_until.pop(pm.generation, None)
+        self._open = None
+        fatal = a.model_copy(update={"fatal": message, "layout": None})
+        self.etcd.put(keys.assignment(self.job_id), fatal.model_dump_json())
+        self.progress.outcome, self.progress.error = "failed", message
+        self.store.add_event(
+            self.job_id,
+            "job_failed_at_start",
+            f"{message}; not restarting (runtime.max_restarts is for failures a restart can fix)",
+            data={"generation": pm.generation, "error": error},
         )
 
     def request_stop(self, reason: str) -> None:
@@ -400,6 +583,9 @@ class Controller:
             state, message = "completed", f"completed at step {p.step}"
         elif p.outcome == "stopped":
             state, message = "interrupted", f"stopped at step {p.step}; resume to continue"
+        elif p.outcome == "failed":  # deterministic: a restart would fail the same way
+            state = "failed"
+            message = f"{p.error}; not restarted: fix the cause, then resume"
         else:
             why = p.error or (
                 f"workers exited with code {exit_code}" if exit_code else "workers exited"
@@ -422,6 +608,7 @@ class Controller:
         are idempotent, so a crash between the two only replays events."""
         self._audit_new_request()
         items = self.etcd.get_prefix(keys.events(self.job_id))
+        self._drain_exits()
         if not items:
             return []
         events = [WorkerEvent.model_validate_json(v) for _, v in items]
@@ -441,6 +628,17 @@ class Controller:
             self.etcd.delete(key)
         return events
 
+    def _drain_exits(self) -> None:
+        """Exit statuses the fork servers reaped (keys.exit_report): into the post-mortems."""
+        for key, value in self.etcd.get_prefix(keys.exits(self.job_id)):
+            try:
+                report = WorkerExit.model_validate_json(value)
+            except ValueError:
+                log.warning("controller: ignoring a malformed exit report under %s", key)
+            else:
+                self._apply_exit(report)
+            self.etcd.delete(key)
+
     def _current(self, state: TrainingState) -> TrainingState:
         """A reported state, with the boundary and version of the layout in force: a checkpoint
         written just before a re-layout must not move the job's freeze boundary back."""
@@ -458,17 +656,18 @@ class Controller:
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         if not raw:
             return
-        request = json.loads(raw)
-        if request["id"] in self._audited:
+        request = parse_freeze_request(raw)
+        rid = str(request.get("id", raw))
+        if rid in self._audited:
             return
-        self._audited.add(request["id"])
+        self._audited.add(rid)
         self.store.add_event(
             self.job_id,
             "freeze_requested",
-            f"request {request['id']} by {request['who']}: freeze blocks below "
-            f"{request['layers']} ({request['reason']})",
+            f"request {rid} by {request.get('who', '?')}: freeze blocks below "
+            f"{request.get('layers', '?')} ({request.get('reason', '')})",
             data={"request": request},
-            key=f"freeze-request:{request['id']}",  # audited once, across controller restarts
+            key=f"freeze-request:{rid[:200]}",  # audited once, across controller restarts
         )
 
     def _latest_state(self, events: list[WorkerEvent]) -> TrainingState | None:
@@ -523,7 +722,18 @@ class Controller:
             p.outcome = d.get("outcome", e.kind)
         elif e.kind == "failed":  # the agents restart the workers; the job fails when they stop
             p.error = d.get("error", "worker failed")
-            self._record_event("worker_failed", p.error, rank=e.rank, data=d)
+            self._apply_end(e)
+        elif e.kind in ("peer_lost", "aborted", "left"):  # not this rank's fault
+            self._apply_end(e)
+        elif e.kind == "cache":
+            use = "serves" if d.get("use") else "does not serve"
+            self._record_event(
+                "cache_decided",
+                f"rank {e.rank}: AutoCache {use} the frozen prefix at F={d.get('boundary')}: "
+                f"{d.get('reason')}",
+                rank=e.rank,
+                data=d,
+            )
         elif e.kind == "first_step":
             since = (
                 f", {d['time'] - self.aborted_at:.1f}s after the abort" if self.aborted_at else ""
@@ -556,16 +766,23 @@ class Controller:
         )
 
     def _record_freeze(self, d: dict) -> None:
-        """A decision point moved the boundary or answered a manual request: audit it, and
-        retire the request so it is not applied twice."""
+        """A decision point moved the boundary or answered a manual request: audit what became
+        of the request (applied, superseded by the automatic decision, or rejected), and retire
+        it so it is not applied twice."""
         request = d.get("request")
         if request is not None:
-            outcome = "freeze_rejected" if d.get("rejected") else "freeze_applied"
-            why = d.get("rejected") or f"boundary {d['previous']} -> {d['boundary']}"
+            outcome = d.get("outcome") or "rejected"
+            why = d.get("outcome_reason") or f"boundary {d['previous']} -> {d['boundary']}"
             self._record_event(
-                outcome,
-                f"request {request['id']} by {request['who']} (layers={request['layers']}): {why}",
-                data={"request": request, "step": d["step"]},
+                f"freeze_{outcome}",
+                f"request {request.get('id', '?')} by {request.get('who', '?')} "
+                f"(layers={request.get('layers', '?')}): {why}",
+                data={
+                    "request": request,
+                    "step": d["step"],
+                    "outcome": outcome,
+                    "boundary": d["boundary"],
+                },
             )
             self.etcd.delete(keys.freeze_override(self.job_id))
         if d["boundary"] != d["previous"]:
@@ -637,6 +854,7 @@ class Controller:
             self.drain()
             self.answer_join()
             self.check_workers()
+            self._follow_up()
         except (EtcdUnavailable, StoreUnavailable, OperationalError) as exc:
             if self._outage is None:
                 self._outage = time.monotonic()

@@ -8,7 +8,9 @@ environment, working directory and stdio to the server and gets a forked worker 
 
 The client stands in for the worker towards torchrun: it forwards the signals torchrun sends
 (SIGTERM stops a worker group gracefully) and exits as the worker did (the same code, or the same
-signal). If the client dies (SIGKILL from torchrun), the server kills its worker; if the server
+signal). The server, the one process that sees a worker killed outright, also hands each exit
+status to the target's `on_worker_exit` hook (trainer.worker reports abnormal ones to the
+controller, which tells the rank that died from the ranks that only lost it as a peer). If the client dies (SIGKILL from torchrun), the server kills its worker; if the server
 dies, its workers die with it (parent-death signal). Without a server (none given, none
 reachable, or not Linux) the client simply execs `python -m trainer.worker`.
 
@@ -175,8 +177,8 @@ def client(name: str, target: str, argv: list[str]) -> int:
 
 
 class _Worker:
-    def __init__(self, pid: int, conn: socket.socket):
-        self.pid, self.conn = pid, conn
+    def __init__(self, pid: int, conn: socket.socket, request: dict):
+        self.pid, self.conn, self.request = pid, conn, request
         self.pidfd = os.pidfd_open(pid)
         self.client_gone = False
 
@@ -230,7 +232,7 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
                     return message
                 for fd in fds:
                     os.close(fd)
-                worker = _Worker(pid, conn)
+                worker = _Worker(pid, conn, message)
                 workers[worker.pidfd] = worker
                 sel.register(worker.pidfd, selectors.EVENT_READ, worker)
                 sel.register(conn, selectors.EVENT_READ, worker)
@@ -248,6 +250,7 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
                     sel.unregister(worker.conn)
                     with contextlib.suppress(OSError):
                         _send(worker.conn, {"status": status})
+                    _report_exit(target, worker.request, worker.pid, status)
                 worker.conn.close()
             else:  # a client only ever hangs up (killed, e.g. by torchrun): kill its worker
                 worker = key.data
@@ -260,6 +263,31 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
                     sel.unregister(worker.conn)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(worker.pid, signal.SIGKILL)
+
+
+def _report_exit(target: str, request: dict, pid: int, status: int) -> None:
+    """Tell the target's `on_worker_exit(request, pid, exit_code)` hook, if it has one, how a
+    worker ended (exit_code < 0: killed by that signal): the server is the only process that
+    sees a worker killed outright. The hook runs in a grandchild (it may do I/O and take a
+    while; the server must not block or run other threads), which the server does not wait for."""
+    hook = getattr(sys.modules.get(target), "on_worker_exit", None)
+    if hook is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked processes
+        try:
+            if os.fork() == 0:
+                try:
+                    hook(request, pid, os.waitstatus_to_exitcode(status))
+                except BaseException as exc:  # a report must never take anything down
+                    print(f"forkserver: exit report for {pid} failed: {exc}", file=sys.stderr)
+                finally:
+                    os._exit(0)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
 
 
 def _accept(conn: socket.socket, target: str) -> tuple[dict, list[int]] | None:

@@ -12,6 +12,8 @@
 /pipetransformer/jobs/<job>/events/<g>-<r>-<n> WorkerEvent JSON queue (workers put, controller drains)
 /pipetransformer/jobs/<job>/workers/<rank>   {"generation", "pid", "host"}, on the worker's lease
 /pipetransformer/jobs/<job>/agents/<host>-<pid> a `workers` launcher (torchx trainer role), on its lease
+/pipetransformer/jobs/<job>/exits/<host>-<pid> WorkerExit JSON: how a worker process ended (its fork
+                                             server reports; the controller drains)
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
 """
 
@@ -75,6 +77,14 @@ def workers(job_id: str) -> str:
 
 def worker(job_id: str, rank: int) -> str:
     return f"{workers(job_id)}{rank:05d}"
+
+
+def exits(job_id: str) -> str:
+    return f"{job(job_id)}/exits/"
+
+
+def exit_report(job_id: str, host: str, pid: int) -> str:
+    return f"{exits(job_id)}{host}-{pid}"
 
 
 def agents(job_id: str) -> str:

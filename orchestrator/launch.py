@@ -6,11 +6,7 @@ import os
 import sys
 
 from orchestrator.forkserver import client_args
-
-# Exit code of a worker that leaves its generation on purpose (aborted by the controller, or
-# re-forming after a graceful SIGTERM): non-zero, so its torchrun agent restarts it into the next
-# rendezvous round (EX_TEMPFAIL).
-EXIT_REFORM = 75
+from orchestrator.state import EXIT_REFORM  # noqa: F401 (re-exported: the launch contract)
 
 # Rendezvous timing: a round waits this long for more nodes once `min` have joined. Short, since
 # recovery time counts; a node that misses a round joins the next one and the job widens.

@@ -1,7 +1,10 @@
 """The job spec: what a user submits.
 
 Everything a job needs is in one validated `JobSpec`; anything unknown or out of range is rejected
-before a process starts, with an error that names the field and what it allows.
+before a process starts, with an error that names the field and what it allows. Every number is
+bounded (finite floats, integers below what makes sense, seeds in the generators' range), the
+file is read as bounded UTF-8 text and parsed by a YAML loader that refuses duplicate keys and
+alias bombs (`load_spec`). What a valid spec needs of a machine is `orchestrator/admission.py`.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -21,6 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from orchestrator.specfile import SpecFileError, read_spec_file
 
 DATASETS = ("digits", "synthetic", "synthetic-text")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
@@ -38,10 +43,61 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: YAML's .inf/.nan (and 1e400, which overflows to inf) are never meant
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-PositiveInt = Annotated[int, Field(gt=0)]
+def _not_bool(value: Any) -> Any:
+    # pydantic's lax mode reads YAML `true` as 1: a flag where a number belongs is a mistake
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean (true/false)")
+    return value
+
+
+_NOT_BOOL = BeforeValidator(_not_bool)
+PositiveInt = Annotated[int, _NOT_BOOL, Field(gt=0)]
+NonNegativeInt = Annotated[int, _NOT_BOOL, Field(ge=0)]
+Number = Annotated[float, _NOT_BOOL]
+
+# Upper bounds. A value past one of these is a typo or a unit mistake, not a plan: each is
+# generous for what this system trains, and orchestrator/admission.py refuses the combinations
+# that fit no machine. Pydantic's message names the bound ("less than or equal to N").
+MAX_DIM = 65_536  # model.dim: the widest published transformers are ~25k
+MAX_DEPTH = 1_024  # model.depth: DeepNet trained 1000 blocks; the planner is O(depth^2 x stages)
+MAX_HEADS = 1_024
+MAX_MLP_RATIO = 64.0
+MAX_IMAGE_SIZE = 4_096  # pixels per side
+MAX_CHANNELS = 1_024  # hyperspectral images have a few hundred bands
+MAX_VOCAB = 1 << 20  # the largest tokenizers have ~256k ids
+MAX_SEQ_LEN = 65_536
+MAX_CLASSES = 1 << 20  # extreme classification; ImageNet-21k has 21,843
+# every worker generates the whole synthetic set at start-up (bert: ~6 us a sample, so 10M is
+# a minute) and holds it in memory
+MAX_SYNTHETIC_SAMPLES = 10_000_000
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes 0 .. 2**32-1; default_rng refuses negatives
+MAX_EPOCHS = 100_000
+MAX_STEPS = 100_000_000  # optimizer steps: a year at 3 steps/s
+MAX_BATCH = 1 << 20  # samples per optimizer step
+MAX_LR = 1.0  # AdamW moves every weight by about lr a step; initial weights are ~0.02
+MAX_WEIGHT_DECAY = 10.0  # decoupled: each step scales weights by 1 - lr x weight_decay
+MAX_GRAD_CLIP = 1e6  # a clip norm above this clips nothing; 0 switches clipping off
+MAX_STAGES = 128  # pipeline stages in a replica: the planner's DP recurses once per stage
+MAX_VIRTUAL_STAGES = 16
+MAX_REPLICAS = 1_024
+MAX_MICROBATCHES = 4_096
+MAX_CHECKPOINT_SECONDS = 7 * 24 * 3600.0  # a week
+MAX_KEEP = 1_000  # each committed checkpoint is a full copy of weights and optimizer state
+MAX_THREADS = 256
+MAX_CONTROL_EVERY = 10_000  # a stop request waits up to this many steps
+MAX_LEASE_TTL_S = 3_600  # a hung worker is noticed only after this long
+MAX_NODES = 1_024
+MAX_RESTARTS = 1_000
+MAX_WARMUP_DECISIONS = 100_000
+MAX_NAME = 64  # free-text choices (dataset, schedule): the real ones are short
+MAX_PATH = 4_096
+
+
+Seed = Annotated[NonNegativeInt, Field(le=MAX_SEED)]
 
 
 class ModelSpec(_Strict):
@@ -53,23 +109,25 @@ class ModelSpec(_Strict):
     ignored (not validated), so a spec dumped with every field parses back unchanged."""
 
     family: Literal["vit", "bert"] = "vit"
-    image_size: PositiveInt = 8
-    patch_size: PositiveInt = 2
-    channels: PositiveInt = 1
-    vocab_size: PositiveInt | None = Field(
+    image_size: Annotated[PositiveInt, Field(le=MAX_IMAGE_SIZE)] = 8
+    patch_size: Annotated[PositiveInt, Field(le=MAX_IMAGE_SIZE)] = 2
+    channels: Annotated[PositiveInt, Field(le=MAX_CHANNELS)] = 1
+    vocab_size: Annotated[PositiveInt, Field(le=MAX_VOCAB)] | None = Field(
         None, validate_default=True, description="bert: token ids are 0 .. vocab_size-1"
     )
-    seq_len: PositiveInt | None = Field(
+    seq_len: Annotated[PositiveInt, Field(le=MAX_SEQ_LEN)] | None = Field(
         None,
         validate_default=True,
         description="bert: tokens per input sequence (a learned CLS vector is prepended)",
     )
-    dim: PositiveInt = 64
-    depth: PositiveInt = Field(6, description="number of transformer blocks")
-    heads: PositiveInt = 4
-    mlp_ratio: Annotated[float, Field(gt=0)] = 2.0
-    num_classes: PositiveInt = 10
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    dim: Annotated[PositiveInt, Field(le=MAX_DIM)] = 64
+    depth: Annotated[PositiveInt, Field(le=MAX_DEPTH)] = Field(
+        6, description="number of transformer blocks"
+    )
+    heads: Annotated[PositiveInt, Field(le=MAX_HEADS)] = 4
+    mlp_ratio: Annotated[Number, Field(gt=0, le=MAX_MLP_RATIO)] = 2.0
+    num_classes: Annotated[PositiveInt, Field(le=MAX_CLASSES)] = 10
+    dropout: Annotated[Number, Field(ge=0, lt=1)] = 0.0
 
     @field_validator("vocab_size", "seq_len")
     @classmethod
@@ -86,6 +144,11 @@ class ModelSpec(_Strict):
             )
         if self.dim % self.heads:
             raise ValueError(f"heads ({self.heads}) must divide dim ({self.dim})")
+        if int(self.dim * self.mlp_ratio) < 1:
+            raise ValueError(
+                f"mlp_ratio ({self.mlp_ratio}) x dim ({self.dim}) leaves the MLP no hidden "
+                "units; raise mlp_ratio"
+            )
         return self
 
 
@@ -100,12 +163,14 @@ class DataSpec(_Strict):
     the same `seed` never train on each other's held-out images, whatever classes they keep (a
     model pretrained on some digits can be fine-tuned on all of them)."""
 
-    dataset: str = "digits"
-    test_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
-    synthetic_samples: PositiveInt = 2048
-    seed: int = 0
-    classes: list[Annotated[int, Field(ge=0, le=9)]] | None = Field(
-        None, description="digits only: the digits to keep (at least 2), relabelled in this order"
+    dataset: Annotated[str, Field(max_length=MAX_NAME)] = "digits"
+    test_fraction: Annotated[Number, Field(gt=0, lt=1)] = 0.2
+    synthetic_samples: Annotated[PositiveInt, Field(le=MAX_SYNTHETIC_SAMPLES)] = 2048
+    seed: Seed = 0
+    classes: list[Annotated[NonNegativeInt, Field(le=9)]] | None = Field(
+        None,
+        max_length=10,
+        description="digits only: the digits to keep (at least 2), relabelled in this order",
     )
 
     @model_validator(mode="after")
@@ -172,22 +237,33 @@ class DataSpec(_Strict):
 
 
 class TrainingSpec(_Strict):
-    epochs: PositiveInt = 20
-    global_batch_size: PositiveInt = Field(
+    epochs: Annotated[PositiveInt, Field(le=MAX_EPOCHS)] = 20
+    global_batch_size: Annotated[PositiveInt, Field(le=MAX_BATCH)] = Field(
         64, description="samples per optimizer step, summed over replicas and micro-batches"
     )
-    lr: Annotated[float, Field(gt=0)] = 3e-3
-    weight_decay: Annotated[float, Field(ge=0)] = 0.05
-    warmup_steps: Annotated[int, Field(ge=0)] = 20
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.05
-    grad_clip: Annotated[float, Field(ge=0)] = 1.0
-    seed: int = 0
-    max_steps: PositiveInt | None = Field(
+    lr: Annotated[Number, Field(gt=0, le=MAX_LR)] = 3e-3
+    weight_decay: Annotated[Number, Field(ge=0, le=MAX_WEIGHT_DECAY)] = 0.05
+    warmup_steps: Annotated[NonNegativeInt, Field(le=MAX_STEPS)] = 20
+    min_lr_ratio: Annotated[Number, Field(ge=0, le=1)] = 0.05
+    grad_clip: Annotated[Number, Field(ge=0, le=MAX_GRAD_CLIP)] = 1.0
+    seed: Seed = 0
+    max_steps: Annotated[PositiveInt, Field(le=MAX_STEPS)] | None = Field(
         None, description="stop after this many optimizer steps (for smoke tests)"
     )
-    target_accuracy: Annotated[float, Field(gt=0, le=1)] | None = Field(
+    target_accuracy: Annotated[Number, Field(gt=0, le=1)] | None = Field(
         None, description="stop once held-out accuracy reaches this fraction"
     )
+
+    @model_validator(mode="after")
+    def _decay_below_one(self) -> TrainingSpec:
+        # AdamW multiplies every weight by (1 - lr x weight_decay) each step: at 1 or more
+        # that zeroes or flips the weights
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(
+                f"lr x weight_decay ({self.lr} x {self.weight_decay}) must be below 1: AdamW "
+                "scales every weight by 1 - lr x weight_decay each step; lower either"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -254,13 +330,13 @@ class ParallelSpec(_Strict):
     """`stages` pipeline ranks x `replicas` data-parallel replicas; each rank runs
     `virtual_stages` model chunks (interleaved and zero-bubble schedules need 2 or more)."""
 
-    stages: PositiveInt = 2
-    replicas: PositiveInt = 1
-    microbatches: PositiveInt | Literal["auto"] = Field(
+    stages: Annotated[PositiveInt, Field(le=MAX_STAGES)] = 2
+    replicas: Annotated[PositiveInt, Field(le=MAX_REPLICAS)] = 1
+    microbatches: Annotated[PositiveInt, Field(le=MAX_MICROBATCHES)] | Literal["auto"] = Field(
         4, description="micro-batches per replica step, or 'auto' to choose from measurement"
     )
-    schedule: str = "gpipe"
-    virtual_stages: PositiveInt = 1
+    schedule: Annotated[str, Field(max_length=MAX_NAME)] = "gpipe"
+    virtual_stages: Annotated[PositiveInt, Field(le=MAX_VIRTUAL_STAGES)] = 1
     partition: Literal["uniform", "autopipe"] = Field(
         "uniform",
         description="'uniform' splits blocks evenly; 'autopipe' measures the model on the "
@@ -275,6 +351,11 @@ class ParallelSpec(_Strict):
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"schedule {self.schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}"
+            )
+        if self.num_stages > MAX_STAGES:
+            raise ValueError(
+                f"stages x virtual_stages ({self.stages} x {self.virtual_stages}) must be at "
+                f"most {MAX_STAGES} pipeline stages per replica"
             )
         measured = self.partition == "autopipe" or self.microbatches == "auto"
         if measured and self.virtual_stages > 1:
@@ -326,13 +407,13 @@ class CheckpointSpec(_Strict):
     training continues while the shards persist; the checkpoint is reported for commit once every
     shard is durable."""
 
-    every_epochs: PositiveInt | None = Field(
+    every_epochs: Annotated[PositiveInt, Field(le=MAX_EPOCHS)] | None = Field(
         1, description="checkpoint at the end of every this-many epochs (null: not by epoch)"
     )
-    every_steps: PositiveInt | None = Field(
+    every_steps: Annotated[PositiveInt, Field(le=MAX_STEPS)] | None = Field(
         None, description="checkpoint once this many optimizer steps passed since the last one"
     )
-    every_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+    every_seconds: Annotated[Number, Field(gt=0, le=MAX_CHECKPOINT_SECONDS)] | None = Field(
         None, description="checkpoint once this many seconds passed since the last one"
     )
     async_save: bool = Field(
@@ -340,7 +421,9 @@ class CheckpointSpec(_Strict):
         description="write shards in the background while training continues (false: training "
         "waits for each checkpoint to be written)",
     )
-    keep: PositiveInt = Field(3, description="committed checkpoints kept on disk")
+    keep: Annotated[PositiveInt, Field(le=MAX_KEEP)] = Field(
+        3, description="committed checkpoints kept on disk"
+    )
 
     @field_validator("every_epochs", "every_steps", "every_seconds", mode="before")
     @classmethod
@@ -369,26 +452,26 @@ class RuntimeSpec(_Strict):
     controller plans a layout for that world and training resumes from the last committed
     checkpoint. A node that comes back joins at the next rendezvous and the job widens again."""
 
-    threads_per_worker: PositiveInt = 1
-    control_every_steps: PositiveInt = Field(
+    threads_per_worker: Annotated[PositiveInt, Field(le=MAX_THREADS)] = 1
+    control_every_steps: Annotated[PositiveInt, Field(le=MAX_CONTROL_EVERY)] = Field(
         10, description="steps between reads of the etcd control key (stop)"
     )
-    lease_ttl_s: PositiveInt = Field(
+    lease_ttl_s: Annotated[PositiveInt, Field(le=MAX_LEASE_TTL_S)] = Field(
         5,
         description="seconds a worker's etcd lease outlives its last refresh: a hung or "
         "partitioned worker is declared lost after at most this long",
     )
-    nodes: PositiveInt = Field(
+    nodes: Annotated[PositiveInt, Field(le=MAX_NODES)] = Field(
         1,
         description="torchrun agents `pipetransformer run` starts on this machine; the layout's "
         "workers are split evenly among them (2 nodes x 1 process simulate two machines)",
     )
-    min_nodes: PositiveInt | None = Field(
+    min_nodes: Annotated[PositiveInt, Field(le=MAX_NODES)] | None = Field(
         None,
         description="fewest nodes the job keeps training with after a node is lost (default: "
         "1); it waits for capacity below that",
     )
-    max_restarts: Annotated[int, Field(ge=0)] = Field(
+    max_restarts: Annotated[NonNegativeInt, Field(le=MAX_RESTARTS)] = Field(
         10,
         description="times each agent restarts its workers after a failure before the job "
         "gives up (0: the first failure interrupts the job; `resume` continues it)",
@@ -412,7 +495,7 @@ class FreezeSpec(_Strict):
         "'schedule': freeze exactly the alpha-bound at every decision point; 'off': never freeze "
         "automatically (manual overrides still apply)",
     )
-    alpha: Annotated[float, Field(gt=0, lt=1)] = Field(
+    alpha: Annotated[Number, Field(gt=0, lt=1)] = Field(
         0.25,
         description="PipeTransformer's alpha in (0, 1): T' decision points after warm-up at "
         "most ceil(model.depth * (1 - (1 - alpha)^T')) blocks are frozen; larger freezes faster",
@@ -421,18 +504,18 @@ class FreezeSpec(_Strict):
         "epoch",
         description="decision points: at the end of every epoch, or every K optimizer steps",
     )
-    keep_trainable: PositiveInt = Field(
+    keep_trainable: Annotated[PositiveInt, Field(le=MAX_DEPTH)] = Field(
         1,
         description="at least this many of the last blocks stay trainable (the head always "
         "does); must be less than model.depth unless policy is 'off'",
     )
-    threshold: Annotated[float, Field(gt=0, le=1)] = Field(
+    threshold: Annotated[Number, Field(gt=0, le=1)] = Field(
         0.2,
         description="gradient policy: a block has converged when its mean per-step gradient "
         "norm over the last interval has decayed to at most this fraction of its peak (the "
         "largest such mean so far): n_T <= threshold * max(n_1 .. n_T)",
     )
-    warmup_decisions: Annotated[int, Field(ge=0)] = Field(
+    warmup_decisions: Annotated[NonNegativeInt, Field(le=MAX_WARMUP_DECISIONS)] = Field(
         0,
         description="no automatic freezing at the first this-many decision points (they still "
         "record gradient norms); the alpha-bound counts decision points from the end of warm-up",
@@ -452,9 +535,11 @@ class FreezeSpec(_Strict):
             return value
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_STEPS:
             return value
-        raise ValueError("must be 'epoch' or a positive whole number of optimizer steps")
+        raise ValueError(
+            f"must be 'epoch' or a positive whole number of optimizer steps (at most {MAX_STEPS})"
+        )
 
 
 _UNIT_RE = re.compile(r"^(embed|head|blocks\.(0|[1-9][0-9]*))$")
@@ -470,17 +555,18 @@ class InitSpec(_Strict):
     the family's input fields); units listed in `skip` keep their fresh initialisation, so a
     new classifier head (`skip: [head]`) may have a different model.num_classes."""
 
-    checkpoint: str | None = Field(
+    checkpoint: Annotated[str, Field(max_length=MAX_PATH)] | None = Field(
         None,
         description="a committed checkpoint directory (`.../checkpoints/step-NNNNNNNN`), or a "
         "checkpoints directory to take its newest complete checkpoint from; a path as the "
         "controller and workers see it (a relative one is resolved at submission)",
     )
-    skip: list[str] = Field(
+    skip: list[Annotated[str, Field(max_length=MAX_NAME)]] = Field(
         [],
+        max_length=MAX_DEPTH + 2,
         description="units left freshly initialised: 'embed', 'head' or 'blocks.<i>'",
     )
-    checksum: str | None = Field(
+    checksum: Annotated[str, Field(max_length=MAX_NAME * 2)] | None = Field(
         None,
         description="the checkpoint's manifest checksum; filled in at submission, so the "
         "workers load exactly the checkpoint that was checked (give it to pin one)",
@@ -507,7 +593,9 @@ class InitSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    name: str = Field(..., description="lowercase letters, digits and '-', at most 40 characters")
+    name: str = Field(
+        ..., max_length=40, description="lowercase letters, digits and '-', at most 40 characters"
+    )
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
     training: TrainingSpec = TrainingSpec()
@@ -573,6 +661,15 @@ class JobSpec(_Strict):
         return self.model_dump_json()
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """`value` as the error message quotes it: its repr, cut to `limit` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for repr (Python caps int <-> str at 4300 digits)
+        text = f"<a {type(value).__name__} too long to show>"
+    return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"
+
+
 def _problems(err: ValidationError) -> list[tuple[str, str]]:
     out = []
     for e in err.errors():
@@ -581,7 +678,7 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
         if e["type"] == "extra_forbidden":
             msg = "unknown field; remove it or check its spelling"
         elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {e['input']!r})"
+            msg = f"{msg} (got {_shown(e['input'])})"
         out.append((field, msg))
     return out
 
@@ -597,12 +694,14 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
 
 
 def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a YAML (or JSON) job spec file."""
+    """Read and validate a YAML (or JSON) job spec file. A file that is not a bounded, UTF-8,
+    well-formed YAML document without duplicate keys or alias bombs is refused as `<file>`
+    (orchestrator/specfile.py says what is refused and why)."""
     path = Path(path)
     if not path.is_file():
         raise SpecError([("<file>", f"no such file: {path}")], str(path))
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise SpecError([("<file>", f"not valid YAML: {exc}")], str(path)) from None
+        data = read_spec_file(path)
+    except SpecFileError as exc:
+        raise SpecError([("<file>", str(exc))], str(path)) from None
     return parse_spec(data, str(path))

@@ -3,6 +3,7 @@ workers report to the controller."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -191,8 +192,12 @@ EventKind = Literal[
     "checkpoint_failed",
     "layout",
     "freeze",
+    "cache",
     "done",
-    "failed",
+    "failed",  # its own exception (data: error, phase "build" or "train")
+    "peer_lost",  # a collective failed because a peer went away (data: error)
+    "aborted",  # left because the controller aborted the generation
+    "left",  # stopped by SIGTERM without finishing the graceful leave in time
     "stopped",
     "leaving",
     "first_step",
@@ -207,6 +212,33 @@ class WorkerEvent(_Model):
     generation: int = 1
     time: float = Field(default_factory=time.time)
     data: dict[str, Any] = Field(default_factory=dict)
+
+
+# Exit code of a worker that leaves its generation on purpose (aborted by the controller, a lost
+# peer, or re-forming after a graceful SIGTERM): non-zero, so its torchrun agent restarts it into
+# the next rendezvous round (EX_TEMPFAIL).
+EXIT_REFORM = 75
+# exit codes that are a decision, not a death: done, and leaving to re-form
+_CLEAN_EXITS = (0, EXIT_REFORM)
+
+
+def is_abnormal(exit_code: int | None, signum: int | None) -> bool:
+    """Whether a worker's exit status is a failure: a signal, or a code other than 0 (done) and
+    75 (leaving to re-form)."""
+    return signum is not None or exit_code not in _CLEAN_EXITS
+
+
+class WorkerExit(_Model):
+    """How a worker process ended, as the process that reaped it (its node's fork server) saw
+    it; put under `keys.exit` and drained by the controller, which matches it to a generation's
+    rank by host and pid. `exit_code` is None when a signal killed it."""
+
+    pid: int
+    host: str
+    rank: int | None = None  # RANK from torchrun, if it was set
+    exit_code: int | None = None
+    signal: int | None = None
+    time: float = Field(default_factory=time.time)
 
 
 class JoinRequest(_Model):
@@ -231,9 +263,23 @@ class Assignment(_Model):
 
     generation: int
     checkpoint_dir: str
+    # the job failed for good (every rank of the last generation failed the same way while
+    # starting): workers that see it leave with exit code 0, so their agents stop restarting
+    fatal: str | None = None
     start: TrainingState = TrainingState()
     # a committed checkpoint to load before training, with the checksum it was committed under
     resume_checksum: str | None = None
     request: str | None = None
     layout: Layout | None = None
     waiting: str | None = None
+
+
+def parse_freeze_request(raw: str) -> dict[str, Any]:
+    """A manual freeze request as filed under `keys.freeze_override` (id, layers, who, reason,
+    time). Whoever reads it must not crash on a malformed one: text that is not a JSON object
+    comes back as `{"raw": <its first 200 characters>}`, which has no `layers` and is rejected."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    return value if isinstance(value, dict) else {"raw": raw[:200]}

@@ -658,21 +658,40 @@ class Store:
 
         return self._write("start_generation", tx)
 
-    def end_generation(self, job_id: str, number: int, state: str) -> None:
+    def end_generation(
+        self, job_id: str, number: int, state: str, reason: str | None = None
+    ) -> None:
+        """Close a generation in `state`, saying why (`reason`) when there is more to say than
+        the state."""
         ended = tuple(g for g in GENERATION_STATES if g != "running")
         _check_state("generation end", state, ended)
 
         def tx(s: Session) -> None:
-            self._job(s, job_id)
-            gen = s.scalar(
-                select(Generation).where(Generation.job_id == job_id, Generation.number == number)
-            )
-            if gen is None:
-                raise NotFound(f"job {job_id!r} has no generation {number}")
+            gen = self._generation(s, job_id, number)
             gen.state = state
             gen.ended_at = utcnow()
+            if reason is not None:
+                gen.reason = reason
 
         self._write("end_generation", tx)
+
+    def explain_generation(self, job_id: str, number: int, reason: str) -> None:
+        """Replace a generation's end reason: what ended it is sometimes learnt after it ended
+        (a dead process's exit status or lapsed lease arrives after its peers' reports)."""
+
+        def tx(s: Session) -> None:
+            self._generation(s, job_id, number).reason = reason
+
+        self._write("explain_generation", tx)
+
+    def _generation(self, s: Session, job_id: str, number: int) -> Generation:
+        self._job(s, job_id)
+        gen = s.scalar(
+            select(Generation).where(Generation.job_id == job_id, Generation.number == number)
+        )
+        if gen is None:
+            raise NotFound(f"job {job_id!r} has no generation {number}")
+        return gen
 
     def generations(self, job_id: str) -> list[dict[str, Any]]:
         """The job's generations, oldest first."""
@@ -689,6 +708,7 @@ class Store:
                     "state": g.state,
                     "started_at": g.started_at,
                     "ended_at": g.ended_at,
+                    "reason": g.reason,
                 }
                 for g in rows
             ]

@@ -127,6 +127,8 @@ class Generation(Base):
     state: Mapped[str] = mapped_column(String(16))
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # why it ended: which rank died and how, which only lost a peer (revision 0003)
+    reason: Mapped[str | None] = mapped_column(Text)
 
 
 class LayoutRow(Base):

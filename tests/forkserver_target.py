@@ -40,5 +40,14 @@ def main(argv: list[str]) -> int:
     return 2
 
 
+def on_worker_exit(request: dict, pid: int, exit_code: int) -> None:
+    """The fork server's exit hook: appends what it was told to $FORKSERVER_EXITS."""
+    path = request["env"].get("FORKSERVER_EXITS")
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps({"pid": pid, "exit_code": exit_code, "argv": request["argv"]}))
+            out.write("\n")
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

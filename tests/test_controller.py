@@ -21,7 +21,7 @@ from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.launch import EXIT_REFORM
 from orchestrator.manifest import build_manifest, manifest_checksum
 from orchestrator.spec import JobSpec
-from orchestrator.state import Assignment, JoinRequest, WorkerEvent
+from orchestrator.state import Assignment, JoinRequest, WorkerEvent, WorkerExit
 from orchestrator.store import Store
 from trainer.partition import plan_for_world
 
@@ -144,6 +144,123 @@ def test_a_final_report_racing_the_leases_is_not_an_abort(ctrl, etcd, store) -> 
         lease.revoke()
     assert ctrl.check_workers() == []
     assert etcd.get(keys.abort("job-ft")) is None
+
+
+def _report(etcd: EtcdClient, generation: int, rank: int, kind: str, seq: int = 0, **data):
+    event = WorkerEvent(kind=kind, rank=rank, generation=generation, data=data)
+    etcd.put(keys.event("job-ft", generation, rank, seq), event.model_dump_json())
+
+
+def _ends(store: Store) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for e in reversed(store.events("job-ft", limit=200)):
+        if e["kind"] in ("worker_died", "worker_lost", "worker_failed", "peer_lost"):
+            out.setdefault(e["kind"], []).append(e["rank"])
+    return out
+
+
+GONE = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:16110"
+
+
+def test_the_dead_rank_is_named_not_the_peer_that_reported_first(ctrl, etcd, store) -> None:
+    """Rank 0 reports the lost peer and leaves first; rank 1 (SIGKILLed, no fork server to
+    report it) says nothing: once its lease lapses, the generation names rank 1."""
+    request = JoinRequest(id="r1", world=2, nodes=["a:1", "b:2"], pids=[100, 101])
+    etcd.put(keys.join("job-ft"), request.model_dump_json())
+    a = ctrl.answer_join()
+    leases = [_register(etcd, a.generation, r, ttl=1) for r in (0, 1)]
+    ctrl.tick()
+    _report(etcd, a.generation, 0, "peer_lost", error=GONE, phase="train")
+    leases[0].revoke()
+    ctrl.tick()  # aborted at once, with what is known
+    gen = store.generations("job-ft")[-1]
+    assert gen["state"] == "aborted"
+    assert gen["reason"] == "rank 0 only lost its peer; the failed process is not identified yet"
+    assert _ends(store) == {"peer_lost": [0]}
+    deadline = time.monotonic() + 10  # rank 1's lease lapses within about its TTL
+    while "worker_lost" not in _ends(store) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        ctrl.tick()
+    assert _ends(store) == {"peer_lost": [0], "worker_lost": [1]}
+    reason = store.generations("job-ft")[-1]["reason"]
+    assert reason.startswith("rank 1 (pid 101 on b) vanished: its lease lapsed"), reason
+    assert reason.endswith("rank 0 only lost its peer")
+    assert not [e for e in store.events("job-ft") if e["kind"] == "worker_failed"]
+
+
+def test_an_exit_report_names_the_dead_rank_and_how(ctrl, etcd, store) -> None:
+    request = JoinRequest(id="r1", world=2, nodes=["a:1", "b:2"], pids=[100, 101])
+    etcd.put(keys.join("job-ft"), request.model_dump_json())
+    a = ctrl.answer_join()
+    _ = [_register(etcd, a.generation, r, ttl=5) for r in (0, 1)]
+    ctrl.tick()
+    died = WorkerExit(pid=101, host="b", rank=1, signal=signal.SIGKILL)
+    etcd.put(keys.exit_report("job-ft", "b", 101), died.model_dump_json())
+    ctrl.tick()  # rank 1's lease still holds, but its fork server saw it die: abort now
+    assert etcd.get(keys.abort("job-ft")) == str(a.generation)
+    assert etcd.get_prefix(keys.exits("job-ft")) == []  # drained
+    gen = store.generations("job-ft")[-1]
+    assert (gen["state"], gen["reason"]) == (
+        "aborted",
+        "rank 1 (pid 101 on b) killed by signal 9 (SIGKILL)",
+    )
+    died_event = next(e for e in store.events("job-ft") if e["kind"] == "worker_died")
+    assert died_event["rank"] == 1 and died_event["data"]["signal"] == signal.SIGKILL
+    _report(etcd, a.generation, 0, "peer_lost", error=GONE)
+    ctrl.tick()  # the victim's report arrives after the abort: the reason is completed
+    reason = store.generations("job-ft")[-1]["reason"]
+    assert reason == "rank 1 (pid 101 on b) killed by signal 9 (SIGKILL); rank 0 only lost its peer"
+
+
+def test_every_rank_failing_alike_while_starting_fails_the_job(ctrl, etcd, store) -> None:
+    """A spec or environment problem that every rank hits while building: the job fails after
+    this generation instead of restarting runtime.max_restarts times."""
+    _join(etcd, 2, ["a:1", "b:2"])
+    a = ctrl.answer_join()
+    error = "RuntimeError: DefaultCPUAllocator: not enough memory"
+    _report(etcd, a.generation, 0, "failed", error=error, phase="build")
+    ctrl.tick()
+    assert ctrl.progress.outcome is None  # one rank may be a fluke
+    _report(etcd, a.generation, 1, "failed", error=error, phase="build")
+    ctrl.tick()
+    fatal = _assignment(etcd)
+    assert fatal.fatal and error in fatal.fatal and fatal.layout is None
+    _join(etcd, 2, ["a:1", "b:2"])  # the agents restarted their workers: not a new generation
+    assert ctrl.answer_join() is None
+    assert ctrl.finish(0) == "failed"
+    gens = store.generations("job-ft")
+    assert [(g["number"], g["state"]) for g in gens] == [(1, "failed")]
+    assert error in gens[0]["reason"]
+    job = store.get_job("job-ft")
+    assert job.state == "failed" and error in job.message
+    assert "job_failed_at_start" in [e["kind"] for e in store.events("job-ft")]
+
+
+@pytest.mark.parametrize("outcome", ["applied", "superseded", "rejected"])
+def test_what_became_of_a_freeze_request_is_audited(ctrl, etcd, store, outcome) -> None:
+    request = {"id": "q1", "layers": 4, "who": "ana@lab", "reason": "converged", "time": 0.0}
+    etcd.put(keys.freeze_override("job-ft"), json.dumps(request))
+    _join(etcd, 2, ["a:1", "b:2"])
+    a = ctrl.answer_join()
+    boundary = {"applied": 4, "superseded": 5, "rejected": 3}[outcome]
+    why = f"layers=4 {outcome} (test)"
+    _report(etcd, a.generation, 0, "freeze", step=46, previous=3, boundary=boundary,
+            source="manual" if outcome == "applied" else "auto", reason="decision 2",
+            request=request, outcome=outcome, outcome_reason=why)  # fmt: skip
+    ctrl.tick()
+    audit = [e for e in store.events("job-ft") if e["kind"] == f"freeze_{outcome}"]
+    assert len(audit) == 1 and why in audit[0]["message"] and "ana@lab" in audit[0]["message"]
+    assert audit[0]["data"]["boundary"] == boundary
+    assert etcd.get(keys.freeze_override("job-ft")) is None  # retired: never applied twice
+    requested = [e for e in store.events("job-ft") if e["kind"] == "freeze_requested"]
+    assert len(requested) == 1
+
+
+def test_a_malformed_freeze_request_does_not_stop_the_controller(ctrl, etcd, store) -> None:
+    etcd.put(keys.freeze_override("job-ft"), "{not json")
+    ctrl.tick()
+    requested = [e for e in store.events("job-ft") if e["kind"] == "freeze_requested"]
+    assert len(requested) == 1 and requested[0]["data"]["request"] == {"raw": "{not json"}
 
 
 def test_a_restarted_controller_takes_over_the_running_generation(

@@ -66,6 +66,9 @@ def test_status_json_reports_accuracy(trained_run: RealRun) -> None:
     assert status["id"] == trained_run.job_id and status["state"] == "completed"
     assert 0.0 <= status["accuracy"] <= 1.0
     assert status["layout"]["stages"][0]["ranks"] == [0]
+    # the table a person reads names the last committed checkpoint, as the JSON does
+    table = cli("status", "--workdir", str(trained_run.workdir))
+    assert table.returncode == 0 and status["checkpoint"]["path"] in table.stdout, table.stdout
 
     res = cli("status", "no-such-job", "--workdir", str(trained_run.workdir))
     assert res.returncode == 2

@@ -112,8 +112,19 @@ def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Pa
         _finish(proc, log)
     store = _check_consistent(workdir, "k")
     kinds = _kinds(store, "k")
-    assert "generation_aborted" in kinds or "worker_failed" in kinds
+    assert "generation_aborted" in kinds
     assert kinds.count("generation_started") >= 2
+    # the store names rank 1 as the process that died, and how; rank 0 only lost its peer
+    died = [e for e in store.events("k", limit=1000) if e["kind"] == "worker_died"]
+    assert [(e["rank"], e["data"]["pid"], e["data"]["signal"]) for e in died] == [
+        (1, workers[1]["pid"], signal.SIGKILL)
+    ]
+    assert not [e for e in store.events("k", limit=1000) if e["kind"] == "worker_failed"]
+    first = store.generations("k")[0]
+    assert first["state"] == "aborted"
+    assert first["reason"].startswith(f"rank 1 (pid {workers[1]['pid']}"), first["reason"]
+    assert "killed by signal 9 (SIGKILL)" in first["reason"]
+    assert "rank 0" not in first["reason"] or "rank 0 only lost its peer" in first["reason"]
     resumed = _resumed_steps(store, "k")[1]
     assert committed <= resumed <= TOTAL, "resumed from a checkpoint committed by then or later"
     restarted = [e for e in store.events("k") if e["kind"] == "generation_started"][0]

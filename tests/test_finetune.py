@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from orchestrator.manifest import CheckpointError, manifest_checksum
 from orchestrator.pretrained import resolve_init
 from orchestrator.spec import JobSpec, SpecError, parse_spec
 from orchestrator.store import Store, sqlite_url
-from tests.fixtures_run import cli, write_spec
+from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec
 from tests.mp import run_distributed
 from trainer.checkpoint import AsyncCheckpointer, load_weights
 from trainer.data import load_dataset
@@ -283,3 +285,58 @@ def test_a_job_fine_tunes_from_another_jobs_checkpoint(tmp_path: Path) -> None:
     assert not torch.allclose(start["head.fc.weight"], fresh["head.fc.weight"])
     pre.close()
     ft.close()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_gone_after_submission_fails_the_job_after_one_generation(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint a job fine-tunes from was checked and pinned when the job was submitted,
+    then deleted before the workers started (the controller and trainer roles of a torchx
+    launch start apart). Every rank fails the same way while loading it: the job fails after
+    that one generation, with the error in its status, instead of restarting
+    runtime.max_restarts times."""
+    source = _save(tmp_path / "pre" / "checkpoints" / "step-00000040", step=40)
+    spec = write_spec(
+        tmp_path / "ft.yaml",
+        name="ft",
+        model=MODEL,
+        training={"epochs": 1, "global_batch_size": 16},
+        init={"checkpoint": str(source)},
+        runtime={"max_restarts": 5},
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tmp_path / "runs"
+    ctl = start_cli(
+        "controller", str(spec), "--job-id", "ft", "--workdir", str(workdir),
+        "--etcd-port", str(port), "--join-timeout", "60", log=tmp_path / "controller.log",
+    )  # fmt: skip
+    workers = None
+    try:
+        wait_for(store_probe(workdir / "store.db", "ft", lambda s, j: s.get_job(j)), 60, "the job")
+        shutil.rmtree(source.parent.parent)  # after submission, before any worker loads it
+        t0 = time.monotonic()
+        workers = start_cli(
+            "workers", "--job-id", "ft", "--etcd", f"127.0.0.1:{port}", "--nproc-per-node", "2",
+            log=tmp_path / "workers.log",
+        )  # fmt: skip
+        assert workers.wait(timeout=120) == 0, (tmp_path / "workers.log").read_text()[-3000:]
+        took = time.monotonic() - t0
+        assert ctl.wait(timeout=60) == 1, (tmp_path / "controller.log").read_text()[-3000:]
+    finally:
+        for proc in (ctl, workers):
+            if proc is not None:
+                proc.kill()
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    job = store.get_job("ft")
+    assert job.state == "failed", job.message
+    assert "every rank failed the same way while starting" in job.message
+    assert "CheckpointError" in job.message and str(source) in job.message
+    gens = store.generations("ft")
+    assert [(g["number"], g["state"]) for g in gens] == [(1, "failed")]
+    failed = [e for e in store.events("ft", limit=200) if e["kind"] == "worker_failed"]
+    assert sorted(e["rank"] for e in failed) == [0, 1]
+    assert all(e["data"]["phase"] == "build" for e in failed)
+    assert took < 60, f"{took:.0f}s: it should not have gone through the restarts"

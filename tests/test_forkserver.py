@@ -88,8 +88,37 @@ def test_sigterm_to_the_client_reaches_the_worker(server):
     client = _client(server[1], "wait")
     worker = int(client.stdout.readline())
     client.send_signal(signal.SIGTERM)  # torchrun stopping a worker group
-    assert client.wait(timeout=10) == 75
+    assert client.wait(timeout=30) == 75  # generous: 2 busy cores
     assert _gone(worker)
+
+
+def test_the_exit_hook_hears_how_every_worker_ended(server, tmp_path):
+    exits = tmp_path / "exits.jsonl"
+    done = _client(server[1], "echo", "3", FORKSERVER_EXITS=str(exits))
+    killed = _client(server[1], "wait", FORKSERVER_EXITS=str(exits))
+    killed_pid = int(killed.stdout.readline())
+    os.kill(killed_pid, signal.SIGKILL)
+    assert killed.wait(timeout=10) == -signal.SIGKILL
+    done_pid = json.loads(done.communicate(timeout=30)[0])["pid"]
+    # a client that goes away (torchrun killing it) has its worker killed: not a death to report
+    stopped = _client(server[1], "wait", FORKSERVER_EXITS=str(exits))
+    stopped_pid = int(stopped.stdout.readline())
+    stopped.kill()
+    assert _gone(stopped_pid)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # reports come from a throwaway process, soon after
+        seen = (
+            [json.loads(line) for line in exits.read_text().splitlines()] if exits.exists() else []
+        )
+        if len(seen) >= 2:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)
+    seen = sorted(
+        (r["pid"], r["exit_code"], r["argv"][0])
+        for r in map(json.loads, exits.read_text().splitlines())
+    )
+    assert seen == sorted([(done_pid, 3, "echo"), (killed_pid, -signal.SIGKILL, "wait")])
 
 
 def test_a_killed_worker_kills_its_client_with_the_same_signal(server):

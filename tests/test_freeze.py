@@ -233,19 +233,24 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
             if math.isfinite(n):
                 seen[i].append(n)
         before = state.to_dict()
+        d = decide(spec, state, norms, blocks, override=override)
+        assert state.to_dict() == before  # decide is pure
         if override is not None:
-            valid = state.boundary <= override <= blocks - spec.keep_trainable
-            try:
-                d = decide(spec, state, norms, blocks, override=override)
-            except FreezeOverrideError:
-                assert not valid
-                assert state.to_dict() == before  # a rejected override changes nothing
-                d = decide(spec, state, norms, blocks)
-            else:
-                assert valid and d.boundary == override and d.source == "manual"
+            auto = decide(spec, state, norms, blocks)
+            valid = 0 <= override <= blocks - spec.keep_trainable
+            # never less than the automatic decision; more only by an applied request
+            assert d.boundary == (max(auto.boundary, override) if valid else auto.boundary)
+            want = (
+                "rejected" if not valid else "applied" if override > auto.boundary else "superseded"
+            )
+            assert d.override == want, (d.override, d.override_reason)
+            if want == "applied":
+                assert d.source == "manual" and d.state.boundary == override
                 manual_seen = True
+            else:
+                assert (d.boundary, d.source, d.state) == (auto.boundary, auto.source, auto.state)
         else:
-            d = decide(spec, state, norms, blocks)
+            assert d.override is None
         t = state.decisions + 1
         cap = automatic_cap(spec, blocks, t)
         assert d.state.decisions == t and d.previous == state.boundary
@@ -329,37 +334,56 @@ def test_override_error_messages() -> None:
     assert apply_override(3, 3, 6, 1) == 3 and apply_override(0, 5, 6, 1) == 5
 
 
-def test_override_wins_and_is_not_alpha_bounded() -> None:
+def test_override_moves_past_the_automatic_decision_and_is_not_alpha_bounded() -> None:
     spec = _spec(alpha=0.1, keep_trainable=2)
     state = FreezeState(1, 1, (1.0,) * 12)
     assert automatic_cap(spec, 12, 2) == 3
     d = decide(spec, state, [1.0] * 12, 12, override=9)  # far beyond the alpha-bound of 3
-    assert (d.boundary, d.source, d.state.decisions) == (9, "manual", 2)
-    assert "manual override" in d.reason
+    assert (d.boundary, d.source, d.state.decisions, d.override) == (9, "manual", 2, "applied")
+    assert "manual override" in d.reason and "automatic decision: 1" in d.reason
     # later automatic decisions keep it (never decrease) and the cap still holds
     d2 = decide(spec, d.state, [1.0] * 12, 12)
-    assert d2.boundary == 9 and d2.source == "none"
+    assert d2.boundary == 9 and d2.source == "none" and d2.override is None
     d3 = decide(spec, d2.state, [1.0] * 12, 12, override=10)
-    assert d3.boundary == 10
-    with pytest.raises(FreezeOverrideError, match="keep_trainable"):
-        decide(spec, d3.state, [1.0] * 12, 12, override=11)
-    # override equal to the current boundary: manual, nothing moves, auto proposal ignored
-    d4 = decide(spec, state, [1.0] * 12, 12, override=1)
-    assert (d4.boundary, d4.source) == (1, "manual") and not d4.changed
+    assert (d3.boundary, d3.override) == (10, "applied")
+    d4 = decide(spec, d3.state, [1.0] * 12, 12, override=11)
+    assert (d4.boundary, d4.override) == (10, "rejected") and "keep_trainable" in d4.override_reason
+
+
+def test_an_override_never_takes_the_place_of_the_automatic_decision() -> None:
+    # filed at F=3 for 4 blocks; read at the decision point where the schedule moves to 4
+    spec = FreezeSpec(policy="schedule", alpha=0.5)
+    state = FreezeState(3, 1)
+    assert decide(spec, state, None, 6).boundary == 5  # the schedule alone: alpha-bound 5
+    d = decide(spec, state, None, 6, override=4)
+    assert (d.boundary, d.source, d.override) == (5, "auto", "superseded")
+    assert "automatic decision reached 5" in d.override_reason
+    # read one decision point later, when the boundary had already passed it
+    later = decide(spec, d.state, None, 6, override=4)
+    assert (later.boundary, later.override) == (5, "superseded")
+    assert "already 5" in later.override_reason and later.state.decisions == 3
+    # equal to the current boundary: superseded, and the automatic step still happens
+    grad = _spec(alpha=0.99, threshold=0.5)
+    peaked = FreezeState(1, 1, (4.0,) * 6, (4.0,) * 6)
+    d = decide(grad, peaked, [1.0, 1.0, 1.0, 4.0, 4.0, 4.0], 6, override=1)
+    assert (d.boundary, d.source, d.override) == (3, "auto", "superseded")
 
 
 def test_override_applies_under_policy_off() -> None:
     d = decide(FreezeSpec(policy="off"), FreezeState(), None, 6, override=4)
-    assert (d.boundary, d.source) == (4, "manual")
+    assert (d.boundary, d.source, d.override) == (4, "manual", "applied")
 
 
-def test_rejected_override_leaves_state_unchanged() -> None:
+def test_rejected_override_keeps_the_automatic_decision() -> None:
     spec = _spec()
     state = FreezeState(3, 4, (1.0, 2.0, NAN, 4.0, 5.0, 6.0))
     snapshot = state.to_dict()
-    for bad in (2, 6, -1):
-        with pytest.raises(FreezeOverrideError):
-            decide(spec, state, [1.0] * 6, 6, override=bad)
+    auto = decide(spec, state, [1.0] * 6, 6)
+    for bad in (6, -1, 2.5, True, "4"):
+        d = decide(spec, state, [1.0] * 6, 6, override=bad)
+        assert d.override == "rejected", bad
+        assert (d.boundary, d.state) == (auto.boundary, auto.state)
+    assert decide(spec, state, [1.0] * 6, 6, override=2).override == "superseded"  # behind F=3
     assert state.to_dict() == snapshot
 
 

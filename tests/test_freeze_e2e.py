@@ -46,6 +46,15 @@ def test_manual_freeze_is_validated_audited_and_applied(
     lay = frozen[0]
     assert lay.stages[0].start == 2, "frozen blocks left the pipeline"
     assert lay.world_size == 2
+    # AutoCache decided on each rank running the frozen prefix, measuring where the job's cache
+    # files live (not /tmp) at the share of rows its RAM tier holds
+    decided = [e for e in store.events("fz", limit=500) if e["kind"] == "cache_decided"]
+    assert decided and {e["data"]["boundary"] for e in decided} == {2}
+    for e in decided:
+        assert Path(e["data"]["directory"]).is_relative_to(workdir / "jobs" / "fz"), e["data"]
+        assert 0 < e["data"]["ram_fraction"] <= 1
+    applied = next(e for e in store.events("fz", limit=500) if e["kind"] == "freeze_applied")
+    assert applied["data"]["outcome"] == "applied" and applied["data"]["boundary"] == 2
     job = store.get_job("fz")
     assert job.state == "completed" and job.freeze_boundary == 2
     steps = [m["step"] for m in store.metrics("fz")]

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# float results compared across computations: run again under other kernels (scripts/test.sh)
+pytestmark = pytest.mark.numerics
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import freeze_scaling as fs  # noqa: E402
 
@@ -46,7 +49,8 @@ def test_measures_every_fraction_and_checks_hold(tmp_path: Path) -> None:
     assert 0 < result["forward_share"] < 1  # a no-grad forward is cheaper than a training step
     assert result["checks"] == {
         "cache_equals_recompute": True,
-        "max_abs_diff": 0.0,  # bit for bit on the CPU
+        # bit for bit on the CPU: the cache was filled from the very batches it is compared on
+        "max_abs_diff": 0.0,
         "frozen_unchanged": True,
         "cache_all_hits": True,
     }

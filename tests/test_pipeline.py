@@ -15,6 +15,9 @@ from trainer.partition import balanced_partition
 from trainer.pipeline import build_rank_pipeline
 from trainer.sampler import IGNORE
 
+# float results compared across computations: run again under other kernels (scripts/test.sh)
+pytestmark = pytest.mark.numerics
+
 # float32 sums in a different order (per micro-batch, per stage) differ in the last bits only
 RTOL, ATOL = 1e-4, 1e-6
 MODEL = ModelSpec(depth=8, dim=16, heads=2)
@@ -101,3 +104,30 @@ def test_layouts_cover_the_expected_schedules() -> None:
     assert set(_layouts(2, 1)) == set(SCHEDULES)
     # one rank per pipeline: V-shaped schedules still fit (both stages on that rank)
     assert {"gpipe", "1f1b", "interleaved-1f1b"} <= set(_layouts(1, 4))
+
+
+def _evaluate_with_dropout(rank: int, world: int):
+    model = MODEL.model_copy(update={"dropout": 0.5})
+    layout = _layouts(2, 1)["gpipe"]
+    pipe = build_rank_pipeline(model, 0, layout, rank, BATCH)
+    x, y = _batch()
+    logits = [pipe.forward_only(x if pipe.is_first else None, y) for _ in range(2)]
+    training = pipe.model.training and all(m.training for m in pipe.model.modules())
+    return {"logits": logits, "training": training}
+
+
+@pytest.mark.slow
+def test_evaluation_runs_in_eval_mode_and_restores_train_mode() -> None:
+    """Held-out accuracy is the model's, not a sample of it under dropout: the pipeline's
+    forward-only pass gives the single-process eval-mode logits, the same twice, and leaves the
+    model training."""
+    results = run_distributed(_evaluate_with_dropout, 2)
+    ref = build_model(MODEL.model_copy(update={"dropout": 0.5}), 0).eval()
+    x, _ = _batch()
+    with torch.no_grad():
+        expected = ref(x)
+    last = results[1]["logits"]
+    assert results[0]["logits"] == [None, None]
+    assert torch.equal(last[0], last[1])  # the same computation twice: no dropout noise
+    torch.testing.assert_close(last[0], expected, rtol=RTOL, atol=ATOL)  # micro-batches of 8
+    assert all(r["training"] for r in results)

@@ -21,6 +21,9 @@ from trainer.optim import build_optimizer
 from trainer.relayout import build_training
 from trainer.sampler import IGNORE, ElasticSampler
 
+# float results compared across computations: run again under other kernels (scripts/test.sh)
+pytestmark = pytest.mark.numerics
+
 SPEC = JobSpec(
     name="relayout",
     model={"depth": 4, "dim": 16, "heads": 2},
@@ -151,5 +154,8 @@ def test_relayouts_give_the_same_weights_as_freezing_in_place(tmp_path: Path) ->
             n.startswith(("blocks.3.", "head.")) for n in r["in_optimizer"]
         ), r["in_optimizer"]
     init = build_model(SPEC.model, SPEC.training.seed).state_dict()
-    assert torch.equal(got["blocks.0.norm1.weight"], ref["blocks.0.norm1.weight"])
+    # blocks.0 trained for the steps before it froze: bit-identical from then on inside the run
+    # (`frozen_seen`, across the re-layouts too), but equal to the one-process reference, which
+    # ran those steps with other batch shapes, only to float tolerance (the loop above)
+    assert not torch.equal(got["blocks.0.norm1.weight"], init["blocks.0.norm1.weight"])
     assert not torch.equal(got["blocks.3.mlp.0.weight"], init["blocks.3.mlp.0.weight"])

@@ -93,7 +93,7 @@ def tables(url: str) -> set[str]:
 
 
 def test_head_is_the_newest_revision() -> None:
-    assert HEAD == "0002"
+    assert HEAD == "0003"
 
 
 def test_upgrade_empty_database_to_head(db_url: str, store_backend: str) -> None:
@@ -324,7 +324,7 @@ def test_state_and_progress(store: Store) -> None:
 def test_generations(store: Store) -> None:
     store.create_job("j", spec(), "/w")
     assert store.start_generation("j", 4) == 1
-    store.end_generation("j", 1, "aborted")
+    store.end_generation("j", 1, "aborted", reason="rank 1 lost its peer")
     assert store.start_generation("j", 3) == 2
     gens = store.generations("j")
     assert [(g["number"], g["world_size"], g["state"]) for g in gens] == [
@@ -332,10 +332,21 @@ def test_generations(store: Store) -> None:
         (2, 3, "running"),
     ]
     assert gens[0]["ended_at"] is not None and gens[1]["ended_at"] is None
+    assert (gens[0]["reason"], gens[1]["reason"]) == ("rank 1 lost its peer", None)
+    # the dead rank is identified after the abort: the reason is completed, the end kept
+    store.explain_generation(
+        "j", 1, "rank 2 was killed by signal 9 (SIGKILL); rank 1 lost its peer"
+    )
+    again = store.generations("j")[0]
+    assert (
+        again["reason"].startswith("rank 2 was killed") and again["ended_at"] == gens[0]["ended_at"]
+    )
     with pytest.raises(ValueError, match="allowed"):
         store.end_generation("j", 2, "running")
     with pytest.raises(NotFound):
         store.end_generation("j", 9, "completed")
+    with pytest.raises(NotFound):
+        store.explain_generation("j", 9, "no such generation")
     with pytest.raises(ValueError):
         store.start_generation("j", 0)
 

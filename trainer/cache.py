@@ -633,6 +633,20 @@ class ActivationCache:
         """Share of the cacheable samples whose rows live in the RAM tier."""
         return self.ram_rows / self.capacity if self.capacity else 0.0
 
+    def decide(
+        self, policy: CachePolicy, prefix: PrefixRunner, inputs: torch.Tensor, boundary: int
+    ) -> CacheDecision:
+        """`decide_cache` for this cache: its disk tier measured where its files live (the
+        node-local cache directory, not /tmp), lookups expected at its own RAM fraction."""
+        return decide_cache(
+            policy,
+            prefix,
+            inputs,
+            boundary,
+            directory=self.directory,
+            ram_fraction=self.ram_fraction,
+        )
+
     def stats(self) -> CacheStats:
         ram_held = int((self._ram_state == _CURRENT).sum())
         on_disk = int(np.count_nonzero(self._level.present)) if self._level is not None else 0
@@ -817,12 +831,16 @@ class CacheDecision:
     use: bool
     reason: str  # for the worker's events and logs
     costs: PrefixCosts | None = None
+    directory: str | None = None  # where the disk tier was measured (None: the system's temp)
+    ram_fraction: float | None = None  # share of rows the RAM tier holds, as assumed
 
     def as_dict(self) -> dict:
         return {
             "use": self.use,
             "reason": self.reason,
             "costs": asdict(self.costs) if self.costs else None,
+            "directory": self.directory,
+            "ram_fraction": self.ram_fraction,
         }
 
 
@@ -850,7 +868,9 @@ def decide_cache(
     use = policy.should_use_cache(costs.compute_s, lookup)
     reason = (
         f"measured at F={boundary}, batch {costs.batch_size}: recompute "
-        f"{costs.compute_s * 1e3:.2f} ms vs cache {lookup * 1e3:.2f} ms "
-        f"({costs.speedup(ram_fraction):.1f}x; needs {policy.min_speedup}x)"
+        f"{costs.compute_s * 1e3:.2f} ms vs cache {lookup * 1e3:.2f} ms with "
+        f"{ram_fraction:.0%} of rows in RAM ({costs.speedup(ram_fraction):.1f}x; needs "
+        f"{policy.min_speedup}x)"
     )
-    return CacheDecision(use, reason, costs)
+    where = None if directory is None else str(directory)
+    return CacheDecision(use, reason, costs, where, ram_fraction)

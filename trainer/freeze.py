@@ -28,9 +28,14 @@ decision points so far including the current one, T = 1 at the first):
   counts as converged; a non-finite current norm counts as not converged, and non-finite norms
   never become the peak. Blocks already frozen count as converged, so a converged block after a
   not-yet-converged one is not frozen.
-* A manual override wins over the automatic proposal at the decision point it is applied at. It is
-  bounded by the model and the cap only (not by alpha): `current <= requested <= L - keep_trainable`.
-  An override outside that range raises `FreezeOverrideError` and changes nothing.
+* A manual override is combined with the automatic decision of the decision point it is applied
+  at, never replacing it with less: the new boundary is `max(automatic, requested)`. It is bounded
+  by the model and the cap only (not by alpha): `requested <= L - keep_trainable`. Its outcome is
+  recorded honestly: `applied` (it moved the boundary past what the policy decided), `superseded`
+  (the boundary had already reached it, or the policy reached it at this decision point: a request
+  filed at F=3 for 4 blocks and read when the schedule moves to 4 freezes nothing extra and does
+  not cost the automatic step) or `rejected` (malformed, or beyond the cap; the automatic
+  decision still applies).
 
 The gradient statistic `n_T` of a block is the **mean over the interval's optimizer steps of the
 block's per-step gradient L2 norm**, taken on the global-batch gradient (after the cross-replica
@@ -70,12 +75,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from orchestrator.spec import FreezeSpec
 
 Source = Literal["auto", "manual", "none"]
+OverrideOutcome = Literal["applied", "superseded", "rejected"]
 
 # Float guard for the ceiling in the alpha-bound: 10 * (1 - 0.7) is 3.0000000000000004 in binary
 # floating point and must give 3, not 4. Values within this of an integer count as that integer.
@@ -217,11 +223,13 @@ class FreezeDecision:
     """The outcome of one decision point.
 
     `state`: the state to carry on. `boundary`: the new boundary (== state.boundary).
-    `previous`: the boundary before. `source`: "manual" (an override was applied, even if it left
-    the boundary unchanged), "auto" (the policy moved the boundary forward) or "none".
+    `previous`: the boundary before. `source`: "manual" (an override moved the boundary past the
+    automatic decision), "auto" (the policy moved the boundary forward) or "none".
     `proposed`: what the policy alone proposed before clipping (the converged prefix, or the
     alpha-bound for `schedule`; == previous for `off` and during warm-up). `bound`: the automatic
-    cap at this decision point, min(alpha-bound, L - keep_trainable). `reason`: for the audit log."""
+    cap at this decision point, min(alpha-bound, L - keep_trainable). `reason`: for the audit log.
+    `override`: what became of a manual request read at this decision point (None: there was
+    none), with `override_reason` saying why."""
 
     state: FreezeState
     boundary: int
@@ -230,6 +238,8 @@ class FreezeDecision:
     proposed: int
     bound: int
     reason: str
+    override: OverrideOutcome | None = None
+    override_reason: str = ""
 
     @property
     def changed(self) -> bool:
@@ -296,11 +306,12 @@ def decide(
 
     `block_grad_norms`: one gradient norm per block for the interval since the last decision point
     (see the module docstring for the definition; entries of frozen blocks are ignored); required
-    by the `gradient` policy, optional otherwise. `override`: a manual boundary request, validated
-    by `apply_override` (raises `FreezeOverrideError`, nothing changes) and applied instead of the
-    automatic proposal. Otherwise the policy's proposal is clipped by min(alpha-bound(T),
-    num_blocks - keep_trainable) and never goes below the current boundary. The returned state
-    records T, the norms (or None) and the per-block peaks including them."""
+    by the `gradient` policy, optional otherwise. The policy's proposal is clipped by
+    min(alpha-bound(T), num_blocks - keep_trainable) and never goes below the current boundary.
+    `override`: a manual boundary request; the boundary becomes the larger of it and the automatic
+    decision (`combine_override`), and the decision says whether it was applied, superseded or
+    rejected. The returned state records T, the norms (or None) and the per-block peaks including
+    them."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if state.boundary > num_blocks:
@@ -324,13 +335,6 @@ def decide(
     t = state.decisions + 1
     bound = automatic_cap(spec, num_blocks, t)
 
-    if override is not None:
-        new = apply_override(current, override, num_blocks, spec.keep_trainable)
-        new_state = FreezeState(new, t, norms, peaks)
-        verb = "moved" if new != current else "kept"
-        reason = f"manual override at decision {t}: {verb} boundary {current} -> {new}"
-        return FreezeDecision(new_state, new, current, "manual", new, bound, reason)
-
     if spec.policy == "off":
         proposed, why = current, "policy 'off'"
     elif t <= spec.warmup_decisions:
@@ -348,9 +352,54 @@ def decide(
     if new > current:
         clip = f", clipped to {bound}" if proposed > bound else ""
         reason = f"decision {t}: {why}{clip}: froze blocks {current}..{new - 1}"
-        return FreezeDecision(new_state, new, current, "auto", proposed, bound, reason)
-    reason = f"decision {t}: {why}: boundary stays {current}"
-    return FreezeDecision(new_state, new, current, "none", proposed, bound, reason)
+        auto = FreezeDecision(new_state, new, current, "auto", proposed, bound, reason)
+    else:
+        reason = f"decision {t}: {why}: boundary stays {current}"
+        auto = FreezeDecision(new_state, new, current, "none", proposed, bound, reason)
+    if override is None:
+        return auto
+    return combine_override(auto, override, num_blocks, spec.keep_trainable)
+
+
+def combine_override(
+    auto: FreezeDecision, requested: Any, num_blocks: int, keep_trainable: int
+) -> FreezeDecision:
+    """A decision point's automatic decision `auto` with a manual request for `requested` blocks
+    read at it: the boundary becomes max(automatic, requested), so a request can only add to what
+    the policy decided, never take its place.
+
+    - `rejected`: not a whole number of blocks in 0 .. L - keep_trainable (`apply_override`'s
+      message); the automatic decision stands.
+    - `superseded`: requested <= the automatic boundary (the boundary was already there, or the
+      policy reached it at this very decision point); the automatic decision stands.
+    - `applied`: requested > the automatic boundary; the boundary moves to it (source "manual")."""
+    t, current = auto.state.decisions, auto.previous
+    try:
+        apply_override(current, requested, num_blocks, keep_trainable)
+    except FreezeOverrideError as exc:
+        behind = type(requested) is int and 0 <= requested < current
+        if not behind:  # a request filed forward that the boundary has since passed is not bad
+            return replace(auto, override="rejected", override_reason=str(exc))
+    if requested <= auto.boundary:
+        if requested <= current:
+            where = f"the boundary was already {current}"
+        else:
+            where = f"the automatic decision reached {auto.boundary} at this decision point"
+        why = f"layers={requested} superseded at decision {t}: {where} ({auto.reason})"
+        return replace(auto, override="superseded", override_reason=why)
+    reason = (
+        f"manual override at decision {t}: moved boundary {current} -> {requested} "
+        f"(automatic decision: {auto.boundary})"
+    )
+    return replace(
+        auto,
+        state=replace(auto.state, boundary=requested),
+        boundary=requested,
+        source="manual",
+        reason=reason,
+        override="applied",
+        override_reason=reason,
+    )
 
 
 def is_decision_point(spec: FreezeSpec, steps_done: int, end_of_epoch: bool) -> bool:

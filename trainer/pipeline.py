@@ -213,13 +213,21 @@ class RankPipeline:
     def forward_only(
         self, inputs: torch.Tensor | None, targets: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """Logits for one replica batch on the last stage's rank (None elsewhere), no autograd.
-        The schedule evaluates its loss function too, so the last stage needs the targets."""
-        args = (self._enter(inputs),) if self.is_first else ()
-        if self.is_last:
-            return self.schedule.eval(*args, target=targets, losses=[])
-        self.schedule.eval(*args)
-        return None
+        """Logits for one replica batch on the last stage's rank (None elsewhere), in eval mode
+        (no dropout: held-out accuracy is the model's, not a noisy sample of it) and without
+        autograd; train mode is restored afterwards. The schedule evaluates its loss function
+        too, so the last stage needs the targets."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                args = (self._enter(inputs),) if self.is_first else ()
+                if self.is_last:
+                    return self.schedule.eval(*args, target=targets, losses=[])
+                self.schedule.eval(*args)
+                return None
+        finally:
+            self.model.train(was_training)
 
     def destroy_groups(self) -> None:
         """Release this layout's training groups (the control group stays)."""

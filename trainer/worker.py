@@ -30,15 +30,24 @@ import torch.distributed as dist
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient, EtcdError
 from orchestrator.forkserver import AGENT_PID_ENV
-from orchestrator.launch import EXIT_REFORM
 from orchestrator.manifest import read_meta, verify_checkpoint
 from orchestrator.spec import JobSpec
-from orchestrator.state import Assignment, JoinRequest, Layout, StageLayout, WorkerEvent
-from trainer.cache import ActivationCache, CachePolicy, decide_cache
+from orchestrator.state import (
+    EXIT_REFORM,
+    Assignment,
+    JoinRequest,
+    Layout,
+    StageLayout,
+    WorkerEvent,
+    parse_freeze_request,
+)
+from trainer.cache import ActivationCache, CachePolicy
 from trainer.checkpoint import AsyncCheckpointer, CheckpointWriteError, checkpoint_due
 from trainer.data import Dataset, Split, load_dataset
+from trainer.failures import is_peer_loss
+from trainer.failures import report_exit as on_worker_exit  # noqa: F401 (fork-server hook)
 from trainer.freeze import (
-    FreezeOverrideError,
+    FreezeDecision,
     FreezeState,
     GradNormMeter,
     decide,
@@ -60,12 +69,32 @@ class Reporter:
     def __init__(self, etcd: EtcdClient, job_id: str, generation: int, rank: int):
         self.etcd, self.job_id, self.generation, self.rank = etcd, job_id, generation, rank
         self.seq = 0
+        # a last word may come from the abort watch or the SIGTERM timer thread
+        self._lock = threading.Lock()
 
     def emit(self, kind: str, **data: Any) -> None:
         event = WorkerEvent(kind=kind, rank=self.rank, generation=self.generation, data=data)
-        key = keys.event(self.job_id, self.generation, self.rank, self.seq)
-        self.etcd.put(key, event.model_dump_json())
-        self.seq += 1
+        with self._lock:
+            key = keys.event(self.job_id, self.generation, self.rank, self.seq)
+            self.etcd.put(key, event.model_dump_json())
+            self.seq += 1
+
+    def last_word(self, kind: str, **data: Any) -> None:
+        """A final report on the way out (the process exits right after): best effort, so that
+        the controller can tell this rank's end from a death; an etcd that does not answer
+        within a second costs nothing but the report."""
+        done = threading.Event()
+
+        def put() -> None:
+            try:
+                self.emit(kind, **data)
+            except Exception:  # leaving anyway: the report is best effort
+                pass
+            finally:
+                done.set()
+
+        threading.Thread(target=put, name="last-word", daemon=True).start()
+        done.wait(1.0)
 
 
 @dataclass
@@ -117,7 +146,7 @@ def _join(etcd: EtcdClient, job_id: str, rank: int, world: int) -> Assignment:
             raw = etcd.get(keys.assignment(job_id))
             if raw is not None:
                 assignment = Assignment.model_validate_json(raw)
-                if assignment.request == request.id:
+                if assignment.request == request.id or assignment.fatal:
                     return assignment
             if time.monotonic() - asked > 10:
                 log.info("waiting for the controller to answer join request %s", request.id)
@@ -131,15 +160,24 @@ class AbortWatch:
     """Watches `keys.abort`: when the controller aborts this generation (a peer was lost), the
     process leaves at once with EXIT_REFORM, even from inside a collective that would otherwise
     wait for the dead peer until the collective timeout; its agent re-rendezvous. Polls (cheap,
-    and immune to watch streams lost across an etcd restart)."""
+    and immune to watch streams lost across an etcd restart). `before_exit` says its last word
+    (so the controller knows this rank left as told rather than died)."""
 
-    def __init__(self, etcd: EtcdClient, job_id: str, generation: int, every: float = 0.2):
+    def __init__(
+        self,
+        etcd: EtcdClient,
+        job_id: str,
+        generation: int,
+        every: float = 0.2,
+        before_exit: Callable[[], None] | None = None,
+    ):
         self.etcd, self.key, self.generation, self.every = (
             etcd,
             keys.abort(job_id),
             generation,
             every,
         )
+        self.before_exit = before_exit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="abort-watch", daemon=True)
 
@@ -155,6 +193,8 @@ class AbortWatch:
                 continue  # etcd restarting: the lease outlives it, keep watching
             if value == str(self.generation):
                 log.warning("generation %d aborted by the controller: leaving", self.generation)
+                if self.before_exit is not None:
+                    self.before_exit()
                 logging.shutdown()
                 os._exit(EXIT_REFORM)
 
@@ -171,6 +211,8 @@ class LeaveRequest:
         self.grace_s = grace_s
         self.requested = False
         self._lock = threading.Lock()
+        # the last word before the grace runs out (set once the worker can report)
+        self.before_exit: Callable[[], None] | None = None
 
     def install(self) -> LeaveRequest:
         """From the main thread. Python runs signal handlers only between the main thread's
@@ -194,9 +236,14 @@ class LeaveRequest:
             if self.requested:
                 return
             self.requested = True
-        timer = threading.Timer(self.grace_s, os._exit, args=(EXIT_REFORM,))
+        timer = threading.Timer(self.grace_s, self._expire)
         timer.daemon = True
         timer.start()
+
+    def _expire(self) -> None:
+        if self.before_exit is not None:
+            self.before_exit()
+        os._exit(EXIT_REFORM)
 
 
 def _from_rank0(rank: int, compute: Callable[[], T]) -> T:
@@ -272,6 +319,9 @@ class Trainer:
             self.freeze = dataclasses.replace(self.freeze, boundary=ctx.layout.freeze_boundary)
         self.meter = GradNormMeter(self.spec.model.depth)
         self.cache: ActivationCache | None = None
+        # dropout draws from torch's global generator, which a fresh process seeds at random:
+        # seed it per rank and resume point, so that a run (and each restart) is reproducible
+        torch.manual_seed(dropout_seed(self.tspec.seed, ctx.rank, self.state.step))
         self._build(load_from=self.state.checkpoint, checksum=ctx.assignment.resume_checksum)
 
     def _build(self, load_from: str | None, checksum: str | None = None) -> None:
@@ -297,9 +347,10 @@ class Trainer:
         self.cache.set_boundary(f, prefix.fingerprints(f))
         batch = self.tspec.global_batch_size // self.ctx.layout.replicas
         sample = self.data.train.inputs[:batch]
-        decision = decide_cache(CachePolicy(mode), prefix, sample, f)
+        decision = self.cache.decide(CachePolicy(mode), prefix, sample, f)
         self.pipe.cache = self.cache if decision.use else None
         log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, decision.reason)
+        self.ctx.reporter.emit("cache", boundary=f, **decision.as_dict())
 
     def checkpoint(self, reason: str, wait: bool = True) -> None:
         """Collective: snapshot the current state (once per step) and write it; rank 0 reports
@@ -494,10 +545,11 @@ class Trainer:
     # -- AutoFreeze and re-layout ---------------------------------------------------------------
 
     def decide_freeze(self) -> None:
-        """A decision point: rank 0 decides (a pending manual override wins), everyone gets the
-        same decision over the control group; a new boundary triggers a re-layout."""
+        """A decision point: rank 0 decides (the automatic decision, raised to a pending manual
+        request if that is further), everyone gets the same decision over the control group; a
+        new boundary triggers a re-layout."""
         ctx = self.ctx
-        decision, request, rejected = _from_rank0(ctx.rank, self._decision_on_rank0)
+        decision, request = _from_rank0(ctx.rank, self._decision_on_rank0)
         self.meter.reset()
         self.freeze = decision.state
         if ctx.rank == 0 and (decision.changed or request is not None):
@@ -509,24 +561,20 @@ class Trainer:
                 source=decision.source,
                 reason=decision.reason,
                 request=request,
-                rejected=rejected,
+                outcome=decision.override,
+                outcome_reason=decision.override_reason,
             )
         if decision.boundary > ctx.layout.freeze_boundary:
             self.relayout(decision.boundary, decision.reason)
 
-    def _decision_on_rank0(self):
+    def _decision_on_rank0(self) -> tuple[FreezeDecision, dict | None]:
         ctx = self.ctx
         raw = ctx.etcd.get(keys.freeze_override(ctx.job_id))
-        request = json.loads(raw) if raw else None
+        request = parse_freeze_request(raw) if raw else None
         norms = self.meter.means() if self.meter.steps else None
         depth, fspec = self.spec.model.depth, self.spec.freeze
-        if request is not None:
-            try:
-                decision = decide(fspec, self.freeze, norms, depth, override=request["layers"])
-                return decision, request, None
-            except FreezeOverrideError as exc:
-                return decide(fspec, self.freeze, norms, depth), request, str(exc)
-        return decide(fspec, self.freeze, norms, depth), None, None
+        override = None if request is None else request.get("layers", "<missing>")
+        return decide(fspec, self.freeze, norms, depth, override=override), request
 
     def relayout(self, boundary: int, why: str) -> None:
         """AutoPipe + AutoDP in the running processes: commit state, plan the layout for the new
@@ -555,6 +603,12 @@ class Trainer:
                 reason=f"autofreeze ({why}); {reason}",
                 seconds=time.monotonic() - t0,
             )
+
+
+def dropout_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of a rank's dropout masks from `step` on: distinct per rank (stages and replicas
+    draw different masks) and per resume point, the same whenever the run is repeated."""
+    return ((seed * 1_000_003 + rank) * 1_000_003 + step) % (1 << 63)
 
 
 def _broadcast_reached(ctx: Context, pipe: RankPipeline, result) -> bool:
@@ -604,14 +658,27 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assignment = _join(etcd, args.job_id, rank, world)
+    if assignment.fatal:  # the job failed for good: exit 0 so that the agents stop restarting
+        log.error("job %s failed: %s; not starting again", args.job_id, assignment.fatal)
+        dist.destroy_process_group()
+        return 0
     generation = assignment.generation
     reporter = Reporter(etcd, args.job_id, generation, rank)
     lease = etcd.lease(spec.runtime.lease_ttl_s)
     presence = {"generation": generation, "pid": os.getpid(), "host": socket.gethostname()}
     etcd.put(keys.worker(args.job_id, rank), json.dumps(presence), lease=lease)
     keepalive = etcd.keep_alive(lease)
-    watch = AbortWatch(etcd, args.job_id, generation).start()
-    code = 0
+    aborted = "the controller aborted the generation"
+    watch = AbortWatch(
+        etcd,
+        args.job_id,
+        generation,
+        before_exit=lambda: reporter.last_word("aborted", why=aborted),
+    ).start()
+    leave.before_exit = lambda: reporter.last_word(
+        "left", why=f"SIGTERM; the graceful leave did not finish within {leave.grace_s:g}s"
+    )
+    code, phase = 0, "build"  # build: everything before the first step
     try:
         if assignment.layout is None:
             return _hold(etcd, assignment, leave)
@@ -621,7 +688,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(
             args.job_id, spec, layout, assignment, rank, stages, replica, etcd, reporter, world
         )
-        outcome = Trainer(ctx, leave).run()
+        trainer = Trainer(ctx, leave)
+        phase = "train"
+        outcome = trainer.run()
         if outcome == "leave":
             code = EXIT_REFORM
         else:
@@ -630,8 +699,14 @@ def main(argv: list[str] | None = None) -> int:
                 reporter.emit("stopped" if outcome == "stopped" else "done", outcome=outcome)
         dist.barrier()  # every final report is queued before any lease is revoked
     except Exception as exc:
-        reporter.emit("failed", error=f"{type(exc).__name__}: {exc}")
-        raise
+        error = f"{type(exc).__name__}: {exc}"
+        if not is_peer_loss(exc):
+            reporter.emit("failed", error=error, phase=phase)
+            raise
+        # not this rank's fault: say so, and leave to re-form without a traceback
+        log.warning("rank %d lost a peer (%s); leaving to re-form", rank, error)
+        reporter.emit("peer_lost", error=error, phase=phase)
+        code = EXIT_REFORM
     finally:
         watch.stop()
         keepalive.stop(revoke=True)
