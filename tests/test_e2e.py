@@ -198,3 +198,21 @@ def test_autopipe_plans_from_measurement_and_records_the_layout(
     assert store.current_layout("auto") == planned and store.get_job("auto").step == 3
     assert any(e["kind"] == "layout_planned" for e in store.events("auto"))
     assert list((tmp_path / "cache").rglob("*.json")), "the measured profile is cached"
+
+
+@pytest.mark.slow
+def test_a_job_with_dropout_trains_the_same_losses_twice(tmp_path: Path) -> None:
+    """Dropout draws from each rank's own seeded stream (a fresh process seeds torch's
+    generator at random): the same spec, run twice, trains the same losses. The same
+    computation twice on one machine, so bit for bit."""
+    spec = write_spec(
+        tmp_path / "drop.yaml", model={"dropout": 0.3}, training={"epochs": 1, "max_steps": 6}
+    )
+    losses = []
+    for run in ("first", "second"):
+        res = cli("run", str(spec), "--workdir", str(tmp_path / run), "--job-id", "drop")
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        store = Store.open(sqlite_url(tmp_path / run / "store.db"), migrate=False)
+        losses.append([m["loss"] for m in store.metrics("drop")])
+        store.close()
+    assert len(losses[0]) == 6 and losses[0] == losses[1], losses

@@ -319,9 +319,6 @@ class Trainer:
             self.freeze = dataclasses.replace(self.freeze, boundary=ctx.layout.freeze_boundary)
         self.meter = GradNormMeter(self.spec.model.depth)
         self.cache: ActivationCache | None = None
-        # dropout draws from torch's global generator, which a fresh process seeds at random:
-        # seed it per rank and resume point, so that a run (and each restart) is reproducible
-        torch.manual_seed(dropout_seed(self.tspec.seed, ctx.rank, self.state.step))
         self._build(load_from=self.state.checkpoint, checksum=ctx.assignment.resume_checksum)
 
     def _build(self, load_from: str | None, checksum: str | None = None) -> None:
@@ -330,6 +327,10 @@ class Trainer:
         self.pipe, self.optimizer = build_training(
             self.spec, self.ctx.layout, self.ctx.rank, load_from
         )
+        # dropout draws from torch's global generator, which a fresh process seeds at random
+        # (building the model leaves it as it was): give each rank its own stream from here on
+        # (stages and replicas draw different masks), the same whenever the run is repeated
+        torch.manual_seed(dropout_seed(self.tspec.seed, self.ctx.rank, self.state.step))
         # one rank owns the loss of the global batch
         self.reports = self.ctx.replica == 0 and self.pipe.is_last
         self._attach_cache()
@@ -606,8 +607,8 @@ class Trainer:
 
 
 def dropout_seed(seed: int, rank: int, step: int) -> int:
-    """The seed of a rank's dropout masks from `step` on: distinct per rank (stages and replicas
-    draw different masks) and per resume point, the same whenever the run is repeated."""
+    """The seed of a rank's dropout masks from `step` on (a start, resume or re-layout): distinct
+    per rank and per such point, the same whenever the run is repeated."""
     return ((seed * 1_000_003 + rank) * 1_000_003 + step) % (1 << 63)
 
 
