@@ -29,6 +29,7 @@ import importlib
 import json
 import os
 import random
+import select
 import selectors
 import signal
 import socket
@@ -146,12 +147,20 @@ def client(name: str, target: str, argv: list[str]) -> int:
 
     for sig in _FORWARDED:
         signal.signal(sig, forward)
+    # A Python handler runs between bytecodes: a signal that lands just before a blocking recv
+    # would wait for the recv to return, which here waits for the worker the signal is meant
+    # for. The C-level handler also writes to this pipe, so every wait wakes up for it.
+    wakeup_r, wakeup_w = os.pipe()
+    for fd in (wakeup_r, wakeup_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wakeup_w, warn_on_full_buffer=False)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(_address(name))
         request = {"target": target, "argv": argv, "env": env, "cwd": os.getcwd()}
         _send(sock, request, [0, 1, 2])
-        reply, _ = _recv(sock)  # waits while the server is still importing torch
+        _wait_readable(sock, wakeup_r)  # while the server is still importing torch
+        reply, _ = _recv(sock)
         worker = int(reply["pid"])
     except (OSError, EOFError, ValueError, KeyError):
         sock.close()
@@ -162,6 +171,7 @@ def client(name: str, target: str, argv: list[str]) -> int:
     for signum in pending:
         forward(signum, None)
     try:
+        _wait_readable(sock, wakeup_r)
         status = _recv(sock)[0]["status"]
     except (OSError, EOFError, ValueError, KeyError):
         return 1  # the server died, and its workers with it
@@ -171,6 +181,20 @@ def client(name: str, target: str, argv: list[str]) -> int:
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
+
+
+def _wait_readable(sock: socket.socket, wakeup: int) -> None:
+    """Until `sock` has data (or is closed), running signal handlers as signals arrive."""
+    while True:
+        try:
+            ready, _, _ = select.select([sock, wakeup], [], [])
+        except InterruptedError:
+            continue
+        if wakeup in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wakeup, 512)  # the handlers run at the next bytecode boundary
+        if sock in ready:
+            return
 
 
 # -- server ----------------------------------------------------------------------------------------

@@ -33,7 +33,10 @@ def main(argv: list[str]) -> int:
     if mode == "wait":  # until SIGTERM, then leave as a re-forming worker does
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
         print(os.getpid(), flush=True)
-        time.sleep(60)
+        # short sleeps: a Python handler runs between bytecodes, so a signal landing just before
+        # one long sleep would wait for all of it (the test sends it right after the print)
+        for _ in range(600):
+            time.sleep(0.1)
         return 0
     if mode == "raise":
         raise RuntimeError("boom")
