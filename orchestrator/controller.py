@@ -399,18 +399,17 @@ class Controller:
             return []
         alive = {r for r, g in self._presence().items() if g == a.generation}
         self._seen |= alive
-        pm = self._pms.get(a.generation)
-        ended = set() if pm is None else {r for r, e in pm.ends.items() if e.kind != "left"}
+        pm = self._pms[a.generation]  # made with the assignment (start_generation, attach)
+        ended = {r for r, e in pm.ends.items() if e.kind != "left"}
         gone = sorted((self._seen - alive) | ended)
         if not gone:
             return []
         self.drain()  # a final report (done, stopped, leaving) may have raced the leases
         if self.progress.outcome or self._leaving == a.generation:
             return []
-        if pm is not None:
-            for rank in sorted(self._seen - alive):
-                self._vanished(pm, rank)
-        self.abort(pm.summary() if pm is not None else f"lost rank(s) {gone}")
+        for rank in sorted(self._seen - alive):
+            self._vanished(pm, rank)
+        self.abort(pm.summary())
         return gone
 
     def abort(self, reason: str) -> None:

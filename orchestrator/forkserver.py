@@ -10,8 +10,9 @@ The client stands in for the worker towards torchrun: it forwards the signals to
 (SIGTERM stops a worker group gracefully) and exits as the worker did (the same code, or the same
 signal). The server, the one process that sees a worker killed outright, also hands each exit
 status to the target's `on_worker_exit` hook (trainer.worker reports abnormal ones to the
-controller, which tells the rank that died from the ranks that only lost it as a peer). If the client dies (SIGKILL from torchrun), the server kills its worker; if the server
-dies, its workers die with it (parent-death signal). Without a server (none given, none
+controller, which tells the rank that died from the ranks that only lost it as a peer). If the
+client dies (SIGKILL from torchrun), the server kills its worker; if the server dies, its
+workers die with it (parent-death signal). Without a server (none given, none
 reachable, or not Linux) the client simply execs `python -m trainer.worker`.
 
 Multiprocessing's own forkserver does not fit: torchrun starts workers as commands, not as

@@ -26,6 +26,7 @@ from orchestrator.state import is_abnormal
 
 EndKind = Literal["failed", "died", "vanished", "peer_lost", "left"]
 CAUSES: tuple[EndKind, ...] = ("failed", "died", "vanished")
+OWN_WORD: tuple[EndKind, ...] = ("failed", "peer_lost", "left")  # what a rank reports itself
 
 
 def describe_status(exit_code: int | None = None, signum: int | None = None) -> str:
@@ -118,10 +119,10 @@ class PostMortem:
         told something new. Its own word wins over an exit status or a vanished key."""
         if kind == "aborted":
             kind, detail = "left", detail or "the controller aborted the generation"
-        if kind not in ("failed", "peer_lost", "left"):
+        if kind not in OWN_WORD:
             raise ValueError(f"not a final report: {kind!r}")
         current = self.ends.get(rank)
-        if current is not None and current.kind in ("failed", "peer_lost", "left"):
+        if current is not None and current.kind in OWN_WORD:
             return False
         code, sig = self._exits.get(rank, (None, None))
         self.ends[rank] = RankEnd(self.member(rank), kind, detail, code, sig, phase)  # type: ignore[arg-type]

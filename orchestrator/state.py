@@ -230,7 +230,7 @@ def is_abnormal(exit_code: int | None, signum: int | None) -> bool:
 
 class WorkerExit(_Model):
     """How a worker process ended, as the process that reaped it (its node's fork server) saw
-    it; put under `keys.exit` and drained by the controller, which matches it to a generation's
+    it; put under `keys.exit_report` and drained by the controller, which matches it to a generation's
     rank by host and pid. `exit_code` is None when a signal killed it."""
 
     pid: int
