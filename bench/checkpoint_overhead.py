@@ -47,8 +47,8 @@ from _common import ROOT, emit, environment, out_dir, pin_threads, progress
 from orchestrator.spec import JobSpec  # noqa: E402
 from trainer.checkpoint import AsyncCheckpointer  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
-from trainer.partition import plan_layout  # noqa: E402
 from trainer.pipeline import build_rank_pipeline  # noqa: E402
+from trainer.planner import plan_layout  # noqa: E402
 
 WORLD = 2
 MODES = ("none", "async", "sync")
@@ -75,7 +75,7 @@ def _worker(rank: int, store_path: str, args: argparse.Namespace, ckpt_dir: str,
     )
     spec = _spec(args)
     batch = spec.training.global_batch_size
-    pipe = build_rank_pipeline(spec.model, 0, plan_layout(spec), rank, batch)
+    pipe = build_rank_pipeline(spec.model, 0, plan_layout(spec).layout, rank, batch)
     opt = build_optimizer(pipe.model, spec.training)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)

@@ -46,21 +46,24 @@ from _common import (  # noqa: E402  (puts the repo root on sys.path first)
 pin_threads(1)
 
 import torch  # noqa: E402
+from baselines import (  # noqa: E402
+    PIPETRANSFORMER_FROZEN_FACTOR,
+    choose_microbatches,
+    compare_partitions,
+)
 from pydantic import ValidationError  # noqa: E402
 
 from orchestrator.spec import ModelSpec, load_spec  # noqa: E402
 from trainer.models import build_model, model_input_shape  # noqa: E402
 from trainer.partition import (  # noqa: E402
-    PIPETRANSFORMER_FROZEN_FACTOR,
     CostModel,
     Plan,
     Profile,
     StageCosts,
-    compare_partitions,
     microbatch_candidates,
     plan,
 )
-from trainer.profile import choose_microbatches, measure_profile, measure_profiles  # noqa: E402
+from trainer.profile import measure_profile, measure_profiles  # noqa: E402
 
 METHODS = ("autopipe", "param_greedy", "uniform")
 # Parameter ratios of the real models the variants imitate (per transformer block).
@@ -358,7 +361,7 @@ def _plot(results: dict, stage_counts: list[int], path: Path) -> None:
 def microbatch_choice(case: Case, batch: int, stage_counts: list[int]) -> dict:
     """Capability 6: m chosen per S from profiles measured at each candidate micro-batch size."""
     sizes = {batch // m for S in stage_counts for m in microbatch_candidates(S, batch)}
-    profiles = measure_profiles(case.spec, sizes, "cpu", cache=False, repeats=5)
+    profiles = measure_profiles(case.spec, sizes, "cpu", reuse=False, repeats=5)
     out = {}
     for S in stage_counts:
         if S > case.spec.depth:
@@ -397,14 +400,13 @@ def main() -> None:
     for case in case_list:
         b, F = args.microbatch, case.freeze_boundary
         progress(f"{case.name}: measuring the profile at micro-batch {b}")
-        prof = measure_profile(case.spec, b, "cpu", cache=False)
+        prof = measure_profile(case.spec, b, "cpu", reuse=False)
+        cost = CostModel(freeze_boundary=F, cached=case.cached)
         plans_by_s = {}
         for S in args.stages:
             if S > case.spec.depth:
                 continue
-            plans_by_s[S] = compare_partitions(
-                prof, S, global_batch=b, microbatches=1, freeze_boundary=F, cached=case.cached
-            )
+            plans_by_s[S] = compare_partitions(prof, S, global_batch=b, microbatches=1, cost=cost)
         distinct = sorted(
             {r for plans in plans_by_s.values() for p in plans.values() for r in p.ranges}
         )
@@ -412,7 +414,7 @@ def main() -> None:
         samples = measure_stages(case, distinct, b, args.repeats)
         measured = {r: median(v) for r, v in samples.items()}
 
-        costs = StageCosts(prof, CostModel(freeze_boundary=F, cached=case.cached))
+        costs = StageCosts(prof, cost)
         # The profile and the stage timings are taken seconds apart and other work shares the
         # cores, so absolute times drift between the two; compare shapes after one scale factor.
         pairs = [(costs.compute(a, c), t) for (a, c), t in measured.items() if t > 0]

@@ -43,9 +43,9 @@ A worker's peak: process + data + max(its state and activations, the whole model
 building, the data while loading). `pipetransformer run` needs every worker's peak at once
 (replicas x the pipeline ranks) plus the processes around them.
 
-Stages get the initial layout's block counts (`parallel.stages x virtual_stages` contiguous
-ranges of equal size, earlier stages taking the remainder; the planner may put the extra blocks
-on other stages) and are placed on ranks as the schedule expects.
+Stages get the initial layout's block ranges (`trainer.planner.initial_ranges`: `parallel.stages x
+virtual_stages` contiguous ranges of equal size, earlier stages taking the remainder) and are
+placed on ranks as the schedule expects.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ from pathlib import Path
 from orchestrator.spec import SCHEDULES, JobSpec, ModelSpec
 from orchestrator.state import pipeline_position
 
-# the pure planner's even split (the one trainer import orchestrator allows, as the controller)
-from trainer.partition import uniform_partition
+# the pure planner's initial split (the one trainer import orchestrator allows, as the controller)
+from trainer.planner import initial_ranges
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -239,7 +239,7 @@ def estimate(spec: JobSpec) -> Estimate:
     rule = SCHEDULES[p.schedule]
     block_act, block_in = block_activation_bytes(m, b), F32 * b * tokens(m) * m.dim
     stages = []
-    for s, (a, c) in enumerate(uniform_partition(m.depth, S)):
+    for s, (a, c) in enumerate(initial_ranges(spec)):
         params = (c - a) * block_params(m)
         kept = block_in if p.recompute_for(s) else block_act  # per block, per micro-batch
         act = (c - a) * kept + block_in  # + the stage's output

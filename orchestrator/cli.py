@@ -177,7 +177,7 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
         command = _agent_command(ctrl, etcd.endpoint, rdzv_id)
         jdir = job_dir(ctrl.job.workdir, ctrl.job_id)
         logs = [jdir / f"workers-{rdzv_id}-n{i}.log" for i in range(ctrl.spec.runtime.nodes)]
-        start, _ = ctrl.resume_point()
+        start = ctrl.resume_point().state
         if start.checkpoint:
             console.print(
                 f"resuming from [bold]{start.checkpoint}[/] (epoch {start.epoch}, step {start.step})"
@@ -371,7 +371,7 @@ def cmd_freeze(args: argparse.Namespace) -> int:
     except EtcdUnavailable as exc:
         raise UsageError(f"job {job.id}: its etcd does not answer ({exc})") from None
     console.print(
-        f"freeze request {request['id']} filed: blocks 0..{args.layers - 1} at the next decision "
+        f"freeze request {request.id} filed: blocks 0..{args.layers - 1} at the next decision "
         f"point of {job.id} (see `pipetransformer status {job.id}`)"
     )
     return 0

@@ -28,33 +28,53 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
 
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
-from orchestrator.manifest import CheckpointError, read_meta, verify_checkpoint
+from orchestrator.manifest import CheckpointError, meta_boundary, read_meta, verify_checkpoint
 from orchestrator.postmortem import PostMortem, RankEnd, describe_status
 from orchestrator.pretrained import resolve_init
-from orchestrator.spec import JobSpec
-from orchestrator.state import (
+from orchestrator.protocol import (
+    Aborted,
     Assignment,
+    BadReport,
+    CacheDecided,
+    CheckpointFailed,
+    CheckpointWritten,
+    Control,
+    Evaluated,
+    Failed,
+    Finished,
+    FirstStep,
+    FreezeDecided,
+    FreezeOutcome,
     JoinRequest,
-    Layout,
-    TrainingState,
+    LayoutPlanned,
+    Leaving,
+    Left,
+    Metrics,
+    PeerLost,
+    RankEndReport,
+    Started,
+    UnreadableRequest,
     WorkerEvent,
     WorkerExit,
-    parse_freeze_request,
+    first_error,
+    parse_event,
+    read_freeze_request,
 )
+from orchestrator.spec import JobSpec
+from orchestrator.state import Layout, TrainingState
 from orchestrator.store import CheckpointInfo, Store, StoreUnavailable
 
 # the pure planner: the one trainer import allowed here
-from trainer.partition import PlanError, plan_for_world, plan_layout
+from trainer.planner import PlanError, plan_layout
 
 log = logging.getLogger("pipetransformer.controller")
-
-TERMINAL = ("completed", "failed", "interrupted")
 
 
 class ControllerError(RuntimeError):
@@ -108,9 +128,17 @@ class Progress:
     accuracy: float | None = None
     outcome: str | None = None  # done / stopped / failed, from the workers
     error: str | None = None
-    workers_started: int = 0
     layout: Layout | None = None
     waiting: str | None = None  # no layout fits the workers that joined: why
+
+
+class ResumePoint(NamedTuple):
+    """Where the next generation starts: the state, the checkpoint it loads (None: from
+    scratch) and the freeze boundary that checkpoint continues with."""
+
+    state: TrainingState
+    checkpoint: CheckpointInfo | None
+    boundary: int
 
 
 class Controller:
@@ -156,7 +184,8 @@ class Controller:
         spec = resolve_init(spec)
         job_id = job_id or new_job_id(spec)
         store.create_job(job_id, spec, str(Path(workdir).resolve()))
-        store.record_layout(job_id, plan_layout(spec), reason="initial")
+        initial = plan_layout(spec)
+        store.record_layout(job_id, initial.layout, reason=initial.reason)
         init = spec.init
         source = f", initialised from {init.checkpoint}" if init.checkpoint else ""
         store.add_event(
@@ -196,11 +225,11 @@ class Controller:
             self._keepalive.stop(revoke=True)
             self._keepalive = None
 
-    def resume_point(self) -> tuple[TrainingState, CheckpointInfo | None]:
+    def resume_point(self) -> ResumePoint:
         """The last committed checkpoint that is intact on disk; corrupt ones are marked and
         skipped (the previous committed one is used). The freeze boundary is the checkpoint's
-        own: falling back to an older one takes its boundary back too (the steps after it are
-        trained again, and the freeze policy decides again)."""
+        own (the layout its meta records), so falling back to an older checkpoint takes its
+        boundary back too: the steps after it are trained again, and the policy decides again."""
         for ckpt in self.store.checkpoints(self.job_id):
             try:
                 verify_checkpoint(ckpt.path, ckpt.checksum)
@@ -209,18 +238,17 @@ class Controller:
                 self.store.set_checkpoint_state(ckpt.id, "corrupt")
                 self.store.add_event(self.job_id, "checkpoint_corrupt", str(exc))
                 continue
-            frozen = (meta.get("freeze") or {}).get("boundary", self.job.freeze_boundary)
+            frozen = meta_boundary(meta)
             state = TrainingState(
                 epoch=ckpt.epoch,
                 step=ckpt.step,
                 samples_consumed=ckpt.samples_consumed,
                 lr=self.job.lr,
-                freeze_boundary=frozen,
                 layout_version=ckpt.layout_version,
                 checkpoint=ckpt.path,
             )
-            return state, ckpt
-        return TrainingState(), None
+            return ResumePoint(state, ckpt, self.job.freeze_boundary if frozen is None else frozen)
+        return ResumePoint(TrainingState(), None, 0)
 
     def publish(self, rdzv_id: str) -> None:
         """Prepare etcd for a launch of workers: the spec, the layout in force, the control key,
@@ -232,10 +260,10 @@ class Controller:
         self.drain()  # reports a dead launch left behind still count (idempotent)
         self.etcd.delete_prefix(keys.events(self.job_id))
         self.etcd.delete_prefix(keys.exits(self.job_id))
-        self.layout = self.layout or plan_layout(self.spec)
+        self.layout = self.layout or plan_layout(self.spec).layout
         self.etcd.put(keys.spec(self.job_id), self.spec.to_json())
         self.etcd.put(keys.layout(self.job_id), self.layout.model_dump_json())
-        self.etcd.put(keys.control(self.job_id), "run")
+        self.etcd.put(keys.control(self.job_id), Control.RUN)
         self.etcd.put(keys.launch(self.job_id), json.dumps({"rdzv_id": rdzv_id}))
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.store.set_job_state(self.job_id, "running", "waiting for workers to join")
@@ -279,7 +307,11 @@ class Controller:
         raw = self.etcd.get(keys.join(self.job_id))
         if raw is None:
             return None
-        request = JoinRequest.model_validate_json(raw)
+        try:
+            request = JoinRequest.model_validate_json(raw)
+        except ValueError as exc:  # not from a worker of this version: say so once, wait
+            self._reject_join(raw, exc)
+            return None
         if request.id != self._answered:
             self.drain()  # the last generation's failures decide whether there is a next one
         if request.id == self._answered or self._fatal:
@@ -298,18 +330,16 @@ class Controller:
             self._open = None
             self.aborted_at = time.time()
         world = request.world
-        start, ckpt = self.resume_point()
-        frozen = start.freeze_boundary
+        start, ckpt, frozen = self.resume_point()
         layout, waiting = self.layout, None
         if layout is None or layout.world_size != world or layout.freeze_boundary != frozen:
             try:
-                layout = plan_for_world(self.spec, world, frozen, self.layout)
+                layout, why = plan_layout(
+                    self.spec, world=world, boundary=frozen, current=self.layout
+                )
             except PlanError as exc:
                 waiting = f"waiting for capacity: {exc}"
             else:
-                why = f"re-formed for {world} worker(s)"
-                if self.layout is not None and self.layout.freeze_boundary != frozen:
-                    why += f" at the resumed checkpoint's freeze boundary {frozen}"
                 self.store.record_layout(self.job_id, layout, reason=why)
                 self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
                 self.layout = layout
@@ -327,7 +357,7 @@ class Controller:
             waiting=waiting,
         )
         self._record_membership(request)
-        self.etcd.put(keys.control(self.job_id), "run")
+        self.etcd.put(keys.control(self.job_id), Control.RUN)
         self.etcd.put(keys.assignment(self.job_id), assignment.model_dump_json())
         self.assignment, self._answered, self._seen = assignment, request.id, set()
         how = f"from checkpoint at step {start.step}" if ckpt else "from scratch"
@@ -505,17 +535,17 @@ class Controller:
             self.store.explain_generation(self.job_id, generation, reason)
             self._explained[generation] = reason
 
-    def _apply_end(self, e: WorkerEvent) -> None:
+    def _apply_end(self, e: RankEndReport) -> None:
         """A rank's own final report (failed / peer_lost / aborted / left)."""
         pm = self._pms.get(e.generation)
         if pm is None:
             pm = self._pms[e.generation] = PostMortem(e.generation, {}, 0)
-        d = e.data
-        detail = d.get("error") or d.get("why") or ""
-        if pm.report(e.rank, e.kind, detail, d.get("phase")):
+        detail = e.error if isinstance(e, Failed | PeerLost) else e.why
+        phase = e.phase if isinstance(e, Failed | PeerLost) else None
+        if pm.report(e.rank, e.kind, detail, phase):
             self._record_end(pm, e.rank)
         self._write_reason(e.generation)
-        if e.kind == "failed":
+        if isinstance(e, Failed):
             self._check_fatal(pm)
 
     def _apply_exit(self, report: WorkerExit) -> None:
@@ -571,7 +601,7 @@ class Controller:
 
     def request_stop(self, reason: str) -> None:
         """Ask workers to checkpoint and leave at their next control point."""
-        self.etcd.put(keys.control(self.job_id), "stop")
+        self.etcd.put(keys.control(self.job_id), Control.STOP)
         self.store.add_event(self.job_id, "stop_requested", reason)
 
     def finish(self, exit_code: int | None, detail: str = "") -> str:
@@ -610,11 +640,17 @@ class Controller:
         self._drain_exits()
         if not items:
             return []
-        events = [WorkerEvent.model_validate_json(v) for _, v in items]
-        metrics = [e.data | {"time": e.time} for e in events if e.kind == "metrics"]
+        parsed: list[tuple[str, WorkerEvent]] = []
+        for key, value in items:
+            try:
+                parsed.append((key, parse_event(value)))
+            except BadReport as exc:
+                self._reject_report(key, value, str(exc))
+        events = [e for _, e in parsed]
+        metrics = [e.payload() | {"time": e.time} for e in events if isinstance(e, Metrics)]
         if metrics:
             self.store.add_metrics(self.job_id, metrics)
-        for (key, _), e in zip(items, events, strict=True):
+        for key, e in parsed:
             self._report = key  # store events derived from a report are keyed by it: replay-safe
             try:
                 self._apply(e)
@@ -626,6 +662,31 @@ class Controller:
         for key, _ in items:
             self.etcd.delete(key)
         return events
+
+    def _reject_report(self, key: str, raw: str, error: str) -> None:
+        """A queued report that is not a WorkerEvent (a worker of another version, or a hand-made
+        key): said once in the log and the store, then dropped with the drained reports."""
+        log.warning("controller: rejecting the malformed worker report under %s: %s", key, error)
+        self.store.add_event(
+            self.job_id,
+            "worker_report_rejected",
+            f"a worker report under {key} is not a valid event ({error}); ignored",
+            data={"key": key, "error": error, "raw": raw[:200]},
+            key=f"{key}:rejected",
+        )
+
+    def _reject_join(self, raw: str, exc: ValueError) -> None:
+        error = first_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        if raw in self._audited:
+            return
+        self._audited.add(raw)
+        log.warning("controller: ignoring a malformed join request: %s", error)
+        self.store.add_event(
+            self.job_id,
+            "join_request_rejected",
+            f"the join request in etcd is not a JoinRequest ({error}); ignored",
+            data={"error": error, "raw": raw[:200]},
+        )
 
     def _drain_exits(self) -> None:
         """Exit statuses the fork servers reaped (keys.exit_report): into the post-mortems."""
@@ -639,15 +700,12 @@ class Controller:
             self.etcd.delete(key)
 
     def _current(self, state: TrainingState) -> TrainingState:
-        """A reported state, with the boundary and version of the layout in force: a checkpoint
-        written just before a re-layout must not move the job's freeze boundary back."""
+        """A reported state, with the version of the layout in force: a checkpoint written just
+        before a re-layout must not move the job's layout version back."""
         if self.layout is None:
             return state
         return state.model_copy(
-            update={
-                "freeze_boundary": max(state.freeze_boundary, self.layout.freeze_boundary),
-                "layout_version": max(state.layout_version, self.layout.version),
-            }
+            update={"layout_version": max(state.layout_version, self.layout.version)}
         )
 
     def _audit_new_request(self) -> None:
@@ -655,31 +713,37 @@ class Controller:
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         if not raw:
             return
-        request = parse_freeze_request(raw)
-        rid = str(request.get("id", raw))
+        request = read_freeze_request(raw)
+        if isinstance(request, UnreadableRequest):
+            rid = raw
+            message = f"unreadable request {raw[:80]!r} ({request.error}); it will be rejected"
+        else:
+            rid = request.id
+            message = (
+                f"request {rid} by {request.who}: freeze blocks below {request.layers} "
+                f"({request.reason})"
+            )
         if rid in self._audited:
             return
         self._audited.add(rid)
         self.store.add_event(
             self.job_id,
             "freeze_requested",
-            f"request {rid} by {request.get('who', '?')}: freeze blocks below "
-            f"{request.get('layers', '?')} ({request.get('reason', '')})",
-            data={"request": request},
+            message,
+            data={"request": request.model_dump(mode="json")},
             key=f"freeze-request:{rid[:200]}",  # audited once, across controller restarts
         )
 
     def _latest_state(self, events: list[WorkerEvent]) -> TrainingState | None:
-        m = [e for e in events if e.kind == "metrics"]
+        m = [e for e in events if isinstance(e, Metrics)]
         if not m:
             return None
-        d = m[-1].data
+        last = m[-1]
         return TrainingState(
-            epoch=d["epoch"],
-            step=d["step"],
-            samples_consumed=d["samples_consumed"],
-            lr=d["lr"],
-            freeze_boundary=self.layout.freeze_boundary if self.layout else 0,
+            epoch=last.epoch,
+            step=last.step,
+            samples_consumed=last.samples_consumed,
+            lr=last.lr,
             layout_version=self.layout.version if self.layout else 1,
         )
 
@@ -691,65 +755,65 @@ class Controller:
         self.store.add_event(self.job_id, kind, message, key=key, **kw)
 
     def _apply(self, e: WorkerEvent) -> None:
-        p, d = self.progress, e.data
-        if e.kind == "metrics":
-            p.step, p.epoch = d["step"], d["epoch"]
-            p.loss, p.samples_per_s = d["loss"], d["samples_per_s"]
-        elif e.kind == "started":
-            p.workers_started += 1
-            p.total_steps = d.get("total_steps", p.total_steps)
-            self._record_event("worker_started", f"rank {e.rank} started", rank=e.rank, data=d)
-        elif e.kind == "eval":
-            p.accuracy = d["accuracy"]
-            self.store.add_evaluation(
-                self.job_id, d["epoch"], d["step"], d["accuracy"], d["loss"], e.time
-            )
-        elif e.kind == "checkpoint":
-            self._commit_checkpoint(e)
-        elif e.kind == "checkpoint_failed":  # nothing committed: the previous one still holds
-            self._record_event(
-                "checkpoint_failed",
-                f"checkpoint at step {d['step']} was not committed: {d['error']}",
-                rank=e.rank,
-                data=d,
-            )
-        elif e.kind == "layout":
-            self._adopt_layout(Layout.model_validate(d["layout"]), d["reason"], d.get("seconds"))
-        elif e.kind == "freeze":
-            self._record_freeze(d)
-        elif e.kind in ("done", "stopped"):
-            p.outcome = d.get("outcome", e.kind)
-        elif e.kind == "failed":  # the agents restart the workers; the job fails when they stop
-            p.error = d.get("error", "worker failed")
-            self._apply_end(e)
-        elif e.kind in ("peer_lost", "aborted", "left"):  # not this rank's fault
-            self._apply_end(e)
-        elif e.kind == "cache":
-            use = "serves" if d.get("use") else "does not serve"
-            self._record_event(
-                "cache_decided",
-                f"rank {e.rank}: AutoCache {use} the frozen prefix at F={d.get('boundary')}: "
-                f"{d.get('reason')}",
-                rank=e.rank,
-                data=d,
-            )
-        elif e.kind == "first_step":
-            since = (
-                f", {d['time'] - self.aborted_at:.1f}s after the abort" if self.aborted_at else ""
-            )
-            self._record_event(
-                "generation_resumed",
-                f"generation {e.generation} completed its first step ({d['step']}){since}",
-                data=d | {"generation": e.generation, "aborted_at": self.aborted_at},
-            )
-            self.aborted_at = None
-        elif e.kind == "leaving":
-            self._leaving = e.generation  # its leases go next: a re-formation, not a loss
-            self._record_event(
-                "worker_leaving",
-                f"rank(s) {d['ranks']} asked to leave (SIGTERM); checkpointed at step {d['step']}",
-                data=d,
-            )
+        """One worker report: progress for displays, facts for the store."""
+        p = self.progress
+        match e:
+            case Metrics():
+                p.step, p.epoch, p.loss, p.samples_per_s = e.step, e.epoch, e.loss, e.samples_per_s
+            case Started():
+                p.total_steps = e.total_steps
+                self._record_event(
+                    "worker_started", f"rank {e.rank} started", rank=e.rank, data=e.payload()
+                )
+            case Evaluated():
+                p.accuracy = e.accuracy
+                self.store.add_evaluation(self.job_id, e.epoch, e.step, e.accuracy, e.loss, e.time)
+            case CheckpointWritten():
+                self._commit_checkpoint(e)
+            case CheckpointFailed():  # nothing committed: the previous one still holds
+                self._record_event(
+                    "checkpoint_failed",
+                    f"checkpoint at step {e.step} was not committed: {e.error}",
+                    rank=e.rank,
+                    data=e.payload(),
+                )
+            case LayoutPlanned():
+                self._adopt_layout(e.layout, e.reason, e.seconds)
+            case FreezeDecided():
+                self._record_freeze(e)
+            case Finished():
+                p.outcome = e.outcome
+            case Failed():  # the agents restart the workers; the job fails when they stop
+                p.error = e.error
+                self._apply_end(e)
+            case PeerLost() | Aborted() | Left():  # not this rank's fault
+                self._apply_end(e)
+            case CacheDecided():
+                use = "serves" if e.use else "does not serve"
+                self._record_event(
+                    "cache_decided",
+                    f"rank {e.rank}: AutoCache {use} the frozen prefix at F={e.boundary}: "
+                    f"{e.reason}",
+                    rank=e.rank,
+                    data=e.payload(),
+                )
+            case FirstStep():
+                since = (
+                    f", {e.time - self.aborted_at:.1f}s after the abort" if self.aborted_at else ""
+                )
+                self._record_event(
+                    "generation_resumed",
+                    f"generation {e.generation} completed its first step ({e.step}){since}",
+                    data=e.payload() | {"generation": e.generation, "aborted_at": self.aborted_at},
+                )
+                self.aborted_at = None
+            case Leaving():
+                self._leaving = e.generation  # its leases go next: a re-formation, not a loss
+                self._record_event(
+                    "worker_leaving",
+                    f"rank(s) {e.ranks} asked to leave (SIGTERM); checkpointed at step {e.step}",
+                    data=e.payload(),
+                )
 
     def _adopt_layout(self, layout: Layout, reason: str, seconds: float | None) -> None:
         """Workers planned a layout from measurement: record it and make it the current one, so
@@ -764,39 +828,41 @@ class Controller:
             data={"layout": layout.describe()},
         )
 
-    def _record_freeze(self, d: dict) -> None:
+    def _record_freeze(self, e: FreezeDecided) -> None:
         """A decision point moved the boundary or answered a manual request: audit what became
         of the request (applied, superseded by the automatic decision, or rejected), and retire
         it so it is not applied twice."""
-        request = d.get("request")
-        if request is not None:
-            outcome = d.get("outcome") or "rejected"
-            why = d.get("outcome_reason") or f"boundary {d['previous']} -> {d['boundary']}"
+        if e.request is not None:
+            outcome = e.outcome or FreezeOutcome.REJECTED
+            why = e.outcome_reason or f"boundary {e.previous} -> {e.boundary}"
+            if isinstance(e.request, UnreadableRequest):
+                whose = f"unreadable request {e.request.raw[:80]!r}"
+            else:
+                r = e.request
+                whose = f"request {r.id} by {r.who} (layers={r.layers})"
             self._record_event(
                 f"freeze_{outcome}",
-                f"request {request.get('id', '?')} by {request.get('who', '?')} "
-                f"(layers={request.get('layers', '?')}): {why}",
+                f"{whose}: {why}",
                 data={
-                    "request": request,
-                    "step": d["step"],
-                    "outcome": outcome,
-                    "boundary": d["boundary"],
+                    "request": e.request.model_dump(mode="json"),
+                    "step": e.step,
+                    "outcome": outcome.value,
+                    "boundary": e.boundary,
                 },
             )
             self.etcd.delete(keys.freeze_override(self.job_id))
-        if d["boundary"] != d["previous"]:
+        if e.boundary != e.previous:
             self._record_event(
                 "freeze",
-                f"{d['source']}: blocks {d['previous']}..{d['boundary'] - 1} frozen at step "
-                f"{d['step']} ({d['reason']})",
-                data=d,
+                f"{e.source}: blocks {e.previous}..{e.boundary - 1} frozen at step "
+                f"{e.step} ({e.reason})",
+                data=e.payload(),
             )
 
-    def _commit_checkpoint(self, e: WorkerEvent) -> None:
-        d = e.data
-        state = TrainingState.model_validate(d["state"])
+    def _commit_checkpoint(self, e: CheckpointWritten) -> None:
+        state = e.state
         try:
-            size = verify_checkpoint(d["path"], d["checksum"])
+            size = verify_checkpoint(e.path, e.checksum)
         except CheckpointError as exc:
             self._record_event("checkpoint_rejected", str(exc), rank=e.rank)
             return
@@ -804,18 +870,18 @@ class Controller:
             self.job_id,
             step=state.step,
             epoch=state.epoch,
-            layout_version=d["layout_version"],
-            path=d["path"],
+            layout_version=e.layout_version,
+            path=e.path,
             size_bytes=size,
-            checksum=d["checksum"],
+            checksum=e.checksum,
             samples_consumed=state.samples_consumed,
         )
         if state.step >= self.progress.step:  # an async commit lands after later metrics
             self.store.update_progress(self.job_id, self._current(state))
         self._record_event(
             "checkpoint_committed",
-            f"step {state.step} ({size / 1e6:.1f} MB, {d.get('seconds', 0):.2f}s)",
-            data={"path": d["path"], "step": state.step},
+            f"step {state.step} ({size / 1e6:.1f} MB, {e.seconds:.2f}s)",
+            data={"path": e.path, "step": state.step},
         )
         self._retain()
 

@@ -484,10 +484,6 @@ class EtcdClient:
             self._closed = True
             self._client.close()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def __enter__(self) -> EtcdClient:
         return self
 

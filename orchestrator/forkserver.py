@@ -42,10 +42,10 @@ import uuid
 from pathlib import Path
 from typing import NoReturn
 
+from orchestrator.keys import AGENT_PID_ENV
 from orchestrator.procs import tied_to_parent
 
 TARGET = "trainer.worker"  # imported by the server, its main(argv) run by each forked worker
-AGENT_PID_ENV = "PIPETRANSFORMER_AGENT_PID"  # the worker's torchrun agent (its node's identity)
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
 _PR_SET_PDEATHSIG = 1

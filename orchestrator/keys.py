@@ -15,11 +15,19 @@
 /pipetransformer/jobs/<job>/exits/<host>-<pid> WorkerExit JSON: how a worker process ended (its fork
                                              server reports; the controller drains)
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
+
+What each key holds is typed in `orchestrator.protocol`. The one name outside etcd both sides
+agree on, the environment variable a fork server sets, is here too (the fork-server client
+imports this module and nothing heavier).
 """
 
 from __future__ import annotations
 
 ROOT = "/pipetransformer"
+
+# Set by a node's fork server in every worker it forks: the pid of the worker's torchrun agent,
+# which names the worker's node ("host:agent-pid"; host names alone repeat on one machine).
+AGENT_PID_ENV = "PIPETRANSFORMER_AGENT_PID"
 
 
 def job(job_id: str) -> str:

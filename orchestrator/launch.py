@@ -6,7 +6,6 @@ import os
 import sys
 
 from orchestrator.forkserver import client_args
-from orchestrator.state import EXIT_REFORM  # noqa: F401 (re-exported: the launch contract)
 
 # Rendezvous timing: a round waits this long for more nodes once `min` have joined. Short, since
 # recovery time counts; a node that misses a round joins the next one and the job widens.

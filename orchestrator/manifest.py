@@ -67,6 +67,18 @@ def verify_checkpoint(path: str | Path, checksum: str) -> int:
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's `meta.json` (epoch, step, sampler cursor, freeze state...); verify the
+    """A checkpoint's `meta.json` (epoch, step, sampler cursor, the layout training continues
+    under, AutoFreeze's memory...; `trainer.train_state.TrainState.state_dict`); verify the
     checkpoint first, the manifest covers it."""
     return json.loads((Path(path) / META).read_text())
+
+
+def meta_boundary(meta: dict[str, Any]) -> int | None:
+    """The freeze boundary a checkpoint's state continues with: that of the layout its meta
+    records (checkpoints written before layouts were recorded kept it in their freeze state);
+    None if it says neither."""
+    layout = meta.get("layout")
+    value = layout.get("freeze_boundary") if isinstance(layout, dict) else None
+    if value is None:
+        value = (meta.get("freeze") or {}).get("boundary")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,18 +1,16 @@
 """Manual freeze requests: validated against the job's state, then filed in etcd for the next
-decision point. The controller audits them in the store (it is the only SQL writer); the CLI and
-the dashboard file them through `file_freeze_request`."""
+decision point. The controller audits them in the store (it is the only SQL writer); the CLI
+(`pipetransformer freeze`) files them through `file_freeze_request`."""
 
 from __future__ import annotations
 
 import getpass
-import json
 import socket
-import time
 import uuid
-from typing import Any
 
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient
+from orchestrator.protocol import FreezeRequest
 from orchestrator.state import Layout
 from orchestrator.store import Store
 
@@ -27,7 +25,7 @@ def requester() -> str:
 
 def file_freeze_request(
     store: Store, etcd: EtcdClient, job_id: str, layers: int, reason: str, who: str | None = None
-) -> dict[str, Any]:
+) -> FreezeRequest:
     """Ask for blocks [0, layers) to be frozen at the job's next decision point. Valid only for
     a running job, forward from the current boundary, and within the model (keeping
     `freeze.keep_trainable` blocks trainable); one pending request at a time."""
@@ -44,14 +42,10 @@ def file_freeze_request(
         raise OverrideError(str(exc)) from None
     if not reason.strip():
         raise OverrideError("reason: say why (it is kept in the job's audit trail)")
-    request = {
-        "id": uuid.uuid4().hex[:8],
-        "layers": layers,
-        "who": who or requester(),
-        "reason": reason,
-        "time": time.time(),
-    }
-    if not etcd.put_if_absent(keys.freeze_override(job_id), json.dumps(request)):
+    request = FreezeRequest(
+        id=uuid.uuid4().hex[:8], layers=layers, who=who or requester(), reason=reason
+    )
+    if not etcd.put_if_absent(keys.freeze_override(job_id), request.model_dump_json()):
         pending = etcd.get(keys.freeze_override(job_id))
         raise OverrideError(f"job {job_id} already has a pending freeze request: {pending}")
     return request

@@ -1,13 +1,12 @@
-"""Models that cross process boundaries (as JSON): the layout, the training state and the events
-workers report to the controller."""
+"""The data models every part shares (as JSON): the layout a job trains under and where its
+training is. The messages that carry them between workers and the controller are in
+`orchestrator.protocol`."""
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class _Model(BaseModel):
@@ -179,107 +178,6 @@ class TrainingState(_Model):
     step: int = 0
     samples_consumed: int = 0  # within `epoch`, relative to the committed model state
     lr: float = 0.0
-    freeze_boundary: int = 0
+    # the freeze boundary is not here: the layout it continues under owns it
     layout_version: int = 1
     checkpoint: str | None = None  # path of the last committed checkpoint
-
-
-EventKind = Literal[
-    "started",
-    "metrics",
-    "eval",
-    "checkpoint",
-    "checkpoint_failed",
-    "layout",
-    "freeze",
-    "cache",
-    "done",
-    "failed",  # its own exception (data: error, phase "build" or "train")
-    "peer_lost",  # a collective failed because a peer went away (data: error)
-    "aborted",  # left because the controller aborted the generation
-    "left",  # stopped by SIGTERM without finishing the graceful leave in time
-    "stopped",
-    "leaving",
-    "first_step",
-]
-
-
-class WorkerEvent(_Model):
-    """A report a worker puts in etcd; the controller (single SQL writer) records it."""
-
-    kind: EventKind
-    rank: int
-    generation: int = 1
-    time: float = Field(default_factory=time.time)
-    data: dict[str, Any] = Field(default_factory=dict)
-
-
-# Exit code of a worker that leaves its generation on purpose (aborted by the controller, a lost
-# peer, or re-forming after a graceful SIGTERM): non-zero, so its torchrun agent restarts it into
-# the next rendezvous round (EX_TEMPFAIL).
-EXIT_REFORM = 75
-# exit codes that are a decision, not a death: done, and leaving to re-form
-_CLEAN_EXITS = (0, EXIT_REFORM)
-
-
-def is_abnormal(exit_code: int | None, signum: int | None) -> bool:
-    """Whether a worker's exit status is a failure: a signal, or a code other than 0 (done) and
-    75 (leaving to re-form)."""
-    return signum is not None or exit_code not in _CLEAN_EXITS
-
-
-class WorkerExit(_Model):
-    """How a worker process ended, as the process that reaped it (its node's fork server) saw
-    it; put under `keys.exit_report` and drained by the controller, which matches it to a generation's
-    rank by host and pid. `exit_code` is None when a signal killed it."""
-
-    pid: int
-    host: str
-    rank: int | None = None  # RANK from torchrun, if it was set
-    exit_code: int | None = None
-    signal: int | None = None
-    time: float = Field(default_factory=time.time)
-
-
-class JoinRequest(_Model):
-    """A rendezvous round's workers asking for their assignment (rank 0 files it under
-    `keys.join`); the controller answers with an Assignment carrying the same `id`, and tells
-    joined and departed nodes apart by `nodes`."""
-
-    id: str
-    world: int = Field(ge=1)
-    # node of each rank, in rank order: "host:agent-pid" (one torchrun agent per node)
-    nodes: list[str] = []
-    pids: list[int] = []
-    time: float = Field(default_factory=time.time)
-
-
-class Assignment(_Model):
-    """What the controller hands a generation of workers (published under `keys.assignment`).
-
-    `request`: the JoinRequest this answers. `layout`: the layout the generation trains under
-    (planned for its world size). `waiting`: set when no layout fits the workers that joined:
-    they hold on (keeping their leases) until a node joins and the agents re-rendezvous."""
-
-    generation: int
-    checkpoint_dir: str
-    # the job failed for good (every rank of the last generation failed the same way while
-    # starting): workers that see it leave with exit code 0, so their agents stop restarting
-    fatal: str | None = None
-    start: TrainingState = TrainingState()
-    # a committed checkpoint to load before training, with the checksum it was committed under
-    resume_checksum: str | None = None
-    request: str | None = None
-    layout: Layout | None = None
-    waiting: str | None = None
-
-
-def parse_freeze_request(raw: str) -> dict[str, Any]:
-    """A manual freeze request as filed under `keys.freeze_override` (id, layers, who, reason,
-    time). Whoever reads it must not crash on a malformed one: text that is not a JSON object
-    comes back as `{"raw": <its first 200 characters>}`, which has no `layers` and is rejected."""
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = None
-    return value if isinstance(value, dict) else {"raw": raw[:200]}

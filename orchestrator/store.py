@@ -34,7 +34,18 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
-from sqlalchemy import Connection, Engine, create_engine, delete, event, func, insert, select
+from sqlalchemy import (
+    Connection,
+    Engine,
+    ScalarSelect,
+    Select,
+    create_engine,
+    delete,
+    event,
+    func,
+    insert,
+    select,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -171,7 +182,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 class JobInfo(BaseModel):
-    """A job row with its spec parsed."""
+    """A job row with its spec parsed. `freeze_boundary` is not stored with the job: it is
+    that of the job's current (highest-versioned) layout, 0 before the first one."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -196,7 +208,8 @@ class JobInfo(BaseModel):
         return self.spec.to_json()
 
     @classmethod
-    def _from_row(cls, row: Job) -> JobInfo:
+    def _from_row(cls, row: Job, layout_json: str | None) -> JobInfo:
+        """`layout_json`: the job's current layout (`_current_layout_json`), None if none."""
         return cls(
             id=row.id,
             name=row.name,
@@ -210,10 +223,28 @@ class JobInfo(BaseModel):
             step=row.step,
             samples_consumed=row.samples_consumed,
             lr=row.lr,
-            freeze_boundary=row.freeze_boundary,
+            freeze_boundary=_boundary(layout_json),
             layout_version=row.layout_version,
             accuracy=row.accuracy,
         )
+
+
+def _current_layout_json(job_id: Any) -> ScalarSelect[str]:
+    """The `layout_json` of the job's highest layout version (NULL before the first layout).
+    Pass `Job.id` to get a correlated subquery: one query reads any number of jobs with their
+    current layouts, each found through the (job_id, version) unique index."""
+    return (
+        select(LayoutRow.layout_json)
+        .where(LayoutRow.job_id == job_id)
+        .order_by(LayoutRow.version.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+def _boundary(layout_json: str | None) -> int:
+    """The freeze boundary of a recorded layout; 0 when there is none (nothing is frozen)."""
+    return 0 if layout_json is None else Layout.model_validate_json(layout_json).freeze_boundary
 
 
 class CheckpointInfo(BaseModel):
@@ -537,9 +568,17 @@ class Store:
     def _job(self, session: Session, job_id: str) -> Job:
         job = session.get(Job, job_id)
         if job is None:
-            known = session.scalars(select(Job.id).order_by(Job.created_at.desc(), Job.id))
-            raise UnknownJob(job_id, list(known))
+            raise self._unknown(session, job_id)
         return job
+
+    def _unknown(self, session: Session, job_id: str) -> UnknownJob:
+        known = session.scalars(select(Job.id).order_by(Job.created_at.desc(), Job.id))
+        return UnknownJob(job_id, list(known))
+
+    def _job_infos(self, session: Session, query: Select[tuple[Job]]) -> list[JobInfo]:
+        """The jobs `query` selects, each with its current layout read in the same query."""
+        rows = session.execute(query.add_columns(_current_layout_json(Job.id)))
+        return [JobInfo._from_row(job, layout_json) for job, layout_json in rows]
 
     # ---- jobs
 
@@ -570,7 +609,6 @@ class Store:
                     step=0,
                     samples_consumed=0,
                     lr=0.0,
-                    freeze_boundary=0,
                     layout_version=0,
                     accuracy=None,
                 )
@@ -579,14 +617,19 @@ class Store:
         self._write("create_job", tx)
 
     def get_job(self, job_id: str) -> JobInfo:
-        return self._read("get_job", lambda s: JobInfo._from_row(self._job(s, job_id)))
+        def tx(s: Session) -> JobInfo:
+            found = self._job_infos(s, select(Job).where(Job.id == job_id))
+            if not found:
+                raise self._unknown(s, job_id)
+            return found[0]
+
+        return self._read("get_job", tx)
 
     def list_jobs(self) -> list[JobInfo]:
-        """All jobs, newest first."""
+        """All jobs, newest first (one query, whatever their number)."""
 
         def tx(s: Session) -> list[JobInfo]:
-            rows = s.scalars(select(Job).order_by(Job.created_at.desc(), Job.id.desc()))
-            return [JobInfo._from_row(r) for r in rows]
+            return self._job_infos(s, select(Job).order_by(Job.created_at.desc(), Job.id.desc()))
 
         return self._read("list_jobs", tx)
 
@@ -603,7 +646,8 @@ class Store:
         self._write("set_job_state", tx)
 
     def update_progress(self, job_id: str, state: TrainingState) -> None:
-        """Record where training is (epoch, step, samples, LR, freeze boundary, layout)."""
+        """Record where training is (epoch, step, samples, LR, layout version). The freeze
+        boundary is not taken from `state`: it is the current layout's (`record_layout`)."""
 
         def tx(s: Session) -> None:
             job = self._job(s, job_id)
@@ -611,7 +655,6 @@ class Store:
             job.step = state.step
             job.samples_consumed = state.samples_consumed
             job.lr = state.lr
-            job.freeze_boundary = state.freeze_boundary
             job.layout_version = state.layout_version
             job.updated_at = utcnow()
 
@@ -1096,14 +1139,10 @@ class Store:
     def status(self, job_id: str) -> dict[str, Any]:
         """A JSON-serialisable summary of one job (for the CLI and the dashboard header)."""
 
-        def tx(s: Session) -> tuple[JobInfo, LayoutRow | None, Checkpoint | None, Metric | None]:
-            job = JobInfo._from_row(self._job(s, job_id))
-            layout_row = s.scalar(
-                select(LayoutRow)
-                .where(LayoutRow.job_id == job_id)
-                .order_by(LayoutRow.version.desc())
-                .limit(1)
-            )
+        def tx(s: Session) -> tuple[JobInfo, str | None, Checkpoint | None, Metric | None]:
+            row = self._job(s, job_id)
+            layout_json = s.scalar(select(_current_layout_json(job_id)))
+            job = JobInfo._from_row(row, layout_json)  # its boundary is that layout's
             ckpt = s.scalar(
                 select(Checkpoint)
                 .where(Checkpoint.job_id == job_id, Checkpoint.state == "committed")
@@ -1113,9 +1152,9 @@ class Store:
             last = s.scalar(
                 select(Metric).where(Metric.job_id == job_id).order_by(Metric.step.desc()).limit(1)
             )
-            return job, layout_row, ckpt, last
+            return job, layout_json, ckpt, last
 
-        job, layout_row, ckpt, last = self._read("status", tx)
+        job, layout_json, ckpt, last = self._read("status", tx)
         return {
             "id": job.id,
             "name": job.name,
@@ -1129,7 +1168,7 @@ class Store:
             "lr": job.lr,
             "freeze_boundary": job.freeze_boundary,
             "layout_version": job.layout_version,
-            "layout": None if layout_row is None else json.loads(layout_row.layout_json),
+            "layout": None if layout_json is None else json.loads(layout_json),
             "checkpoint": None if ckpt is None else {"path": ckpt.path, "step": ckpt.step},
             "last_metrics": None
             if last is None

@@ -2,7 +2,8 @@
 
 Only `orchestrator.store.Store` uses these classes; everything else goes through its API. The
 schema itself is created and changed by alembic (`migrations/`), never by `create_all`: the
-initial revision mirrors these models exactly and `alembic check` guards that they stay in sync.
+revisions, applied in order, give exactly these models, and `alembic check` guards that they
+stay in sync.
 
 Portable on purpose (SQLite and PostgreSQL): no dialect-specific types, JSON kept as text,
 timestamps as timezone-aware UTC datetimes.
@@ -106,7 +107,7 @@ class Job(Base):
     step: Mapped[int] = mapped_column(Integer, default=0)
     samples_consumed: Mapped[int] = mapped_column(Integer, default=0)
     lr: Mapped[float] = mapped_column(Float, default=0.0)
-    freeze_boundary: Mapped[int] = mapped_column(Integer, default=0)
+    # No freeze boundary (dropped in revision 0004): the job's latest layout owns it.
     layout_version: Mapped[int] = mapped_column(Integer, default=0)
     accuracy: Mapped[float | None] = mapped_column(Float)
 
@@ -132,6 +133,9 @@ class Generation(Base):
 
 
 class LayoutRow(Base):
+    """A layout the job ran under. The highest version is the one in force, and its
+    `freeze_boundary` is the job's."""
+
     __tablename__ = "layouts"
     __table_args__ = (UniqueConstraint("job_id", "version"),)
 

@@ -125,6 +125,7 @@ def populate(store: Store, job_id: str = POPULATED_JOB_ID) -> None:
         samples_consumed=0,
     )
     store.add_event(job_id, "checkpoint", "committed step 40", rank=0)
+    # no freeze boundary here: the job's is that of its latest layout (v2, 2 blocks frozen)
     store.update_progress(
         job_id,
         TrainingState(
@@ -132,7 +133,6 @@ def populate(store: Store, job_id: str = POPULATED_JOB_ID) -> None:
             step=epochs * steps_per_epoch,
             samples_consumed=0,
             lr=3e-3,
-            freeze_boundary=2,
             layout_version=2,
         ),
     )

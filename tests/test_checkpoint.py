@@ -1,7 +1,8 @@
 """Checkpoints: written under one partition, loaded under another (keys are stable block names);
-torn or altered checkpoints are detected and the previous committed one is used (DESIGN §4.7);
-asynchronous checkpoints are snapshots, equal to synchronous ones, and sealed only once every
-shard is durable; loading unpickles nothing but DCP's index; the interval rule."""
+torn or altered checkpoints are detected and the previous committed one is used
+(docs/architecture.md, Invariants 7); asynchronous checkpoints are snapshots, equal to synchronous
+ones, and sealed only once every shard is durable; loading unpickles nothing but DCP's index; the
+interval rule."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ from trainer.checkpoint import (
 )
 from trainer.models import build_model
 from trainer.optim import build_optimizer
-from trainer.partition import plan_layout
 from trainer.pipeline import build_rank_pipeline
+from trainer.planner import plan_layout
 
 SPEC = JobSpec(
     name="ckpt-test",
@@ -48,7 +49,7 @@ SPEC = JobSpec(
 
 def _train_two_steps_and_save(rank: int, world: int, spec_json: str, path: str):
     spec = JobSpec.model_validate_json(spec_json)
-    pipe = build_rank_pipeline(spec.model, 0, plan_layout(spec), rank, 16)
+    pipe = build_rank_pipeline(spec.model, 0, plan_layout(spec).layout, rank, 16)
     module = pipe.model
     opt = build_optimizer(module, spec.training)
     g = torch.Generator().manual_seed(0)
@@ -141,7 +142,7 @@ def test_controller_falls_back_to_previous_committed(
         )
     (newer / "manifest.json").unlink()  # torn after commit
     ctrl = Controller(store, etcd=None, job_id="job-1")  # resume_point needs no etcd
-    state, ckpt = ctrl.resume_point()
+    state, ckpt, _ = ctrl.resume_point()
     assert ckpt.step == 1 and state.step == 1 and state.samples_consumed == 16
     assert state.checkpoint == str(older)
     assert [c.step for c in store.checkpoints("job-1")] == [1]
@@ -191,7 +192,7 @@ def test_any_interval_makes_it_due_and_nothing_is_due_twice_per_step() -> None:
 
 
 def _pipeline(spec: JobSpec, rank: int):
-    pipe = build_rank_pipeline(spec.model, 0, plan_layout(spec), rank, 16)
+    pipe = build_rank_pipeline(spec.model, 0, plan_layout(spec).layout, rank, 16)
     return pipe, build_optimizer(pipe.model, spec.training)
 
 

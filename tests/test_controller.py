@@ -18,12 +18,18 @@ from orchestrator import keys
 from orchestrator.controller import Controller
 from orchestrator.etcd_client import EtcdClient
 from orchestrator.etcd_server import EmbeddedEtcd
-from orchestrator.launch import EXIT_REFORM
 from orchestrator.manifest import build_manifest, manifest_checksum
+from orchestrator.protocol import (
+    EXIT_REFORM,
+    Assignment,
+    Finished,
+    JoinRequest,
+    WorkerExit,
+    parse_event,
+)
 from orchestrator.spec import JobSpec
-from orchestrator.state import Assignment, JoinRequest, WorkerEvent, WorkerExit
 from orchestrator.store import Store
-from trainer.partition import plan_for_world
+from trainer.planner import plan_layout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,7 +144,7 @@ def test_a_final_report_racing_the_leases_is_not_an_abort(ctrl, etcd, store) -> 
     a = ctrl.answer_join()
     leases = [_register(etcd, a.generation, r) for r in (0, 1)]
     ctrl.check_workers()
-    done = WorkerEvent(kind="done", rank=0, generation=a.generation, data={"outcome": "done"})
+    done = Finished(kind="done", rank=0, generation=a.generation, outcome="done")
     etcd.put(keys.event("job-ft", a.generation, 0, 0), done.model_dump_json())
     for lease in leases:
         lease.revoke()
@@ -147,7 +153,7 @@ def test_a_final_report_racing_the_leases_is_not_an_abort(ctrl, etcd, store) -> 
 
 
 def _report(etcd: EtcdClient, generation: int, rank: int, kind: str, seq: int = 0, **data):
-    event = WorkerEvent(kind=kind, rank=rank, generation=generation, data=data)
+    event = parse_event(json.dumps({"kind": kind, "rank": rank, "generation": generation, **data}))
     etcd.put(keys.event("job-ft", generation, rank, seq), event.model_dump_json())
 
 
@@ -286,7 +292,7 @@ def test_abort_watch_exits_the_worker_at_once(etcd_server: EmbeddedEtcd, etcd) -
         f"""
         import time
         from orchestrator.etcd_client import EtcdClient
-        from trainer.worker import AbortWatch
+        from trainer.process import AbortWatch
         AbortWatch(EtcdClient({etcd_server.endpoint!r}), "job-ft", 7, every=0.05).start()
         print("ready", flush=True)
         time.sleep(60)
@@ -341,13 +347,15 @@ def test_falling_back_to_an_older_checkpoint_takes_its_freeze_boundary_back(
     ctrl.answer_join()
     _fake_checkpoint(store, tmp_path / "ckpt", 4, boundary=0)
     newer = _fake_checkpoint(store, tmp_path / "ckpt", 8, boundary=2)
-    frozen = plan_for_world(ctrl.spec, 2, 2, ctrl.layout)  # the re-layout at step 8
+    frozen = plan_layout(
+        ctrl.spec, world=2, boundary=2, current=ctrl.layout
+    ).layout  # the re-layout at step 8
     store.record_layout("job-ft", frozen, reason="autofreeze")
     ctrl.layout = frozen
     (newer / "meta.json").write_text(json.dumps({"step": 8, "freeze": {"boundary": 3}}))
 
     a = ctrl.start_generation(_join(etcd, 2, ["a", "b"]))
-    assert a.start.step == 4 and a.start.freeze_boundary == 0
+    assert a.start.step == 4 and a.layout.freeze_boundary == 0
     assert a.start.checkpoint.endswith("step-00000004")
     assert a.layout.freeze_boundary == 0 and a.layout.version > frozen.version
     assert [c.step for c in store.checkpoints("job-ft")] == [4]
@@ -372,7 +380,7 @@ def test_sigterm_starts_the_grace_timer_even_inside_a_collective(tmp_path: Path)
         )
         if rank == 1:
             time.sleep(60)
-        from trainer.worker import LeaveRequest
+        from trainer.process import LeaveRequest
         LeaveRequest(grace_s=1.0).install()
         print("ready", flush=True)
         dist.recv(torch.zeros(1), src=1)
@@ -394,3 +402,65 @@ def test_sigterm_starts_the_grace_timer_even_inside_a_collective(tmp_path: Path)
     finally:
         for p in procs:
             p.kill()
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ('{"kind": "metrics", "rank": 0, "generation": 1, "epoch": 0}', "metrics.step"),
+        ('{"kind": "teleported", "rank": 0}', "kind"),  # an event this controller does not know
+        ("not json at all", "(message)"),
+    ],
+)
+def test_a_malformed_or_unknown_report_is_rejected_not_fatal(
+    ctrl, etcd, store, caplog, raw: str, field: str
+) -> None:
+    """A bad report is logged and recorded once, dropped from the queue, and the reports
+    around it are still applied."""
+    _join(etcd, 2, ["a:1", "b:2"])
+    a = ctrl.answer_join()
+    _report(etcd, a.generation, 0, "first_step", seq=0, step=1)
+    etcd.put(keys.event("job-ft", a.generation, 0, 1), raw)
+    _report(etcd, a.generation, 0, "leaving", seq=2, ranks=[1], step=1)
+    with caplog.at_level("WARNING", logger="pipetransformer.controller"):
+        ctrl.tick()
+        ctrl.tick()
+    assert any("rejecting the malformed worker report" in r.message for r in caplog.records)
+    rejected = [e for e in store.events("job-ft") if e["kind"] == "worker_report_rejected"]
+    assert len(rejected) == 1 and rejected[0]["data"]["error"].startswith(field)
+    kinds = [e["kind"] for e in store.events("job-ft")]
+    assert "generation_resumed" in kinds and "worker_leaving" in kinds
+    assert etcd.get_prefix(keys.events("job-ft")) == []
+
+
+def test_a_request_filed_by_hand_without_its_fields_is_audited_and_rejected(
+    ctrl, etcd, store
+) -> None:
+    """JSON that is not a FreezeRequest (here: no id, who or reason) is audited as unreadable;
+    the decision point's report rejects it and the controller retires it."""
+    raw = json.dumps({"layers": 4})
+    etcd.put(keys.freeze_override("job-ft"), raw)
+    _join(etcd, 2, ["a:1", "b:2"])
+    a = ctrl.answer_join()
+    _report(etcd, a.generation, 0, "freeze", step=46, previous=3, boundary=3, source="none",
+            reason="decision 2", request={"raw": raw}, outcome="rejected",
+            outcome_reason="layers must be an integer")  # fmt: skip
+    ctrl.tick()
+    requested = [e for e in store.events("job-ft") if e["kind"] == "freeze_requested"]
+    assert len(requested) == 1 and requested[0]["data"]["request"] == {"raw": raw}
+    assert "unreadable request" in requested[0]["message"]
+    rejected = [e for e in store.events("job-ft") if e["kind"] == "freeze_rejected"]
+    assert len(rejected) == 1 and "unreadable request" in rejected[0]["message"]
+    assert etcd.get(keys.freeze_override("job-ft")) is None
+
+
+def test_a_malformed_join_request_is_rejected_not_fatal(ctrl, etcd, store, caplog) -> None:
+    etcd.put(keys.join("job-ft"), json.dumps({"id": "x", "world": 0}))
+    with caplog.at_level("WARNING", logger="pipetransformer.controller"):
+        ctrl.tick()
+        ctrl.tick()
+    assert any("malformed join request" in r.message for r in caplog.records)
+    rejected = [e for e in store.events("job-ft") if e["kind"] == "join_request_rejected"]
+    assert len(rejected) == 1 and rejected[0]["data"]["error"].startswith("world")
+    _join(etcd, 2, ["a:1", "b:2"])  # a good one is answered as usual
+    assert ctrl.answer_join() is not None

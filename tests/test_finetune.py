@@ -25,7 +25,7 @@ from trainer.checkpoint import AsyncCheckpointer, load_weights
 from trainer.data import load_dataset
 from trainer.models import build_model
 from trainer.optim import build_optimizer
-from trainer.partition import plan_layout
+from trainer.planner import plan_layout
 from trainer.relayout import build_training
 
 MODEL = {"depth": 4, "dim": 32, "heads": 4}
@@ -148,7 +148,7 @@ def test_a_replaced_checkpoint_is_refused(source_ckpt: Path) -> None:
 
 def _build_two_stages(rank: int, world: int, spec_json: str):
     spec = JobSpec.model_validate_json(spec_json)
-    pipe, optimizer = build_training(spec, plan_layout(spec), rank)
+    pipe, optimizer = build_training(spec, plan_layout(spec).layout, rank)
     return {k: v.clone() for k, v in pipe.model.state_dict().items()}, len(optimizer.state)
 
 

@@ -35,11 +35,11 @@ def _spec(**kw) -> FreezeSpec:
 
 
 def _run(spec: FreezeSpec, rounds: list[list[float]], num_blocks: int) -> list[FreezeDecision]:
-    state, out = FreezeState(), []
+    state, boundary, out = FreezeState(), 0, []
     for norms in rounds:
-        d = decide(spec, state, norms, num_blocks)
+        d = decide(spec, state, norms, num_blocks, boundary=boundary)
         out.append(d)
-        state = d.state
+        state, boundary = d.state, d.boundary
     return out
 
 
@@ -157,13 +157,14 @@ def test_warmup_decisions_delay_freezing_and_the_bound_restarts_after_them() -> 
 def test_peaks_survive_warm_up_schedule_and_overrides() -> None:
     # peaks are recorded at every decision point that has norms, whatever the policy decides
     spec = _spec(alpha=0.99, warmup_decisions=2, threshold=0.1)
-    state = FreezeState()
-    state = decide(spec, state, [5.0, 5.0, 5.0], 3).state  # warm-up
-    state = decide(spec, state, [1.0, 1.0, 1.0], 3, override=1).state  # manual
+    d = decide(spec, FreezeState(), [5.0, 5.0, 5.0], 3, boundary=0)  # warm-up
+    d = decide(spec, d.state, [1.0, 1.0, 1.0], 3, boundary=d.boundary, override=1)  # manual
+    state, boundary = d.state, d.boundary
     assert state.peak_norms == (5.0, 5.0, 5.0)
-    d = decide(spec, state, [0.5, 0.6, 0.5], 3)  # block 1 has not decayed to 0.1 x its peak 5
+    # block 1 has not decayed to 0.1 x its peak 5
+    d = decide(spec, state, [0.5, 0.6, 0.5], 3, boundary=boundary)
     assert d.boundary == 1 and d.proposed == 1
-    sched = decide(FreezeSpec(policy="schedule"), state, None, 3).state
+    sched = decide(FreezeSpec(policy="schedule"), state, None, 3, boundary=boundary).state
     assert sched.peak_norms == state.peak_norms  # no norms: peaks unchanged
 
 
@@ -173,24 +174,24 @@ def test_a_state_without_peaks_uses_its_last_norms() -> None:
     old = FreezeState.from_dict({"boundary": 0, "decisions": 3, "last_norms": [4.0, 4.0]})
     assert old.peak_norms is None
     spec = _spec(alpha=0.99, threshold=0.2)
-    d = decide(spec, old, [0.5, 0.3], 2)
+    d = decide(spec, old, [0.5, 0.3], 2, boundary=0)
     assert d.state.peak_norms == (4.0, 4.0) and d.boundary == 1
-    d = decide(spec, FreezeState(0, 3), [0.5, 0.3], 2)
+    d = decide(spec, FreezeState(3), [0.5, 0.3], 2, boundary=0)
     assert d.boundary == 0 and d.state.peak_norms == (0.5, 0.3)
 
 
 def test_decide_input_errors() -> None:
     spec = _spec()
     with pytest.raises(ValueError, match="one per block"):
-        decide(spec, FreezeState(), [1.0, 1.0], 3)
+        decide(spec, FreezeState(), [1.0, 1.0], 3, boundary=0)
     with pytest.raises(ValueError, match="needs block_grad_norms"):
-        decide(spec, FreezeState(), None, 3)
+        decide(spec, FreezeState(), None, 3, boundary=0)
     with pytest.raises(ValueError, match=r"block_grad_norms\[1\].*negative"):
-        decide(spec, FreezeState(), [1.0, -1.0, 1.0], 3)
+        decide(spec, FreezeState(), [1.0, -1.0, 1.0], 3, boundary=0)
     with pytest.raises(ValueError, match="outside a model of 3 blocks"):
-        decide(spec, FreezeState(boundary=4), [1.0] * 3, 3)
+        decide(spec, FreezeState(), [1.0] * 3, 3, boundary=4)
     # non-finite norms are not errors: they count as not converged
-    d = decide(spec, FreezeState(1, 1, (1.0, 1.0, 1.0)), [0.0, NAN, 1.0], 3)
+    d = decide(spec, FreezeState(1, (1.0, 1.0, 1.0)), [0.0, NAN, 1.0], 3, boundary=1)
     assert d.boundary == 1 and d.source == "none"
 
 
@@ -225,7 +226,7 @@ def _scenario(draw):
 @given(_scenario())
 def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) -> None:
     blocks, spec, steps = scenario
-    state = FreezeState()
+    state, boundary = FreezeState(), 0
     manual_seen = False
     seen: list[list[float]] = [[] for _ in range(blocks)]  # finite norms so far, per block
     for norms, override in steps:
@@ -233,10 +234,10 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
             if math.isfinite(n):
                 seen[i].append(n)
         before = state.to_dict()
-        d = decide(spec, state, norms, blocks, override=override)
+        d = decide(spec, state, norms, blocks, boundary=boundary, override=override)
         assert state.to_dict() == before  # decide is pure
         if override is not None:
-            auto = decide(spec, state, norms, blocks)
+            auto = decide(spec, state, norms, blocks, boundary=boundary)
             valid = 0 <= override <= blocks - spec.keep_trainable
             # never less than the automatic decision; more only by an applied request
             assert d.boundary == (max(auto.boundary, override) if valid else auto.boundary)
@@ -245,7 +246,8 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
             )
             assert d.override == want, (d.override, d.override_reason)
             if want == "applied":
-                assert d.source == "manual" and d.state.boundary == override
+                assert d.source == "manual" and d.boundary == override
+                assert d.state == auto.state  # the request changes the boundary, not the policy
                 manual_seen = True
             else:
                 assert (d.boundary, d.source, d.state) == (auto.boundary, auto.source, auto.state)
@@ -253,13 +255,13 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
             assert d.override is None
         t = state.decisions + 1
         cap = automatic_cap(spec, blocks, t)
-        assert d.state.decisions == t and d.previous == state.boundary
-        assert d.boundary == d.state.boundary >= state.boundary  # never decreases
+        assert d.state.decisions == t and d.previous == boundary
+        assert d.boundary >= boundary  # never decreases
         assert d.boundary <= blocks - spec.keep_trainable
         if d.source == "auto":
-            assert state.boundary < d.boundary <= cap
+            assert boundary < d.boundary <= cap
             if spec.policy == "gradient":  # every newly frozen block has decayed from its peak
-                for i in range(state.boundary, d.boundary):
+                for i in range(boundary, d.boundary):
                     assert seen[i] and math.isfinite(norms[i])
                     assert norms[i] <= spec.threshold * max(seen[i])
         peaks = d.state.peak_norms
@@ -267,7 +269,7 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
         for i in range(blocks):  # the peak is the largest finite norm seen (NaN while none)
             assert peaks[i] == max(seen[i]) if seen[i] else math.isnan(peaks[i])
         if d.source == "none":
-            assert d.boundary == state.boundary
+            assert d.boundary == boundary
         if not manual_seen:  # purely automatic history: within the alpha-bound at every T
             assert d.boundary <= alpha_bound(spec.alpha, blocks, t)
             if spec.policy == "off":
@@ -275,8 +277,8 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
             assert d.boundary <= alpha_bound(spec.alpha, blocks, max(0, t - spec.warmup_decisions))
             if spec.policy == "schedule":
                 assert d.boundary == (cap if t > spec.warmup_decisions else 0)
-        assert decide(spec, state, norms, blocks, override=None).state.decisions == t
-        state = d.state
+        assert decide(spec, state, norms, blocks, boundary=boundary).state.decisions == t
+        state, boundary = d.state, d.boundary
         text = json.dumps(state.to_dict(), allow_nan=False)
         assert FreezeState.from_dict(json.loads(text)).to_dict() == state.to_dict()
 
@@ -291,24 +293,25 @@ def test_boundary_never_decreases_and_automatic_respects_the_bounds(scenario) ->
 )
 def test_schedule_follows_the_bound_exactly(blocks, alpha, keep, warmup, rounds) -> None:
     spec = FreezeSpec(policy="schedule", alpha=alpha, keep_trainable=keep, warmup_decisions=warmup)
-    state = FreezeState()
+    state, boundary = FreezeState(), 0
     for t in range(1, rounds + 1):
-        state = decide(spec, state, None, blocks).state
+        d = decide(spec, state, None, blocks, boundary=boundary)
+        state, boundary = d.state, d.boundary
         want = (
             min(alpha_bound(alpha, blocks, t - warmup), max(0, blocks - keep)) if t > warmup else 0
         )
-        assert state.boundary == want
+        assert boundary == want
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 20), st.lists(st.lists(_NORM, min_size=20, max_size=20), max_size=10))
 def test_off_never_freezes(blocks, rounds) -> None:
     spec = FreezeSpec(policy="off", alpha=0.99)
-    state = FreezeState()
+    state, boundary = FreezeState(), 0
     for norms in rounds:
-        d = decide(spec, state, norms[:blocks], blocks)
+        d = decide(spec, state, norms[:blocks], blocks, boundary=boundary)
         assert d.boundary == 0 and d.source == "none" and "policy 'off'" in d.reason
-        state = d.state
+        state, boundary = d.state, d.boundary
 
 
 # ---------------------------------------------------------------- manual override
@@ -336,54 +339,56 @@ def test_override_error_messages() -> None:
 
 def test_override_moves_past_the_automatic_decision_and_is_not_alpha_bounded() -> None:
     spec = _spec(alpha=0.1, keep_trainable=2)
-    state = FreezeState(1, 1, (1.0,) * 12)
+    state = FreezeState(1, (1.0,) * 12)
     assert automatic_cap(spec, 12, 2) == 3
-    d = decide(spec, state, [1.0] * 12, 12, override=9)  # far beyond the alpha-bound of 3
+    # far beyond the alpha-bound of 3
+    d = decide(spec, state, [1.0] * 12, 12, boundary=1, override=9)
     assert (d.boundary, d.source, d.state.decisions, d.override) == (9, "manual", 2, "applied")
     assert "manual override" in d.reason and "automatic decision: 1" in d.reason
     # later automatic decisions keep it (never decrease) and the cap still holds
-    d2 = decide(spec, d.state, [1.0] * 12, 12)
+    d2 = decide(spec, d.state, [1.0] * 12, 12, boundary=d.boundary)
     assert d2.boundary == 9 and d2.source == "none" and d2.override is None
-    d3 = decide(spec, d2.state, [1.0] * 12, 12, override=10)
+    d3 = decide(spec, d2.state, [1.0] * 12, 12, boundary=d2.boundary, override=10)
     assert (d3.boundary, d3.override) == (10, "applied")
-    d4 = decide(spec, d3.state, [1.0] * 12, 12, override=11)
+    d4 = decide(spec, d3.state, [1.0] * 12, 12, boundary=d3.boundary, override=11)
     assert (d4.boundary, d4.override) == (10, "rejected") and "keep_trainable" in d4.override_reason
 
 
 def test_an_override_never_takes_the_place_of_the_automatic_decision() -> None:
     # filed at F=3 for 4 blocks; read at the decision point where the schedule moves to 4
     spec = FreezeSpec(policy="schedule", alpha=0.5)
-    state = FreezeState(3, 1)
-    assert decide(spec, state, None, 6).boundary == 5  # the schedule alone: alpha-bound 5
-    d = decide(spec, state, None, 6, override=4)
+    state = FreezeState(1)
+    assert decide(spec, state, None, 6, boundary=3).boundary == 5  # the schedule alone: 5
+    d = decide(spec, state, None, 6, boundary=3, override=4)
     assert (d.boundary, d.source, d.override) == (5, "auto", "superseded")
     assert "automatic decision reached 5" in d.override_reason
     # read one decision point later, when the boundary had already passed it
-    later = decide(spec, d.state, None, 6, override=4)
+    later = decide(spec, d.state, None, 6, boundary=d.boundary, override=4)
     assert (later.boundary, later.override) == (5, "superseded")
     assert "already 5" in later.override_reason and later.state.decisions == 3
     # equal to the current boundary: superseded, and the automatic step still happens
     grad = _spec(alpha=0.99, threshold=0.5)
-    peaked = FreezeState(1, 1, (4.0,) * 6, (4.0,) * 6)
-    d = decide(grad, peaked, [1.0, 1.0, 1.0, 4.0, 4.0, 4.0], 6, override=1)
+    peaked = FreezeState(1, (4.0,) * 6, (4.0,) * 6)
+    d = decide(grad, peaked, [1.0, 1.0, 1.0, 4.0, 4.0, 4.0], 6, boundary=1, override=1)
     assert (d.boundary, d.source, d.override) == (3, "auto", "superseded")
 
 
 def test_override_applies_under_policy_off() -> None:
-    d = decide(FreezeSpec(policy="off"), FreezeState(), None, 6, override=4)
+    d = decide(FreezeSpec(policy="off"), FreezeState(), None, 6, boundary=0, override=4)
     assert (d.boundary, d.source, d.override) == (4, "manual", "applied")
 
 
 def test_rejected_override_keeps_the_automatic_decision() -> None:
     spec = _spec()
-    state = FreezeState(3, 4, (1.0, 2.0, NAN, 4.0, 5.0, 6.0))
+    state = FreezeState(4, (1.0, 2.0, NAN, 4.0, 5.0, 6.0))
     snapshot = state.to_dict()
-    auto = decide(spec, state, [1.0] * 6, 6)
+    auto = decide(spec, state, [1.0] * 6, 6, boundary=3)
     for bad in (6, -1, 2.5, True, "4"):
-        d = decide(spec, state, [1.0] * 6, 6, override=bad)
+        d = decide(spec, state, [1.0] * 6, 6, boundary=3, override=bad)
         assert d.override == "rejected", bad
         assert (d.boundary, d.state) == (auto.boundary, auto.state)
-    assert decide(spec, state, [1.0] * 6, 6, override=2).override == "superseded"  # behind F=3
+    behind = decide(spec, state, [1.0] * 6, 6, boundary=3, override=2)  # behind F=3
+    assert behind.override == "superseded"
     assert state.to_dict() == snapshot
 
 
@@ -444,21 +449,19 @@ def test_keep_trainable_must_leave_a_freezable_block() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    st.integers(0, 50),
     st.integers(0, 1000),
     st.none() | st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=20),
     st.none() | st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=20),
 )
-def test_state_round_trips_through_json(boundary, decisions, norms, peaks) -> None:
+def test_state_round_trips_through_json(decisions, norms, peaks) -> None:
     state = FreezeState(
-        boundary,
         decisions,
         None if norms is None else tuple(norms),
         None if peaks is None else tuple(peaks),
     )
     text = json.dumps(state.to_dict(), allow_nan=False)  # strict JSON for etcd and checkpoints
     back = FreezeState.from_dict(json.loads(text))
-    assert (back.boundary, back.decisions) == (boundary, decisions)
+    assert back.decisions == decisions
     for sent, got in ((norms, back.last_norms), (peaks, back.peak_norms)):
         if sent is None:
             assert got is None
@@ -479,6 +482,36 @@ def test_state_from_dict_rejects_malformed_input() -> None:
     with pytest.raises(ValueError, match="unknown"):
         FreezeState.from_dict({"boundry": 1})
     assert FreezeState.from_dict({}) == FreezeState()
+
+
+def test_state_loads_a_legacy_boundary_and_drops_it() -> None:
+    # states written before the boundary moved to the layout carry "boundary": accepted, ignored
+    legacy = {"boundary": 3, "decisions": 4, "last_norms": [1.0, None], "peak_norms": [2.0, None]}
+    state = FreezeState.from_dict(legacy)
+    assert state.decisions == 4 and state.last_norms is not None and state.peak_norms is not None
+    assert state.last_norms[0] == 1.0 and math.isnan(state.last_norms[1])
+    assert state.peak_norms[0] == 2.0 and math.isnan(state.peak_norms[1])
+    assert state == FreezeState.from_dict({k: v for k, v in legacy.items() if k != "boundary"})
+    assert not hasattr(state, "boundary")
+    assert "boundary" not in state.to_dict()
+    assert state.to_dict() == {k: v for k, v in legacy.items() if k != "boundary"}
+    assert FreezeState.from_dict({"boundary": 7}) == FreezeState()
+    # the boundary decide works from is the caller's (its layout's), whatever the legacy key said
+    d = decide(FreezeSpec(policy="off"), state, None, 2, boundary=1)
+    assert (d.previous, d.boundary) == (1, 1)
+
+
+def test_decide_rejects_a_boundary_outside_the_model() -> None:
+    spec, state = FreezeSpec(policy="schedule"), FreezeState()
+    for bad in (-1, 7):
+        with pytest.raises(ValueError, match=f"freeze boundary {bad} is outside a model of 6"):
+            decide(spec, state, None, 6, boundary=bad)
+    for bad in (2.0, True, None, "2"):
+        with pytest.raises(ValueError, match="freeze boundary must be an integer"):
+            decide(spec, state, None, 6, boundary=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        decide(spec, state, None, 6)  # type: ignore[call-arg]  # the boundary is required
+    assert decide(spec, state, None, 6, boundary=6).boundary == 6  # the whole model: in range
 
 
 def test_decision_points() -> None:

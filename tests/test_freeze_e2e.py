@@ -80,6 +80,6 @@ def test_freeze_requests_are_validated_before_anything_is_filed(store, etcd) -> 
         file_freeze_request(store, etcd, "j", 2, "  ")
     assert etcd.get(keys.freeze_override("j")) is None, "nothing filed by a rejected request"
     request = file_freeze_request(store, etcd, "j", 4, "converged", who="ana@lab")
-    assert request["layers"] == 4 and request["who"] == "ana@lab"
+    assert request.layers == 4 and request.who == "ana@lab"
     with pytest.raises(OverrideError, match="already has a pending"):
         file_freeze_request(store, etcd, "j", 4, "again")

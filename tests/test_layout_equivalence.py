@@ -1,6 +1,7 @@
-"""A training step's result does not depend on the layout (DESIGN §4.1, §4.5): N optimizer steps
-under 2x1, 1x2, 2x2 and an interleaved 2x1 give the same weights and optimizer state from the same
-start (same global batches), and all replicas of a stage hold identical parameters."""
+"""A training step's result does not depend on the layout (docs/architecture.md, Invariants 1,
+5): N optimizer steps under 2x1, 1x2, 2x2 and an interleaved 2x1 give the same weights and
+optimizer state from the same start (same global batches), and all replicas of a stage hold
+identical parameters."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.mp import run_distributed
 from trainer.checkpoint import _optimizer_tensors
 from trainer.models import build_model
 from trainer.optim import build_optimizer
-from trainer.partition import balanced_partition
+from trainer.partition import uniform_partition
 from trainer.pipeline import build_rank_pipeline
 from trainer.sampler import IGNORE, ElasticSampler
 
@@ -37,7 +38,7 @@ def _layout(stages: int, replicas: int, schedule: str = "gpipe") -> Layout:
     rule = SCHEDULES[schedule]
     virtual = rule.min_virtual
     return Layout.build(
-        balanced_partition([1.0] * MODEL.depth, stages * virtual),
+        uniform_partition(MODEL.depth, stages * virtual),
         num_blocks=MODEL.depth,
         replicas=replicas,
         microbatches=4,

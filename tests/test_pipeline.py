@@ -1,5 +1,6 @@
-"""Pipeline-parallel gradients equal single-process gradients for the same batch (DESIGN §4.2),
-for every schedule and for S x R layouts 2x1, 4x1, 2x2 and 1x4."""
+"""Pipeline-parallel gradients equal single-process gradients for the same batch
+(docs/architecture.md, Invariants 2), for every schedule and for S x R layouts 2x1, 4x1, 2x2 and
+1x4."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem
 from orchestrator.state import Layout
 from tests.mp import run_distributed
 from trainer.models import build_model
-from trainer.partition import balanced_partition
+from trainer.partition import uniform_partition
 from trainer.pipeline import build_rank_pipeline
 from trainer.sampler import IGNORE
 
@@ -40,7 +41,7 @@ def _layouts(stages: int, replicas: int) -> dict[str, Layout]:
         virtual = rule.min_virtual
         if schedule_problem(name, stages, virtual, microbatches):
             continue
-        ranges = balanced_partition([1.0] * MODEL.depth, stages * virtual)
+        ranges = uniform_partition(MODEL.depth, stages * virtual)
         out[name] = Layout.build(
             ranges,
             num_blocks=MODEL.depth,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,22 +21,23 @@ from orchestrator.state import Layout
 from trainer import profile as profile_mod
 from trainer.partition import (
     BlockProfile,
+    CostModel,
     PlanError,
     Profile,
-    compare_partitions,
     evaluate_partition,
     microbatch_candidates,
-    param_greedy_partition,
     plan,
     profile_at,
     uniform_partition,
 )
-from trainer.profile import (
-    cache_dir,
+from trainer.profile import measure_profile, measure_profiles, profile_cache_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from baselines import (  # noqa: E402  (benchmark-only baselines live in bench/)
     choose_microbatches,
-    measure_profile,
-    measure_profiles,
+    compare_partitions,
     measured_plan,
+    param_greedy_partition,
 )
 
 INF = math.inf
@@ -123,8 +126,8 @@ def configs(draw, L: int) -> dict:
     }
 
 
-def _plan_kwargs(cfg: dict) -> dict:
-    return dict(
+def _cost(cfg: dict) -> CostModel:
+    return CostModel(
         freeze_boundary=cfg["F"],
         cached=cfg["cached"],
         bandwidth=cfg["bw"],
@@ -161,7 +164,7 @@ def test_planner_equals_exhaustive_search(data: st.DataObject) -> None:
         microbatches=[m],
         global_batch=m * prof.microbatch,
         allowed_cuts=cuts,
-        **_plan_kwargs(cfg),
+        cost=_cost(cfg),
     )
     if expected is None:
         with pytest.raises(PlanError, match="does not fit"):
@@ -241,7 +244,7 @@ def test_stage_replica_microbatch_search_equals_exhaustive(
                             2 * (R - 1) / R * _trainable_bytes(scaled, a, c) / bw for a, c in ranges
                         )
                     best = min(best, (m + S - 1) * t + ring)
-    got = plan(prof, devices=devices, global_batch=global_batch, bandwidth=bw)
+    got = plan(prof, devices=devices, global_batch=global_batch, cost=CostModel(bandwidth=bw))
     assert got.step_time_s == pytest.approx(best, rel=1e-9)
     assert got.devices <= devices
     assert global_batch % (got.replicas * got.microbatches) == 0
@@ -278,26 +281,29 @@ def test_frozen_blocks_cost_forward_only_or_nothing_when_cached() -> None:
     one = dict(global_batch=4, microbatches=1)
     full = evaluate_partition(prof, [(0, 4)], **one)
     assert full.stage_compute_s[0] == pytest.approx(1.5 + 4 * 3.0 + 0.75)
-    frozen = evaluate_partition(prof, [(0, 4)], freeze_boundary=2, **one)
+    frozen = evaluate_partition(prof, [(0, 4)], cost=CostModel(freeze_boundary=2), **one)
     # embedding and blocks 0-1 forward only; blocks 2-3 and the head forward + backward
     assert frozen.stage_compute_s[0] == pytest.approx(0.5 + 2 * 1.0 + 2 * 3.0 + 0.75)
-    cached = evaluate_partition(prof, [(0, 4)], freeze_boundary=2, cached=True, **one)
+    cached = evaluate_partition(
+        prof, [(0, 4)], cost=CostModel(freeze_boundary=2, cached=True), **one
+    )
     assert cached.stage_compute_s[0] == pytest.approx(2 * 3.0 + 0.75)
     # frozen weights carry no gradient or optimizer state, and keep no activations
     assert frozen.stage_memory_bytes[0] == pytest.approx(
         500 + 2 * 1000 + 2 * 1000 * 4 + 50 * 4 + (2 * 10 + 10)
     )
     # a cut inside the frozen prefix carries the activation forward only, no gradient back
-    split = evaluate_partition(prof, [(0, 1), (1, 4)], freeze_boundary=2, bandwidth=100.0, **one)
+    slow = CostModel(freeze_boundary=2, bandwidth=100.0)
+    split = evaluate_partition(prof, [(0, 1), (1, 4)], cost=slow, **one)
     assert split.stage_transfer_s == (1.0, 1.0)
-    split = evaluate_partition(prof, [(0, 3), (3, 4)], freeze_boundary=2, bandwidth=100.0, **one)
+    split = evaluate_partition(prof, [(0, 3), (3, 4)], cost=slow, **one)
     assert split.stage_transfer_s == (2.0, 2.0)
 
 
 def test_freezing_moves_blocks_onto_the_first_stage() -> None:
     prof = _toy(8)
     before = plan(prof, devices=2, stages=2, global_batch=8)
-    after = plan(prof, devices=2, stages=2, global_batch=8, freeze_boundary=4)
+    after = plan(prof, devices=2, stages=2, global_batch=8, cost=CostModel(freeze_boundary=4))
     assert after.ranges[0][1] > before.ranges[0][1]
     assert after.bottleneck_s < before.bottleneck_s
 
@@ -305,13 +311,13 @@ def test_freezing_moves_blocks_onto_the_first_stage() -> None:
 def test_infeasible_request_names_the_numbers() -> None:
     prof = _toy()
     with pytest.raises(PlanError) as err:
-        plan(prof, devices=2, global_batch=8, memory_cap=3000)
+        plan(prof, devices=2, global_batch=8, cost=CostModel(memory_cap=3000))
     msg = str(err.value)
     assert "does not fit" in msg and "3,000 B" in msg
     # the per-stage needs are listed, and the over-cap stage is marked
     assert "stage 0 blocks" in msg and "(over)" in msg
     with pytest.raises(PlanError, match="freeze boundary 9"):
-        plan(prof, devices=2, global_batch=8, freeze_boundary=9)
+        plan(prof, devices=2, global_batch=8, cost=CostModel(freeze_boundary=9))
     with pytest.raises(PlanError, match="divides global batch"):
         plan(prof, devices=2, global_batch=8, microbatches=[3])
 
@@ -323,20 +329,27 @@ def test_memory_cap_can_force_a_different_split() -> None:
     free = plan(prof, devices=2, stages=2, global_batch=4, microbatches=[4])
     assert free.ranges == ((0, 2), (2, 4))
     tight = plan(
-        prof, devices=2, stages=2, global_batch=4, microbatches=[4], memory_cap=4 * 10_000 + 8000
+        prof,
+        devices=2,
+        stages=2,
+        global_batch=4,
+        microbatches=[4],
+        cost=CostModel(memory_cap=4 * 10_000 + 8000),
     )
     assert tight.ranges == ((0, 1), (1, 4))
     assert max(tight.stage_memory_bytes) <= 4 * 10_000 + 8000
     # 1F1B holds 2 micro-batches on the first of 2 stages where GPipe holds all 4
     cap = 2 * 10_000 + 4000 + 1000
-    one_f_one_b = dict(devices=2, stages=2, global_batch=4, microbatches=[4], memory_cap=cap)
-    assert plan(prof, schedule="1f1b", **one_f_one_b).ranges == ((0, 1), (1, 4))
+    one_f_one_b = dict(devices=2, stages=2, global_batch=4, microbatches=[4])
+    cost = CostModel(schedule="1f1b", memory_cap=cap)
+    assert plan(prof, cost=cost, **one_f_one_b).ranges == ((0, 1), (1, 4))
     with pytest.raises(PlanError, match="does not fit"):
-        plan(prof, schedule="gpipe", **one_f_one_b)
+        plan(prof, cost=CostModel(schedule="gpipe", memory_cap=cap), **one_f_one_b)
 
 
 def test_plan_to_layout() -> None:
-    p = plan(_toy(8), devices=4, stages=2, replicas=2, global_batch=16, freeze_boundary=2)
+    frozen = CostModel(freeze_boundary=2)
+    p = plan(_toy(8), devices=4, stages=2, replicas=2, global_batch=16, cost=frozen)
     layout = p.to_layout(version=3)
     assert layout.version == 3 and layout.freeze_boundary == 2
     assert [s.ranks for s in layout.stages] == [[0, 2], [1, 3]]
@@ -350,7 +363,7 @@ def test_planner_prefers_fewer_stages_when_the_bubble_costs_more() -> None:
     p = plan(_toy(8), devices=4, global_batch=16)
     assert (p.stages, p.replicas) == (1, 4)
     # with a slow link, the all-reduce of a replica's full weights costs more than the bubble
-    p = plan(_toy(8), devices=4, global_batch=16, bandwidth=1e3)
+    p = plan(_toy(8), devices=4, global_batch=16, cost=CostModel(bandwidth=1e3))
     assert p.stages > 1
 
 
@@ -439,7 +452,7 @@ def test_measure_profile_and_cache_round_trip(family: str, tmp_path, monkeypatch
     block_params = sum(p.numel() for p in profile_mod.build_model(spec, 0).blocks["0"].parameters())
     assert prof.blocks[0].param_bytes == 4 * block_params
     files = list((tmp_path / "profiles").glob("*.json"))
-    assert cache_dir() == tmp_path / "profiles" and len(files) == 1
+    assert profile_cache_dir() == tmp_path / "profiles" and len(files) == 1
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("the cached profile should have been used")
@@ -455,8 +468,8 @@ def test_choose_microbatches_from_measurement(tmp_path) -> None:
     spec = TINY["vit"]
     S, batch = 2, 24
     sizes = {batch // m for m in (2, 3, 4, 6, 8, 12)}
-    profiles = measure_profiles(spec, sizes, "cpu", repeats=2, warmup=1, cache_path=tmp_path)
-    m = choose_microbatches(spec, S, batch, profiles=profiles, device="cpu", cache_path=tmp_path)
+    profiles = measure_profiles(spec, sizes, "cpu", repeats=2, warmup=1, profile_dir=tmp_path)
+    m = choose_microbatches(spec, S, batch, profiles=profiles, device="cpu", profile_dir=tmp_path)
     assert batch % m == 0 and S <= m <= 6 * S
 
 
@@ -478,7 +491,9 @@ def test_choose_microbatches_trades_bubble_against_per_microbatch_overhead() -> 
 
 def test_measured_plan_end_to_end(tmp_path) -> None:
     spec = TINY["bert"]
-    p = measured_plan(spec, devices=2, global_batch=8, device="cpu", cache_path=tmp_path, repeats=2)
+    p = measured_plan(
+        spec, devices=2, global_batch=8, device="cpu", profile_dir=tmp_path, repeats=2
+    )
     assert p.devices <= 2 and 8 % (p.replicas * p.microbatches) == 0
     layout = p.to_layout()
     assert layout.num_blocks == spec.depth and layout.world_size == p.devices

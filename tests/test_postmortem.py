@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from orchestrator.postmortem import PostMortem, describe_status
-from orchestrator.state import is_abnormal
+from orchestrator.protocol import is_abnormal
 
 GONE = "Connection closed by peer [127.0.0.1]:16110"
 

@@ -1,7 +1,7 @@
 """Training through a sequence of re-layouts (freeze boundary grows, frozen blocks leave the
 pipeline, freed ranks become replicas) gives the same weights as the same steps in one process
-with the same blocks frozen in place (DESIGN §4.1, §4.3, §4.5); frozen blocks stay bit-identical
-and receive no gradient."""
+with the same blocks frozen in place (docs/architecture.md, Invariants 1, 3, 5); frozen blocks
+stay bit-identical and receive no gradient."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Elastic sampler: every sample exactly once per epoch across replica-count changes (DESIGN §4.6)."""
+"""Elastic sampler: every sample exactly once per epoch across replica-count changes
+(docs/architecture.md, Invariants 6)."""
 
 from __future__ import annotations
 

@@ -19,11 +19,13 @@ Pieces:
 - `CachePolicy` / `decide_cache` / `measure_prefix_costs`: the cache is used only where it is
   cheaper than recomputation, measured on the machine, and never with data augmentation.
 
-Correctness (DESIGN §4.8: a cached frozen-prefix output equals recomputing it):
+Correctness (docs/architecture.md, Invariants 8: a cached frozen-prefix output equals
+recomputing it):
 
-- The embedding and blocks [0, F) are frozen (bit-identical, DESIGN §4.3) for as long as level F
-  is in use: the embedding lies below block 0, so it freezes with the first block. The cache does
-  not watch the weights between `set_boundary` calls; it checks them (fingerprints) at each one.
+- The embedding and blocks [0, F) are frozen (bit-identical; docs/architecture.md, Invariants 3)
+  for as long as level F is in use: the embedding lies below block 0, so it freezes with the first
+  block. The cache does not watch the weights between `set_boundary` calls; it checks them
+  (fingerprints) at each one.
 - A cached row is only valid for the same input tensor. Random data augmentation makes the inputs,
   hence the prefix outputs, different every epoch, and a cached row would silently replay one
   augmented view forever: with augmentation the cache must be off (`CachePolicy` enforces it; the
@@ -455,9 +457,6 @@ class ActivationCache:
         if self._ram is None:
             self._ram = torch.empty((self.ram_rows, self.tokens, self.dim), dtype=self.dtype)
         return self._ram
-
-    def _rows_to_tensor(self, raw: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(raw).view(self.dtype).view(-1, self.tokens, self.dim)
 
     def _masks(
         self, idx: np.ndarray, level: _Level | None, state: int

@@ -13,7 +13,7 @@ import re
 import socket
 
 from orchestrator import keys
-from orchestrator.state import WorkerExit, is_abnormal
+from orchestrator.protocol import WorkerExit, is_abnormal
 
 # What gloo (and NCCL, torch's store) say when the other end of a collective went away. gloo
 # raises a plain RuntimeError ("[.../pair.cc:553] Connection closed by peer [127.0.0.1]:16110");

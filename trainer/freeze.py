@@ -4,6 +4,12 @@ Pure and deterministic: plain numbers in, decisions out; no torch.distributed, n
 (rank 0 at a decision point) gathers the statistics, calls `decide`, and broadcasts the decision
 over the control group so every rank switches at the same step.
 
+The freeze boundary has one owner: the layout in force
+(`orchestrator.state.Layout.freeze_boundary`). `FreezeState` carries only what the policy remembers
+between decision points (how many there have been and the gradient norms); the caller passes the
+current boundary to `decide`, derived from its layout, and applies the decision's new boundary by
+re-laying out.
+
 Rules (L = number of blocks, F = freeze boundary: blocks 0 .. F-1 are frozen, T = number of
 decision points so far including the current one, T = 1 at the first):
 
@@ -170,32 +176,34 @@ def _norms_from_json(raw: Any, field: str) -> tuple[float, ...] | None:
     return tuple(out)
 
 
+def _check_count(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class FreezeState:
-    """AutoFreeze state carried between decision points (goes into checkpoints and etcd).
+    """AutoFreeze policy state carried between decision points (goes into checkpoints and etcd).
 
-    `boundary`: frozen blocks are 0 .. boundary-1. `decisions`: decision points taken so far (T of
-    the last one). `last_norms`: the per-block gradient norms recorded at the last decision point
-    (NaN where unknown), or None. `peak_norms`: per block, the largest finite norm recorded at any
-    decision point so far (NaN while none), or None when unknown (a state written before peaks
-    were kept: the `gradient` policy then takes `last_norms` as the peak so far, which can only
-    delay freezing, never hasten it)."""
+    It does not hold the freeze boundary: that belongs to the layout in force, and `decide` takes
+    it as an argument. `decisions`: decision points taken so far (T of the last one).
+    `last_norms`: the per-block gradient norms recorded at the last decision point (NaN where
+    unknown), or None. `peak_norms`: per block, the largest finite norm recorded at any decision
+    point so far (NaN while none), or None when unknown (a state written before peaks were kept:
+    the `gradient` policy then takes `last_norms` as the peak so far, which can only delay
+    freezing, never hasten it)."""
 
-    boundary: int = 0
     decisions: int = 0
     last_norms: tuple[float, ...] | None = None
     peak_norms: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("boundary", "decisions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"FreezeState.{name} must be an integer >= 0, got {value!r}")
+        _check_count(self.decisions, "FreezeState.decisions")
 
     def to_dict(self) -> dict[str, Any]:
-        """A strict-JSON-serialisable dict (non-finite norms become None)."""
+        """A strict-JSON-serialisable dict (non-finite norms become None). No "boundary": the
+        boundary is the layout's, recorded with it."""
         return {
-            "boundary": self.boundary,
             "decisions": self.decisions,
             "last_norms": _norms_json(self.last_norms),
             "peak_norms": _norms_json(self.peak_norms),
@@ -204,14 +212,21 @@ class FreezeState:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FreezeState:
         """Inverse of `to_dict`; raises ValueError naming the field on malformed input. Every
-        field is optional (a state saved before `peak_norms` existed loads with None)."""
+        field is optional (a state saved before `peak_norms` existed loads with None).
+
+        Legacy: states written by earlier versions (checkpoint metadata, etcd) also have a
+        "boundary" key. It is accepted, checked to be an integer >= 0 like any other field, and
+        then ignored: the boundary in force is the layout's (which such a checkpoint records too),
+        so the key is not carried and `to_dict` does not write it back. Other unknown keys are
+        rejected."""
         if not isinstance(data, Mapping):
             raise ValueError(f"FreezeState must be a mapping, got {type(data).__name__}")
         unknown = set(data) - {"boundary", "decisions", "last_norms", "peak_norms"}
         if unknown:
             raise ValueError(f"FreezeState: unknown field(s) {sorted(unknown)}")
+        if "boundary" in data:  # legacy key: validated, then dropped
+            _check_count(data["boundary"], "FreezeState.boundary")
         return cls(
-            boundary=data.get("boundary", 0),
             decisions=data.get("decisions", 0),
             last_norms=_norms_from_json(data.get("last_norms"), "last_norms"),
             peak_norms=_norms_from_json(data.get("peak_norms"), "peak_norms"),
@@ -222,9 +237,11 @@ class FreezeState:
 class FreezeDecision:
     """The outcome of one decision point.
 
-    `state`: the state to carry on. `boundary`: the new boundary (== state.boundary).
-    `previous`: the boundary before. `source`: "manual" (an override moved the boundary past the
-    automatic decision), "auto" (the policy moved the boundary forward) or "none".
+    `state`: the policy state to carry on to the next decision point. `boundary`: the new boundary
+    (the caller's layout must move to it; it is the `boundary` to pass to the next `decide`).
+    `previous`: the boundary before (the `boundary` this decision was taken at). `source`:
+    "manual" (an override moved the boundary past the automatic decision), "auto" (the policy moved
+    the boundary forward) or "none".
     `proposed`: what the policy alone proposed before clipping (the converged prefix, or the
     alpha-bound for `schedule`; == previous for `off` and during warm-up). `bound`: the automatic
     cap at this decision point, min(alpha-bound, L - keep_trainable). `reason`: for the audit log.
@@ -300,10 +317,15 @@ def decide(
     state: FreezeState,
     block_grad_norms: Sequence[float] | None,
     num_blocks: int,
+    *,
+    boundary: int,
     override: int | None = None,
 ) -> FreezeDecision:
     """Take one decision point (T = state.decisions + 1) and return the new boundary and state.
 
+    `boundary`: the freeze boundary in force (blocks 0 .. boundary-1 are frozen), which the caller
+    takes from its layout (`Layout.freeze_boundary`); `state` does not carry it. It must be an
+    integer in 0 .. num_blocks.
     `block_grad_norms`: one gradient norm per block for the interval since the last decision point
     (see the module docstring for the definition; entries of frozen blocks are ignored); required
     by the `gradient` policy, optional otherwise. The policy's proposal is clipped by
@@ -314,10 +336,10 @@ def decide(
     them."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    if state.boundary > num_blocks:
-        raise ValueError(
-            f"freeze boundary {state.boundary} is outside a model of {num_blocks} blocks"
-        )
+    if isinstance(boundary, bool) or not isinstance(boundary, int):
+        raise ValueError(f"freeze boundary must be an integer, got {boundary!r}")
+    if not 0 <= boundary <= num_blocks:
+        raise ValueError(f"freeze boundary {boundary} is outside a model of {num_blocks} blocks")
     norms = None if block_grad_norms is None else _check_norms(block_grad_norms, num_blocks)
     if spec.policy == "gradient" and norms is None:
         raise ValueError("freeze.policy 'gradient' needs block_grad_norms at every decision point")
@@ -331,7 +353,7 @@ def decide(
     known = state.peak_norms if state.peak_norms is not None else state.last_norms
     peaks = state.peak_norms if norms is None else update_peaks(known, norms)
 
-    current = state.boundary
+    current = boundary
     t = state.decisions + 1
     bound = automatic_cap(spec, num_blocks, t)
 
@@ -348,7 +370,7 @@ def decide(
         why = f"converged prefix {proposed} (gradient norm <= {spec.threshold:g} x its peak)"
 
     new = max(current, min(proposed, bound))
-    new_state = FreezeState(new, t, norms, peaks)
+    new_state = FreezeState(t, norms, peaks)
     if new > current:
         clip = f", clipped to {bound}" if proposed > bound else ""
         reason = f"decision {t}: {why}{clip}: froze blocks {current}..{new - 1}"
@@ -372,7 +394,10 @@ def combine_override(
       message); the automatic decision stands.
     - `superseded`: requested <= the automatic boundary (the boundary was already there, or the
       policy reached it at this very decision point); the automatic decision stands.
-    - `applied`: requested > the automatic boundary; the boundary moves to it (source "manual")."""
+    - `applied`: requested > the automatic boundary; the boundary moves to it (source "manual").
+
+    Only the boundary, source, reason and override fields change: the policy state (`auto.state`)
+    is the same whatever becomes of the request."""
     t, current = auto.state.decisions, auto.previous
     try:
         apply_override(current, requested, num_blocks, keep_trainable)
@@ -393,7 +418,6 @@ def combine_override(
     )
     return replace(
         auto,
-        state=replace(auto.state, boundary=requested),
         boundary=requested,
         source="manual",
         reason=reason,

@@ -1,6 +1,7 @@
-"""Partition planning (AutoPipe): which contiguous block ranges each pipeline stage runs, how many
-replicas and micro-batches, and the `Layout` built from that. Pure and deterministic: no torch, no
-I/O; the measured inputs come from `trainer.profile`.
+"""Partition planning (AutoPipe): the even split, the cost model, and the search for which
+contiguous block ranges each pipeline stage runs with how many replicas and micro-batches. Pure
+and deterministic: no torch, no I/O. Which of these a job uses when (a spec's initial layout, a
+re-formed world, a measured plan) is `trainer.planner`; measurements come from `trainer.profile`.
 
 Cost model (all times are per micro-batch of `b = global_batch / (R * m)` samples)
 ------------------------------------------------------------------------------------
@@ -43,11 +44,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from orchestrator.spec import SCHEDULES, JobSpec, schedule_problem
 from orchestrator.state import Layout, StageLayout
-
-# PipeTransformer's AutoPipe weights a frozen layer at 1/6 of an active one (its `frozen_layer_cost_factor`).
-PIPETRANSFORMER_FROZEN_FACTOR = 1.0 / 6.0
 
 
 class PlanError(ValueError):
@@ -55,115 +52,22 @@ class PlanError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# The existing balanced split (costs per block) and the layout the controller starts a job with.
+# Splits by block count
 
 
-def balanced_partition(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
-    """Split `costs` into `stages` contiguous non-empty ranges minimising the largest range sum
-    (dynamic programming; ties go to the earliest cut, so the answer is deterministic)."""
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise ValueError(f"cannot split {n} blocks into {stages} non-empty stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    @cache
-    def best(i: int, k: int) -> tuple[float, tuple[int, ...]]:
-        # blocks [i, n) on k stages -> (bottleneck, cut positions)
-        if k == 1:
-            return prefix[n] - prefix[i], ()
-        options = []
-        for j in range(i + 1, n - k + 2):
-            rest, cuts = best(j, k - 1)
-            options.append((max(prefix[j] - prefix[i], rest), (j, *cuts)))
-        return min(options)
-
-    cuts = (0, *best(0, stages)[1], n)
-    return [(cuts[s], cuts[s + 1]) for s in range(stages)]
-
-
-def plan_layout(
-    spec: JobSpec, version: int = 1, block_costs: Sequence[float] | None = None
-) -> Layout:
-    """The layout a job starts with: `parallel.stages x virtual_stages` stages balanced over block
-    costs (uniform until measured), placed on ranks as the schedule expects, `parallel.replicas`
-    replicas. With `microbatches: auto` the count is provisional (the smallest candidate) until
-    the workers measure and plan (see trainer.profile.autopipe_layout)."""
-    p = spec.parallel
-    rule = SCHEDULES[p.schedule]
-    costs = list(block_costs) if block_costs is not None else [1.0] * spec.model.depth
-    m = p.microbatches
-    if m == "auto":
-        m = microbatch_candidates(p.stages, spec.training.global_batch_size // p.replicas)[0]
-    return Layout.build(
-        balanced_partition(costs, p.num_stages),
-        num_blocks=spec.model.depth,
-        replicas=p.replicas,
-        microbatches=m,
-        schedule=p.schedule,
-        virtual_stages=p.virtual_stages,
-        placement=rule.placement,
-        version=version,
-    )
-
-
-def _world_shapes(preferred: int, world: int) -> list[int]:
-    """Pipeline depths P dividing `world`, in the order a re-formed job tries them: the current
-    depth first, then shallower ones (more replicas), then deeper ones."""
-    divs = _divisors(world)
-    return sorted(divs, key=lambda d: (d > preferred, -d if d <= preferred else d))
-
-
-def plan_for_world(
-    spec: JobSpec, world: int, freeze_boundary: int = 0, current: Layout | None = None
-) -> Layout:
-    """The layout a job re-forms with after its world changed (a node lost or back): `world`
-    workers, frozen blocks [0, F) out of the pipeline, uniform block costs (the workers may
-    re-plan from measurement). It keeps the current pipeline depth where it divides the world
-    (the rest become replicas), else the deepest that does, and the current micro-batch count
-    where the schedule and the replica batch allow it. The version is current's + 1 (or 1).
-
-    Pure; raises PlanError saying why when nothing fits (the job then waits for capacity)."""
-    p = spec.parallel
-    L, f, gb = spec.model.depth, freeze_boundary, spec.training.global_batch_size
-    if world < 1:
-        raise PlanError(f"no workers to plan for (world {world})")
-    preferred = current.pipeline_ranks if current is not None else p.stages
-    virtual = current.virtual_stages if current is not None else p.virtual_stages
-    m_now = current.microbatches if current is not None else p.microbatches
-    rule = SCHEDULES[p.schedule]
-    why: list[str] = []
-    for depth in _world_shapes(preferred, world):
-        replicas, stages = world // depth, depth * virtual
-        if stages > L - f:
-            why.append(f"{depth}x{replicas}: {stages} stages > {L - f} active blocks")
-            continue
-        if gb % replicas:
-            why.append(f"{depth}x{replicas}: batch {gb} does not split into {replicas} replicas")
-            continue
-        options = microbatch_candidates(stages, gb // replicas)
-        if m_now != "auto" and (gb // replicas) % m_now == 0:
-            options = [m_now, *options]
-        m = next(
-            (m for m in options if schedule_problem(p.schedule, depth, virtual, m) is None), None
-        )
-        if m is None:
-            why.append(f"{depth}x{replicas}: no micro-batch count suits {p.schedule!r}")
-            continue
-        ranges = [(a + f, b + f) for a, b in balanced_partition([1.0] * (L - f), stages)]
-        return Layout.build(
-            ranges,
-            num_blocks=L,
-            replicas=replicas,
-            microbatches=m,
-            schedule=p.schedule,
-            virtual_stages=virtual,
-            placement=rule.placement,
-            version=(current.version + 1) if current is not None else 1,
-            freeze_boundary=f,
-        )
-    raise PlanError(f"no layout fits {world} worker(s): " + "; ".join(why))
+def uniform_partition(num_blocks: int, stages: int) -> list[tuple[int, int]]:
+    """The even split: equal block counts per stage, earlier stages taking the remainder
+    (10 blocks on 4 stages: 3, 3, 2, 2). A spec's initial layout and a re-formed world's layout
+    use it (`parallel.partition: uniform` promises it)."""
+    if not 1 <= stages <= num_blocks:
+        raise PlanError(f"cannot split {num_blocks} blocks into {stages} non-empty stages")
+    base, extra = divmod(num_blocks, stages)
+    out, pos = [], 0
+    for s in range(stages):
+        n = base + (1 if s < extra else 0)
+        out.append((pos, pos + n))
+        pos += n
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,7 +206,9 @@ def _num_blocks(profiles: ProfileInput) -> int:
 
 @dataclass(frozen=True)
 class CostModel:
-    """What the cost of a stage depends on besides the profile (see the module docstring)."""
+    """What the cost of a stage depends on besides the profile (see the module docstring), and
+    what a device can hold: one object that every caller of `plan` and `evaluate_partition`
+    passes, instead of each repeating the same keyword arguments."""
 
     freeze_boundary: int = 0
     cached: bool = False
@@ -310,6 +216,7 @@ class CostModel:
     schedule: str = "gpipe"
     recompute: bool = False
     optimizer_factor: float = 4.0  # weight + grad + Adam exp_avg + exp_avg_sq
+    memory_cap: float = math.inf  # bytes per device that every stage must fit in (`plan` only)
 
     def in_flight(self, stage: int, stages: int, microbatches: int) -> int:
         """Micro-batches whose activations a stage holds at its peak."""
@@ -457,10 +364,6 @@ class Plan:
         return times.index(max(times))
 
     @property
-    def bubble_fraction(self) -> float:
-        return (self.stages - 1) / (self.microbatches + self.stages - 1)
-
-    @property
     def step_time_s(self) -> float:
         """(m + S - 1) * bottleneck + gradient all-reduce (see the module docstring)."""
         return (self.microbatches + self.stages - 1) * self.bottleneck_s + self.allreduce_s
@@ -556,21 +459,16 @@ def evaluate_partition(
     global_batch: int,
     replicas: int = 1,
     microbatches: int = 1,
-    freeze_boundary: int = 0,
-    cached: bool = False,
-    bandwidth: float = math.inf,
-    schedule: str = "gpipe",
-    recompute: bool = False,
-    optimizer_factor: float = 4.0,
+    cost: CostModel | None = None,
     method: str = "given",
 ) -> Plan:
     """The predicted costs of a given partition under the module's cost model (memory is
-    reported, not enforced), so any method's split can be compared with the planner's."""
+    reported, not enforced: `cost.memory_cap` is ignored), so any method's split can be compared
+    with the planner's."""
     L = _num_blocks(profile)
     _check_ranges(ranges, L)
     b = _microbatch_size(global_batch, replicas, microbatches)
-    model = CostModel(freeze_boundary, cached, bandwidth, schedule, recompute, optimizer_factor)
-    costs = StageCosts(profile_at(profile, b), model)
+    costs = StageCosts(profile_at(profile, b), cost or CostModel())
     return _evaluate(costs, ranges, replicas, microbatches, method)
 
 
@@ -670,20 +568,15 @@ def plan(
     *,
     devices: int,
     global_batch: int,
-    freeze_boundary: int = 0,
-    cached: bool = False,
-    memory_cap: float = math.inf,
-    bandwidth: float = math.inf,
+    cost: CostModel | None = None,
     microbatches: Sequence[int] | None = None,
     stages: int | Sequence[int] | None = None,
     replicas: int | Sequence[int] | None = None,
-    schedule: str = "gpipe",
-    recompute: bool = False,
-    optimizer_factor: float = 4.0,
     allowed_cuts: Iterable[int] | None = None,
 ) -> Plan:
     """AutoPipe: the (S, R, m, partition) with the lowest predicted step time whose every stage
-    fits `memory_cap` bytes, on at most `devices` devices (cost model: module docstring).
+    fits `cost.memory_cap` bytes, on at most `devices` devices (cost model: module docstring;
+    `cost` defaults to `CostModel()`: nothing frozen, free links, GPipe, no memory cap).
 
     `profile` is one measured `Profile` or several keyed by micro-batch size (the planner then
     uses the measurement at each candidate's micro-batch size, interpolating between sizes).
@@ -696,7 +589,8 @@ def plan(
     if global_batch < 1:
         raise PlanError(f"global batch must be positive, got {global_batch}")
     cuts = _allowed(L, allowed_cuts)
-    model = CostModel(freeze_boundary, cached, bandwidth, schedule, recompute, optimizer_factor)
+    model = cost or CostModel()
+    memory_cap = model.memory_cap
     stage_options = [
         s for s in _as_list(stages, range(1, devices + 1)) if 1 <= s <= min(devices, len(cuts) + 1)
     ]
@@ -770,124 +664,3 @@ def _memory_error(
         f"memory-hungry plan tried (S={S} stages x R={R} replicas, m={m} micro-batches of "
         f"{global_batch // (R * m)}) needs {peak:,.0f} B on its largest stage [{per_stage}]"
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Baselines
-
-
-def uniform_partition(num_blocks: int, stages: int) -> list[tuple[int, int]]:
-    """Equal block counts per stage (earlier stages take the remainder)."""
-    if not 1 <= stages <= num_blocks:
-        raise PlanError(f"cannot split {num_blocks} blocks into {stages} non-empty stages")
-    base, extra = divmod(num_blocks, stages)
-    out, pos = [], 0
-    for s in range(stages):
-        n = base + (1 if s < extra else 0)
-        out.append((pos, pos + n))
-        pos += n
-    return out
-
-
-def param_greedy_partition(
-    profile: Profile,
-    stages: int,
-    freeze_boundary: int = 0,
-    frozen_factor: float = PIPETRANSFORMER_FROZEN_FACTOR,
-) -> list[tuple[int, int]]:
-    """PipeTransformer's AutoPipe split, by parameter count: the embedding and every frozen block
-    go to stage 0 (frozen ones weighted by `frozen_factor`, its 1/6); then each stage in turn
-    takes blocks while that brings its parameter load closer to the mean of what is left; the
-    last stage takes the rest (with the head). Compute, activations and transfers are ignored.
-
-    PipeTransformer's code also lets a stage overshoot the mean by a variance term; that slack is
-    left out here (it only makes the greedy's balance worse), and every stage keeps at least one
-    block so the result is a valid layout."""
-    L, F = profile.num_blocks, freeze_boundary
-    if not 1 <= stages <= L:
-        raise PlanError(f"cannot split {L} blocks into {stages} non-empty stages")
-    weight = [
-        b.param_bytes * (frozen_factor if j < F else 1.0) for j, b in enumerate(profile.blocks)
-    ]
-    ranges: list[tuple[int, int]] = []
-    load = profile.embed.param_bytes * (frozen_factor if F > 0 else 1.0)
-    pos = 0
-    # frozen blocks all to stage 0, leaving one block for each later stage
-    while pos < min(F, L - (stages - 1)):
-        load += weight[pos]
-        pos += 1
-    remaining = sum(weight[pos:]) + profile.head.param_bytes + load
-    for s in range(stages):
-        left_stages = stages - s
-        if left_stages == 1:
-            ranges.append((ranges[-1][1] if ranges else 0, L))
-            break
-        start = ranges[-1][1] if ranges else 0
-        mean = remaining / left_stages
-        # take blocks while that brings the load nearer the mean, keeping one per later stage
-        while pos < L - (left_stages - 1):
-            nxt = load + weight[pos]
-            if pos > start and abs(nxt - mean) >= abs(load - mean):
-                break
-            load = nxt
-            pos += 1
-        ranges.append((start, pos))
-        remaining -= load
-        load = 0.0
-    return ranges
-
-
-def compare_partitions(
-    profile: ProfileInput,
-    stages: int,
-    *,
-    global_batch: int,
-    replicas: int = 1,
-    microbatches: int = 1,
-    freeze_boundary: int = 0,
-    cached: bool = False,
-    bandwidth: float = math.inf,
-    memory_cap: float = math.inf,
-    schedule: str = "gpipe",
-    recompute: bool = False,
-) -> dict[str, Plan]:
-    """The planner's, the parameter-count greedy's and the uniform split's plans for the same
-    S x R x m, costed by the same model (for benchmarks and reports)."""
-    b = _microbatch_size(global_batch, replicas, microbatches)
-    prof = profile_at(profile, b)
-    common: dict[str, Any] = dict(
-        profile=prof,
-        global_batch=global_batch,
-        replicas=replicas,
-        microbatches=microbatches,
-        freeze_boundary=freeze_boundary,
-        cached=cached,
-        bandwidth=bandwidth,
-        schedule=schedule,
-        recompute=recompute,
-    )
-    auto = plan(
-        prof,
-        devices=stages * replicas,
-        global_batch=global_batch,
-        freeze_boundary=freeze_boundary,
-        cached=cached,
-        memory_cap=memory_cap,
-        bandwidth=bandwidth,
-        microbatches=[microbatches],
-        stages=stages,
-        replicas=replicas,
-        schedule=schedule,
-        recompute=recompute,
-    )
-    return {
-        "autopipe": auto,
-        "param_greedy": evaluate_partition(
-            ranges=param_greedy_partition(prof, stages, freeze_boundary),
-            method="param_greedy",
-            **common,
-        ),
-        "uniform": evaluate_partition(
-            ranges=uniform_partition(prof.num_blocks, stages), method="uniform", **common
-        ),
-    }

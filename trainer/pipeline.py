@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,23 +58,19 @@ assert set(SCHEDULE_CLASSES) == set(SCHEDULES), "spec rules and runtime classes 
 class TrainingGroups:
     pipeline: dist.ProcessGroup  # this rank's replica: its P pipeline ranks
     data_parallel: dist.ProcessGroup | None  # same pipeline position in every replica (None if R=1)
-    pipeline_ranks: list[int]
-    data_parallel_ranks: list[int]
 
 
 def build_groups(layout: Layout, rank: int) -> TrainingGroups:
     p, r_count = layout.pipeline_ranks, layout.replicas
-    pipes = []
-    for r in range(r_count):
-        ranks = list(range(r * p, (r + 1) * p))
-        pipes.append((ranks, dist.new_group(ranks)))
-    dps = []
-    for pos in range(p):
-        ranks = [r * p + pos for r in range(r_count)]
-        # a one-rank group would only cost a no-op collective; skip it
-        dps.append((ranks, dist.new_group(ranks) if r_count > 1 else None))
+    # every rank creates every group, in the same order (new_group is collective)
+    pipes = [dist.new_group(list(range(r * p, (r + 1) * p))) for r in range(r_count)]
+    # a one-rank group would only cost a no-op collective; skip it
+    dps = [
+        dist.new_group([r * p + pos for r in range(r_count)]) if r_count > 1 else None
+        for pos in range(p)
+    ]
     replica, position = divmod(rank, p)
-    return TrainingGroups(pipes[replica][1], dps[position][1], pipes[replica][0], dps[position][0])
+    return TrainingGroups(pipes[replica], dps[position])
 
 
 class RankModel(nn.Module):
@@ -108,7 +105,6 @@ class RankModel(nn.Module):
             frozen += [self.blocks[str(i)] for i in range(f) if str(i) in self.blocks]
             for module in frozen:
                 module.requires_grad_(False)
-        self.freeze_boundary = f
         self.prefix = (
             FrozenPrefix(full.embed, {i: full.blocks[str(i)] for i in range(f)})
             if owns_prefix and f > 0 and stages[0].start == f
@@ -160,7 +156,8 @@ class RankPipeline:
         mb = replica_batch // layout.microbatches
         self.stages = []
         for stage, module in zip(self.local, model.stage_modules, strict=True):
-            # Static example shapes: inferred shapes break with replica gradient sync (DESIGN §5);
+            # Static example shapes: inferred shapes break with replica gradient sync (see
+            # docs/architecture.md, "Known traps");
             # requires_grad marks the tensors that carry gradients between stages.
             example_in = torch.zeros(
                 stage_input_shape(model_spec, stage.start, mb),
@@ -243,12 +240,12 @@ class RankPipeline:
             return inputs
         if self.cache is not None and indices is not None:
             return self.cache.get_or_compute(indices, inputs, prefix)
-        return prefix.compute(inputs, self.model.freeze_boundary)
+        return prefix.compute(inputs, self.layout.freeze_boundary)
 
-    def sync_and_clip(self, max_norm: float) -> float:
+    def sync_and_clip(self, max_norm: float) -> GradNorms:
         """All-reduce gradients across replicas, then clip by the norm over *all* stages (the same
-        norm a single process would compute). Returns that norm; per-block gradient norms (before
-        clipping, what AutoFreeze watches) are left in `self.block_norms`."""
+        norm a single process would compute). Returns that norm and the per-block gradient norms
+        before clipping (what AutoFreeze watches), the same on every rank."""
         named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
         grads = [g for _, g in named]
         if self.groups.data_parallel is not None and grads:
@@ -267,13 +264,19 @@ class RankPipeline:
             slot = int(parts[1]) if parts[0] == "blocks" else depth
             sq[slot] += g.pow(2).sum()
         dist.all_reduce(sq, group=self.groups.pipeline)
-        self.block_norms = sq[:depth].sqrt().tolist()
         norm = float(sq.sum().sqrt())
         if max_norm > 0:
             scale = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
             for g in grads:
                 g.mul_(scale)
-        return norm
+        return GradNorms(norm, sq[:depth].sqrt().tolist())
+
+
+class GradNorms(NamedTuple):
+    """Gradient norms of one step, after the cross-replica all-reduce and before clipping."""
+
+    total: float  # over every parameter of the model (what clipping uses)
+    per_block: list[float]  # one per transformer block (0 for frozen ones)
 
 
 class MaskedCrossEntropy:

@@ -1,4 +1,4 @@
-"""Measured per-block profiles for the AutoPipe planner, and the micro-batch count chosen from them.
+"""Measured per-block profiles for the AutoPipe planner (the planner's only I/O edge).
 
 A short profiling pass runs the real model (`trainer.models.build_model`) on the current device,
 one unit at a time (the embedding, each block, the head), for one micro-batch of a given size:
@@ -9,14 +9,17 @@ it), parameter bytes, and the bytes autograd saves for backward (counted with
 identical shape have their times pooled (the median over the group), so timer noise cannot
 decide between equivalent cuts.
 
-Profiles are cached as JSON per (model spec, device name and threads, micro-batch size, torch
-version) under `$PIPETRANSFORMER_CACHE/profiles` (default `~/.cache/pipetransformer/profiles`):
-measuring is cheap but not free, and its answer is specific to the hardware it ran on.
+Measurements are stored as JSON per (model spec, device name and threads, micro-batch size,
+torch version) under `profile_cache_dir()` (`$PIPETRANSFORMER_CACHE/profiles`, default
+`~/.cache/pipetransformer/profiles`; not AutoCache's activation cache) and reused: measuring is
+cheap but not free, and its answer is specific to the hardware it ran on.
 
-The micro-batch count is measured too, not tabled: small models carry a large fixed cost per
-micro-batch (kernel launches, Python dispatch), so splitting a batch finer does not shrink a
-micro-batch's time in proportion, and the bubble-versus-overhead trade-off
-`(m + S - 1) * T(b = B/m)` has to be read off measurements at each candidate size.
+`measured_layout` is the workers' planning call: it measures at every micro-batch size that
+`trainer.planner.profile_sizes` names and plans with `trainer.planner.plan_layout`. Several sizes
+are measured, not scaled from one: small models carry a large fixed cost per micro-batch (kernel
+launches, Python dispatch), so splitting a batch finer does not shrink a micro-batch's time in
+proportion, and the bubble-versus-overhead trade-off `(m + S - 1) * T(b = B/m)` has to be read
+off measurements at each candidate size.
 """
 
 from __future__ import annotations
@@ -38,22 +41,17 @@ from torch import nn
 
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.state import Layout
+from trainer import planner
 from trainer.models import build_model, model_input_shape
-from trainer.partition import (
-    BlockProfile,
-    Plan,
-    PlanError,
-    Profile,
-    microbatch_candidates,
-    plan,
-)
+from trainer.partition import BlockProfile, Profile
+from trainer.planner import Planned
 
-PROFILE_FORMAT = 3  # bump when what is measured changes, so old cache entries are not reused
+PROFILE_FORMAT = 3  # bump when what is measured changes, so old stored profiles are not reused
 _MIN_SAMPLE_S = 2e-3  # a timing sample averages calls until it lasts about this long
 
 
-def cache_dir() -> Path:
-    """Where profiles are cached: `$PIPETRANSFORMER_CACHE/profiles`, default
+def profile_cache_dir() -> Path:
+    """Where measured profiles are stored for reuse: `$PIPETRANSFORMER_CACHE/profiles`, default
     `~/.cache/pipetransformer/profiles`."""
     root = os.environ.get("PIPETRANSFORMER_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "pipetransformer"
@@ -83,7 +81,7 @@ def device_name(device: str | torch.device | None = None) -> str:
     return f"cpu:{cpu}:{torch.get_num_threads()}threads"
 
 
-def cache_key(model_spec: ModelSpec, microbatch: int, device: str | torch.device | None) -> str:
+def profile_key(model_spec: ModelSpec, microbatch: int, device: str | torch.device | None) -> str:
     """Hash of everything a profile depends on."""
     ident = {
         "format": PROFILE_FORMAT,
@@ -218,23 +216,23 @@ def measure_profile(
     model_spec: ModelSpec,
     microbatch: int,
     device: str | torch.device | None = None,
-    cache: bool = True,
     *,
+    reuse: bool = True,
     repeats: int = 7,
     warmup: int = 2,
     seed: int = 0,
-    cache_path: str | Path | None = None,
+    profile_dir: str | Path | None = None,
 ) -> Profile:
     """The model's per-unit profile at micro-batch size `microbatch` on `device` (cuda if
-    available, else cpu), from the cache when present (`cache=False` neither reads nor writes
-    it; `cache_path` overrides `cache_dir()`)."""
+    available, else cpu), reusing a stored measurement when there is one (`reuse=False` neither
+    reads nor stores one; `profile_dir` overrides `profile_cache_dir()`)."""
     if microbatch < 1:
         raise ValueError(f"micro-batch size must be positive, got {microbatch}")
     dev = _device(device)
-    folder = Path(cache_path) if cache_path is not None else cache_dir()
-    key = cache_key(model_spec, microbatch, dev)
+    folder = Path(profile_dir) if profile_dir is not None else profile_cache_dir()
+    key = profile_key(model_spec, microbatch, dev)
     path = folder / f"{model_spec.family}-d{model_spec.depth}-b{microbatch}-{key[:20]}.json"
-    if cache and path.is_file():
+    if reuse and path.is_file():
         try:
             data = json.loads(path.read_text())
             if data.get("key") == key:
@@ -243,7 +241,7 @@ def measure_profile(
             pass  # a torn or stale entry: measure again and overwrite it
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         prof = _measure(model_spec, microbatch, dev, repeats, warmup, seed)
-    if cache:
+    if reuse:
         folder.mkdir(parents=True, exist_ok=True)
         payload = {"key": key, "torch": torch.__version__, "profile": prof.to_dict()}
         # write-then-rename, so a concurrent reader never sees half a file
@@ -258,12 +256,12 @@ def measure_profiles(
     model_spec: ModelSpec,
     microbatches: Iterable[int],
     device: str | torch.device | None = None,
-    cache: bool = True,
     *,
+    reuse: bool = True,
     repeats: int = 7,
     warmup: int = 2,
     seed: int = 0,
-    cache_path: str | Path | None = None,
+    profile_dir: str | Path | None = None,
 ) -> dict[int, Profile]:
     """Profiles at several micro-batch sizes, keyed by size."""
     return {
@@ -271,194 +269,25 @@ def measure_profiles(
             model_spec,
             b,
             device,
-            cache,
+            reuse=reuse,
             repeats=repeats,
             warmup=warmup,
             seed=seed,
-            cache_path=cache_path,
+            profile_dir=profile_dir,
         )
         for b in sorted(set(microbatches))
     }
 
 
-def choose_microbatches(
-    model_spec: ModelSpec,
-    stages: int,
-    replica_batch: int,
-    *,
-    replicas: int = 1,
-    freeze_boundary: int = 0,
-    cached: bool = False,
-    memory_cap: float = math.inf,
-    bandwidth: float = math.inf,
-    schedule: str = "gpipe",
-    recompute: bool = False,
-    profiles: dict[int, Profile] | None = None,
-    device: str | torch.device | None = None,
-    cache: bool = True,
-    cache_path: str | Path | None = None,
-) -> int:
-    """The micro-batch count m for S = `stages` with the lowest predicted step time
-    `(m + S - 1) * T(b) + all-reduce`, where T(b) is the planner's bottleneck stage time measured
-    at micro-batch size b = replica_batch / m. Candidates: the divisors of `replica_batch` in
-    [S, 6S] (PipeTransformer's range), all divisors if none lies there. Missing sizes are
-    measured (and cached); `profiles` supplies measurements keyed by micro-batch size."""
-    candidates = microbatch_candidates(stages, replica_batch)
-    sizes = {replica_batch // m for m in candidates}
-    measured = dict(profiles or {})
-    missing = sizes - set(measured)
-    if missing:
-        measured.update(measure_profiles(model_spec, missing, device, cache, cache_path=cache_path))
-    best = plan(
-        {b: measured[b] for b in sizes},
-        devices=stages * replicas,
-        global_batch=replica_batch * replicas,
-        freeze_boundary=freeze_boundary,
-        cached=cached,
-        memory_cap=memory_cap,
-        bandwidth=bandwidth,
-        microbatches=candidates,
-        stages=stages,
-        replicas=replicas,
-        schedule=schedule,
-        recompute=recompute,
-    )
-    return best.microbatches
-
-
-def measured_plan(
-    model_spec: ModelSpec,
-    devices: int,
-    global_batch: int,
-    *,
-    freeze_boundary: int = 0,
-    cached: bool = False,
-    memory_cap: float = math.inf,
-    bandwidth: float = math.inf,
-    stages: int | None = None,
-    replicas: int | None = None,
-    schedule: str = "gpipe",
-    recompute: bool = False,
-    device: str | torch.device | None = None,
-    cache: bool = True,
-    cache_path: str | Path | None = None,
-    repeats: int = 7,
-) -> Plan:
-    """AutoPipe end to end: measure the model at every micro-batch size the search can reach
-    (S x R <= devices, m in [S, 6S]), then plan (S, R, m and the partition) on those
-    measurements."""
-    L = model_spec.depth
-    stage_opts = [stages] if stages else list(range(1, min(devices, L) + 1))
-    sizes: set[int] = set()
-    for S in stage_opts:
-        rep_opts = [replicas] if replicas else list(range(1, devices // S + 1))
-        for R in rep_opts:
-            if global_batch % R:
-                continue
-            sizes |= {global_batch // R // m for m in microbatch_candidates(S, global_batch // R)}
-    if not sizes:
-        raise PlanError(
-            f"no replica count divides global batch {global_batch} on {devices} devices"
-        )
-    profiles = measure_profiles(
-        model_spec, sizes, device, cache, repeats=repeats, cache_path=cache_path
-    )
-    return plan(
-        profiles,
-        devices=devices,
-        global_batch=global_batch,
-        freeze_boundary=freeze_boundary,
-        cached=cached,
-        memory_cap=memory_cap,
-        bandwidth=bandwidth,
-        stages=stages,
-        replicas=replicas,
-        schedule=schedule,
-        recompute=recompute,
-    )
-
-
-def autopipe_layout(spec: JobSpec, layout: Layout) -> tuple[Layout, str]:
-    """The layout a job should run with, planned from measurement on this device: AutoPipe's
-    partition when `parallel.partition` is 'autopipe', and the micro-batch count when
-    `parallel.microbatches` is 'auto' (otherwise the spec's value and the current cuts hold).
-    S and R stay the spec's (the launched world). Returns the next layout version and a
-    one-line reason for the record."""
-    p = spec.parallel
-    replica_batch = spec.training.global_batch_size // p.replicas
-    counts = (
-        microbatch_candidates(p.stages, replica_batch)
-        if p.microbatches == "auto"
-        else [p.microbatches]
-    )
-    profiles = measure_profiles(spec.model, {replica_batch // m for m in counts})
-    keep_cuts = None if p.partition == "autopipe" else [s.start for s in layout.stages[1:]]
-    best = plan(
-        profiles,
-        devices=p.world_size,
-        global_batch=spec.training.global_batch_size,
-        freeze_boundary=layout.freeze_boundary,
-        microbatches=counts,
-        stages=p.stages,
-        replicas=p.replicas,
-        schedule=p.schedule,
-        recompute=p.recomputes_any,
-        allowed_cuts=keep_cuts,
-    )
-    new = best.to_layout(version=layout.version + 1, schedule=p.schedule)
-    new = new.model_copy(update={"planner": "autopipe"})
-    return new, f"autopipe: {best.summary()}"
-
-
-def relayout_plan(
-    spec: JobSpec, layout: Layout, freeze_boundary: int, world: int
-) -> tuple[Layout, str]:
-    """AutoPipe + AutoDP after freezing: the frozen prefix [0, F) leaves the pipeline (it runs
-    forward-only before the first stage, or comes from the cache), the active blocks are packed
-    onto S' stages and the freed ranks become replicas, S' x R' = `world`. Every S' dividing the
-    world is planned on the measured profile (cuts only after F, so stage 0 starts at F) and the
-    fastest predicted one wins. Returns the next layout version and the reason for the record."""
-    p, L, f = spec.parallel, spec.model.depth, freeze_boundary
-    gb = spec.training.global_batch_size
-    shapes = [
-        (s, world // s)
-        for s in range(1, world + 1)
-        if world % s == 0 and s <= L - f and gb % (world // s) == 0
-    ]
-    if not shapes:
-        raise PlanError(f"no stages x replicas = {world} fits {L - f} active blocks and batch {gb}")
-    counts: dict[tuple[int, int], list[int]] = {}
-    for s, r in shapes:
-        fixed = p.microbatches != "auto" and (gb // r) % p.microbatches == 0
-        counts[(s, r)] = [p.microbatches] if fixed else microbatch_candidates(s, gb // r)
-    sizes = {gb // r // m for (s, r), ms in counts.items() for m in ms}
+def measured_layout(
+    spec: JobSpec, *, world: int | None = None, boundary: int = 0, current: Layout
+) -> Planned:
+    """`trainer.planner.plan_layout` from measurement on this device: measures the model at the
+    micro-batch sizes `planner.profile_sizes` names (stored measurements reused), then plans.
+    At start-up (`boundary` 0, `world` the spec's) S and R stay the spec's; otherwise (after a
+    freeze, or in a re-formed world) S' x R' = `world` is searched. See trainer.planner."""
+    sizes = planner.profile_sizes(spec, world=world, boundary=boundary)
     profiles = measure_profiles(spec.model, sizes)
-    plans = []
-    for (s, r), ms in counts.items():
-        plans.append(
-            plan(
-                {b: profiles[b] for b in {gb // r // m for m in ms}},
-                devices=world,
-                global_batch=gb,
-                freeze_boundary=f,
-                microbatches=ms,
-                stages=s,
-                replicas=r,
-                schedule=p.schedule,
-                recompute=p.recomputes_any,
-                allowed_cuts=range(f + 1, L),
-            )
-        )
-    best = min(plans, key=lambda pl: (pl.step_time_s, pl.stages))
-    ranges = [(max(a, f), b) for a, b in best.ranges]  # frozen blocks leave the pipeline
-    new = Layout.build(
-        ranges,
-        num_blocks=L,
-        replicas=best.replicas,
-        microbatches=best.microbatches,
-        schedule=p.schedule,
-        version=layout.version + 1,
-        freeze_boundary=f,
-        planner="autopipe",
+    return planner.plan_layout(
+        spec, world=world, boundary=boundary, current=current, profiles=profiles
     )
-    return new, f"F={f}: {best.summary()}"

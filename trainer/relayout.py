@@ -10,23 +10,8 @@ from orchestrator.spec import JobSpec
 from orchestrator.state import Layout
 from trainer.checkpoint import load_checkpoint, load_weights
 from trainer.optim import build_optimizer
-from trainer.partition import plan_layout
 from trainer.pipeline import RankPipeline, build_rank_pipeline
-
-
-def recompute_flags(spec: JobSpec, layout: Layout) -> list[bool]:
-    """Activation recomputation per stage of `layout`. A per-stage list in the spec is written
-    for the spec's own stages; once a re-layout or a recovery changes the stages, it carries
-    over by block: a new stage recomputes if any of its blocks was in a recomputing stage."""
-    flags = spec.parallel.recompute
-    if isinstance(flags, bool):
-        return [flags] * layout.num_stages
-    original = plan_layout(spec)  # the stages the list was written for
-    per_block = [False] * layout.num_blocks
-    for stage, flag in zip(original.stages, flags, strict=True):
-        for block in range(stage.start, stage.end):
-            per_block[block] = flag
-    return [any(per_block[s.start : s.end]) for s in layout.stages]
+from trainer.planner import recompute_flags
 
 
 def build_training(

@@ -1,0 +1,376 @@
+"""The worker <-> controller protocol: every message that crosses etcd between them, typed.
+
+Workers and the controller never share memory; they talk through the keys in `orchestrator.keys`,
+and each key holds one of the models below as JSON (docs/architecture.md, "Protocol"):
+
+    keys.join            JoinRequest    rank 0 of a rendezvous round -> controller
+    keys.assignment      Assignment     controller -> every worker of the round
+    keys.control         Control        controller (or CLI) -> rank 0, read at control points
+    keys.freeze_override FreezeRequest  `pipetransformer freeze` -> rank 0, read at decision points
+    keys.event(...)      WorkerEvent    any rank -> controller (a queue the controller drains)
+    keys.exit_report     WorkerExit     a node's fork server -> controller
+    keys.abort           generation     controller -> every worker (a number, watched)
+
+`WorkerEvent` is a discriminated union on `kind`: one model per event, so the controller matches
+on types and a malformed or unknown report fails validation in one place (`parse_event`), where it
+is rejected with a log line instead of crashing the controller.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
+
+from orchestrator.state import Layout, TrainingState
+
+# Exit code of a worker that leaves its generation on purpose (aborted by the controller, a lost
+# peer, or re-forming after a graceful SIGTERM): non-zero, so its torchrun agent restarts it into
+# the next rendezvous round (EX_TEMPFAIL).
+EXIT_REFORM = 75
+# exit codes that are a decision, not a death: done, and leaving to re-form
+_CLEAN_EXITS = (0, EXIT_REFORM)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Control(StrEnum):
+    """The value of `keys.control`: what rank 0 tells every rank at a control point."""
+
+    RUN = "run"
+    STOP = "stop"  # checkpoint and leave; the job is interrupted (resume continues it)
+
+    @classmethod
+    def read(cls, raw: str | None) -> Control:
+        """A missing or unknown value means run: only an explicit stop stops a job."""
+        try:
+            return cls(raw) if raw is not None else cls.RUN
+        except ValueError:
+            return cls.RUN
+
+
+class RunOutcome(StrEnum):
+    """How a rank's training loop ended."""
+
+    DONE = "done"  # every epoch (or max_steps) trained
+    TARGET = "target"  # held-out accuracy reached training.target_accuracy
+    STOPPED = "stopped"  # told to stop (Control.STOP)
+    LEAVE = "leave"  # a rank was asked to leave (SIGTERM): re-form without it
+
+
+class Phase(StrEnum):
+    """Where a worker was when it failed: `build` is everything before its first step."""
+
+    BUILD = "build"
+    TRAIN = "train"
+
+
+class FreezeOutcome(StrEnum):
+    """What became of a manual freeze request at the decision point that read it."""
+
+    APPLIED = "applied"  # it moved the boundary past the automatic decision
+    SUPERSEDED = "superseded"  # the automatic decision reached it anyway
+    REJECTED = "rejected"  # malformed or beyond the cap; the automatic decision stands
+
+
+# -- requests filed by people and by workers ------------------------------------------------------
+
+
+class FreezeRequest(_Model):
+    """A manual request to freeze blocks [0, layers), filed under `keys.freeze_override` by the
+    CLI (`orchestrator.overrides.file_freeze_request`; one pending at a time) and applied at the next decision point."""
+
+    id: str
+    layers: StrictInt  # "4" or 4.0 is a malformed request, not four blocks
+    who: str
+    reason: str
+    time: float = Field(default_factory=time.time)
+
+
+class UnreadableRequest(_Model):
+    """Text under `keys.freeze_override` that is not a FreezeRequest (written there by hand):
+    audited with its first 200 characters and rejected at the decision point."""
+
+    raw: str
+    error: str = Field(default="", exclude=True)  # why it did not parse (for messages only)
+
+
+def read_freeze_request(raw: str) -> FreezeRequest | UnreadableRequest:
+    """The request filed under `keys.freeze_override`; whoever reads it must not crash on a
+    malformed one."""
+    try:
+        return FreezeRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        return UnreadableRequest(raw=raw[:200], error=first_error(exc))
+
+
+class JoinRequest(_Model):
+    """A rendezvous round's workers asking for their assignment (rank 0 files it under
+    `keys.join`); the controller answers with an Assignment carrying the same `id`, and tells
+    joined and departed nodes apart by `nodes`."""
+
+    id: str
+    world: int = Field(ge=1)
+    # node of each rank, in rank order: "host:agent-pid" (one torchrun agent per node)
+    nodes: list[str] = []
+    pids: list[int] = []
+    time: float = Field(default_factory=time.time)
+
+
+class Assignment(_Model):
+    """What the controller hands a generation of workers (published under `keys.assignment`).
+
+    `request`: the JoinRequest this answers. `layout`: the layout the generation trains under
+    (planned for its world size). `waiting`: set when no layout fits the workers that joined:
+    they hold on (keeping their leases) until a node joins and the agents re-rendezvous."""
+
+    generation: int
+    checkpoint_dir: str
+    # the job failed for good (every rank of the last generation failed the same way while
+    # starting): workers that see it leave with exit code 0, so their agents stop restarting
+    fatal: str | None = None
+    start: TrainingState = TrainingState()
+    # a committed checkpoint to load before training, with the checksum it was committed under
+    resume_checksum: str | None = None
+    request: str | None = None
+    layout: Layout | None = None
+    waiting: str | None = None
+
+
+def is_abnormal(exit_code: int | None, signum: int | None) -> bool:
+    """Whether a worker's exit status is a failure: a signal, or a code other than 0 (done) and
+    75 (leaving to re-form)."""
+    return signum is not None or exit_code not in _CLEAN_EXITS
+
+
+class WorkerExit(_Model):
+    """How a worker process ended, as the process that reaped it (its node's fork server) saw
+    it; put under `keys.exit_report` and drained by the controller, which matches it to a
+    generation's rank by host and pid. `exit_code` is None when a signal killed it."""
+
+    pid: int
+    host: str
+    rank: int | None = None  # RANK from torchrun, if it was set
+    exit_code: int | None = None
+    signal: int | None = None
+    time: float = Field(default_factory=time.time)
+
+
+# -- worker events -------------------------------------------------------------------------------
+
+
+class _Event(_Model):
+    """What every worker report carries: who sent it, for which generation, and when."""
+
+    rank: int
+    generation: int = 1
+    time: float = Field(default_factory=time.time)
+
+    def payload(self) -> dict[str, Any]:
+        """The report's own fields (not who/when), as the store records them."""
+        return self.model_dump(mode="json", exclude={"kind", "rank", "generation", "time"})
+
+
+class Started(_Event):
+    """A rank built its share of the model and is about to train."""
+
+    kind: Literal["started"] = "started"
+    stages: list[int]
+    replica: int
+    pid: int
+    host: str
+    node: str
+    total_steps: int
+
+
+class FirstStep(_Event):
+    """Rank 0 finished the generation's first step (how long a start or recovery took)."""
+
+    kind: Literal["first_step"] = "first_step"
+    step: int
+
+    def payload(self) -> dict[str, Any]:
+        return {"step": self.step, "time": self.time}
+
+
+class Metrics(_Event):
+    """One optimizer step, from the rank that owns the global batch's loss."""
+
+    kind: Literal["metrics"] = "metrics"
+    step: int
+    epoch: int
+    samples_consumed: int
+    loss: float | None  # None: not finite (JSON has no NaN)
+    lr: float
+    samples_per_s: float | None
+    frozen: int  # the layout's freeze boundary at this step
+
+
+class Evaluated(_Event):
+    """Held-out accuracy and loss at the end of an epoch."""
+
+    kind: Literal["eval"] = "eval"
+    epoch: int
+    step: int
+    accuracy: float
+    loss: float | None
+
+
+class CheckpointWritten(_Event):
+    """A checkpoint is durable and sealed (rank 0 reports; the controller verifies it on disk
+    before committing it)."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    path: str
+    size_bytes: int
+    checksum: str
+    seconds: float
+    blocked_s: float
+    state: TrainingState
+    layout_version: int
+
+
+class CheckpointFailed(_Event):
+    """A background checkpoint failed to write or seal; nothing was committed."""
+
+    kind: Literal["checkpoint_failed"] = "checkpoint_failed"
+    step: int
+    error: str
+
+
+class LayoutPlanned(_Event):
+    """The workers planned a layout from measurement (start-up AutoPipe, or a re-layout)."""
+
+    kind: Literal["layout"] = "layout"
+    layout: Layout
+    reason: str
+    seconds: float | None = None
+
+
+class FreezeDecided(_Event):
+    """A decision point moved the boundary, or answered a manual request."""
+
+    kind: Literal["freeze"] = "freeze"
+    step: int
+    previous: int
+    boundary: int
+    source: Literal["auto", "manual", "none"]
+    reason: str
+    request: FreezeRequest | UnreadableRequest | None = None
+    outcome: FreezeOutcome | None = None
+    outcome_reason: str = ""
+
+
+class CacheDecided(_Event):
+    """Whether AutoCache serves this rank's frozen prefix at a boundary, and why."""
+
+    kind: Literal["cache"] = "cache"
+    boundary: int
+    use: bool
+    reason: str
+    costs: dict[str, Any] | None = None
+    directory: str | None = None
+    ram_fraction: float | None = None
+
+
+class Finished(_Event):
+    """Rank 0: the job's training ended as asked (all steps, the target, or a stop)."""
+
+    kind: Literal["done", "stopped"]
+    outcome: RunOutcome
+
+
+class Failed(_Event):
+    """This rank's own exception (the agents restart it; the job fails when they stop)."""
+
+    kind: Literal["failed"] = "failed"
+    error: str
+    phase: Phase | None = None
+
+
+class PeerLost(_Event):
+    """A collective failed because a peer went away: not this rank's fault."""
+
+    kind: Literal["peer_lost"] = "peer_lost"
+    error: str
+    phase: Phase | None = None
+
+
+class Aborted(_Event):
+    """Left because the controller aborted the generation (last word, best effort)."""
+
+    kind: Literal["aborted"] = "aborted"
+    why: str
+
+
+class Left(_Event):
+    """Stopped by SIGTERM without finishing the graceful leave in time (last word)."""
+
+    kind: Literal["left"] = "left"
+    why: str
+
+
+class Leaving(_Event):
+    """Rank 0: these ranks were asked to leave (SIGTERM); everyone checkpointed this step and
+    leaves to re-form without them."""
+
+    kind: Literal["leaving"] = "leaving"
+    ranks: list[int]
+    step: int
+
+
+WorkerEvent = Annotated[
+    Started
+    | FirstStep
+    | Metrics
+    | Evaluated
+    | CheckpointWritten
+    | CheckpointFailed
+    | LayoutPlanned
+    | FreezeDecided
+    | CacheDecided
+    | Finished
+    | Failed
+    | PeerLost
+    | Aborted
+    | Left
+    | Leaving,
+    Field(discriminator="kind"),
+]
+# a rank's own account of how its part in a generation ended (the post-mortem's facts)
+RankEndReport = Failed | PeerLost | Aborted | Left
+
+_events: TypeAdapter[WorkerEvent] = TypeAdapter(WorkerEvent)
+
+
+class BadReport(ValueError):
+    """A report that is not a WorkerEvent; the message says which field and why."""
+
+
+def first_error(exc: ValidationError) -> str:
+    """One line naming the first offending field, e.g. `step: Field required`."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "(message)"
+    message = err["msg"]
+    if err["type"] == "union_tag_invalid":  # the discriminator names no known event
+        where, message = "kind", f"unknown kind {err['ctx']['tag']!r}"
+    elif err["type"] == "union_tag_not_found":
+        where, message = "kind", "missing"
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{where}: {message}{more}"
+
+
+def parse_event(raw: str | bytes) -> WorkerEvent:
+    """The event a worker put under `keys.event(...)`; BadReport if it is not one."""
+    try:
+        return _events.validate_json(raw)
+    except ValidationError as exc:
+        raise BadReport(first_error(exc)) from None
+
+
+def dump_event(event: WorkerEvent) -> str:
+    return event.model_dump_json()

@@ -1,0 +1,271 @@
+"""The dependency rules (docs/architecture.md, "Dependency rules") hold, and break when they
+should.
+
+The rules are import-linter contracts in pyproject.toml (`[tool.importlinter]`); scripts/test.sh
+runs `lint-imports` on them. Here the real tree must keep every contract, and a copy of the three
+packages with one forbidden import added must break the contract that forbids it, naming the chain
+(the line number of the added import proves the graph was built from the copy, not from the
+editable install). import-linter cannot forbid a subpackage of an external package, so the one rule
+it cannot state, "pure cores never touch torch.distributed", is checked here with grimp and ast.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("orchestrator", "trainer", "dashboard")
+CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+NAMES = {contract["id"]: contract["name"] for contract in CONFIG["contracts"]}
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(root: Path, *contracts: str) -> tuple[int, str]:
+    """Run lint-imports on the tree at `root` (all contracts, or the ones named): its exit
+    status and its output with every run of whitespace made one space (it wraps long names)."""
+    cmd = [str(LINT_IMPORTS), "--config", str(root / "pyproject.toml"), "--no-cache", "--no-logo"]
+    for contract in contracts:
+        cmd += ["--contract", contract]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    return proc.returncode, " ".join((proc.stdout + proc.stderr).split())
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A copy of the three packages and pyproject.toml, to break."""
+    for package in PACKAGES:
+        shutil.copytree(
+            ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def add_line(root: Path, module: str, line: str) -> int:
+    """Append `line` to `module`'s file under `root` (creating the module if it does not exist
+    yet); returns its line number."""
+    path = root.joinpath(*module.split(".")).with_suffix(".py")
+    text = path.read_text() if path.exists() else ""
+    if text and not text.endswith("\n"):
+        text += "\n"
+    path.write_text(f"{text}{line}\n")
+    return text.count("\n") + 1
+
+
+def test_config_names_every_contract():
+    assert LINT_IMPORTS.exists(), "import-linter is missing: pip install -e '.[test]'"
+    assert set(CONFIG["root_packages"]) == set(PACKAGES)
+    assert all(NAMES.values()) and len(NAMES) == len(CONFIG["contracts"])
+
+
+def test_real_tree_keeps_every_contract():
+    rc, out = lint(ROOT)
+    assert rc == 0, out
+    assert f"Contracts: {len(NAMES)} kept, 0 broken." in out, out
+
+
+# (case, lines added as (module, line), [(contract broken, chain named)]). "{n}" in a chain is
+# the added line's number; a chain of several imports is one string (the output joins them).
+VIOLATIONS = [
+    (
+        "freeze imports the SQL store",
+        [("trainer.freeze", "import orchestrator.store")],
+        [
+            ("pure-cores", "trainer.freeze -> orchestrator.store (l.{n})"),
+            ("trainer-to-orchestrator", "trainer.freeze -> orchestrator.store (l.{n})"),
+        ],
+    ),
+    (
+        "sampler imports the controller",
+        [("trainer.sampler", "from orchestrator import controller")],
+        [
+            ("pure-cores", "trainer.sampler -> orchestrator.controller (l.{n})"),
+            ("trainer-to-orchestrator", "trainer.sampler -> orchestrator.controller (l.{n})"),
+        ],
+    ),
+    (
+        "a pure core reaches a subprocess through a new module",
+        [("trainer.spawn", "import subprocess"), ("trainer.partition", "import trainer.spawn")],
+        [
+            (
+                "pure-cores",
+                "trainer.partition -> trainer.spawn (l.{n}) trainer.spawn -> subprocess (l.1)",
+            ),
+            ("pure-cores-closed", "trainer.partition -> trainer.spawn (l.{n})"),
+        ],
+    ),
+    (
+        "the planner is a pure core",
+        [("trainer.planner", "import trainer.cache")],
+        [("pure-cores", "trainer.planner -> trainer.cache (l.{n})")],
+    ),
+    (
+        "orchestrator imports the worker",
+        [("orchestrator.admission", "import trainer.worker")],
+        [("orchestrator-to-trainer", "orchestrator.admission -> trainer.worker (l.{n})")],
+    ),
+    (
+        "dashboard reaches trainer through the controller",
+        [("dashboard.figures", "import orchestrator.controller")],
+        [
+            (
+                "dashboard-not-trainer",
+                "dashboard.figures -> orchestrator.controller (l.{n}) "
+                "orchestrator.controller -> trainer.planner",
+            )
+        ],
+    ),
+    (
+        "trainer imports dashboard",
+        [("trainer.data", "import dashboard.figures")],
+        [("dashboard-is-a-leaf", "trainer.data -> dashboard.figures (l.{n})")],
+    ),
+    (
+        "trainer imports tests",
+        [("trainer.optim", "from tests import mp")],
+        [("no-tests-or-bench", "trainer.optim -> tests (l.{n})")],
+    ),
+    (
+        "dashboard imports bench",
+        [("dashboard.figures", "import bench._common")],
+        [("no-tests-or-bench", "dashboard.figures -> bench (l.{n})")],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "added, broken", [case[1:] for case in VIOLATIONS], ids=[case[0] for case in VIOLATIONS]
+)
+def test_a_forbidden_import_breaks_its_contract(tree, added, broken):
+    for module, line in added:
+        n = add_line(tree, module, line)  # the chains name the last line added
+    rc, out = lint(tree)
+    assert rc != 0, out
+    for contract, chain in broken:
+        rc, out = lint(tree, contract)
+        assert rc != 0, out
+        assert f"{NAMES[contract]} BROKEN" in out, out
+        assert chain.format(n=n) in out, out
+
+
+def test_the_allow_list_forbids_a_module_added_later(tree):
+    """trainer may import only the listed contract modules: a new orchestrator module is
+    forbidden without anyone having listed it."""
+    (tree / "orchestrator" / "novelty.py").write_text('"""A module added after the rules."""\n')
+    n = add_line(tree, "trainer.optim", "import orchestrator.novelty")
+    rc, out = lint(tree, "trainer-to-orchestrator")
+    assert rc != 0, out
+    assert f"{NAMES['trainer-to-orchestrator']} BROKEN" in out, out
+    assert f"trainer.optim -> orchestrator.novelty (l.{n})" in out, out
+
+
+def test_an_allowed_module_does_not_open_a_way_through(tree):
+    """trainer.checkpoint may import orchestrator.manifest. If manifest imported the launcher,
+    trainer would reach the fork server through it. The allow-list alone does not see that (its
+    ignored edge trainer.checkpoint -> orchestrator.manifest is taken out of the graph); the
+    closed contract does, at the import that opens the way."""
+    n = add_line(tree, "orchestrator.manifest", "import orchestrator.launch")
+    rc, out = lint(tree, "trainer-to-orchestrator")
+    assert "orchestrator.launch" not in out, out
+    rc, out = lint(tree, "orchestrator-contract-closed")
+    assert rc != 0, out
+    assert f"{NAMES['orchestrator-contract-closed']} BROKEN" in out, out
+    assert f"orchestrator.manifest -> orchestrator.launch (l.{n})" in out, out
+
+
+# Run in a fresh interpreter with the tree's root as its working directory (grimp finds packages
+# through sys.path, and in this process they are already imported from the real tree). Reads the
+# pure cores from the `pure-cores` contract, follows every import of ours from them, and prints
+# each use of torch.distributed (an import, or `torch.distributed` as an attribute) with a chain.
+DISTRIBUTED_CHECK = r"""
+import ast, sys, tomllib
+from pathlib import Path
+import grimp
+
+config = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["importlinter"]
+graph = grimp.build_graph(*config["root_packages"], cache_dir=None)
+(contract,) = [c for c in config["contracts"] if c["id"] == "pure-cores"]
+cores = set()
+for expression in contract["source_modules"]:
+    cores |= graph.find_matching_modules(expression) if "*" in expression else {expression}
+reached = {core: core for core in cores}
+for core in sorted(cores):
+    for module in graph.find_upstream_modules(core):
+        reached.setdefault(module, core)
+
+
+def dotted(node):
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return [f"{node.value.id}.{node.attr}"]
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return []
+
+
+found = 0
+for module, core in sorted(reached.items()):
+    path = Path(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    source = path.read_text()
+    for node in ast.walk(ast.parse(source)):
+        if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in dotted(node)):
+            chain = core
+            if module != core:
+                chain = " -> ".join(graph.find_shortest_chain(importer=core, imported=module))
+            line = source.splitlines()[node.lineno - 1].strip()
+            print(f"{path}:{node.lineno}: {line}  [pure core {chain}]")
+            found += 1
+print(f"{len(reached)} modules reached from {len(cores)} pure cores; {found} use torch.distributed")
+sys.exit(1 if found else 0)
+"""
+
+
+def distributed_check(root: Path) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-c", DISTRIBUTED_CHECK],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_pure_cores_never_touch_torch_distributed():
+    rc, out = distributed_check(ROOT)
+    assert rc == 0, out
+    assert "0 use torch.distributed" in out, out
+
+
+@pytest.mark.parametrize(
+    "added, where",
+    [
+        ([("trainer.sampler", "import torch.distributed as dist")], "trainer/sampler.py"),
+        (
+            [
+                ("trainer.reduce", "import torch\n\nreduce = torch.distributed.all_reduce"),
+                ("trainer.models", "from trainer import reduce"),
+            ],
+            "trainer/reduce.py:3",
+        ),
+    ],
+    ids=["directly", "through a new module, as an attribute"],
+)
+def test_torch_distributed_in_a_pure_core_fails(tree, added, where):
+    for module, line in added:
+        add_line(tree, module, line)
+    rc, out = distributed_check(tree)
+    assert rc != 0, out
+    assert where in out, out

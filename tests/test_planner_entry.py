@@ -1,0 +1,197 @@
+"""trainer.planner.plan_layout, the one planning entry point: which situation its arguments
+select, what each answers (checked against the planner search it wraps), the sizes a measured
+plan needs, and the old entry points that still delegate to it."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.spec import JobSpec
+from orchestrator.state import Layout
+from trainer import planner
+from trainer import profile as profile_mod
+from trainer.partition import BlockProfile, CostModel, PlanError, Profile, plan
+from trainer.planner import Planned, plan_layout, profile_sizes
+
+
+def _spec(depth: int = 8, **parallel) -> JobSpec:
+    base = {"stages": 2, "replicas": 2, "microbatches": "auto", "partition": "autopipe"}
+    return JobSpec.model_validate(
+        {
+            "name": "entry",
+            "model": {"depth": depth},
+            "training": {"global_batch_size": 48},
+            "parallel": {**base, **parallel},
+        }
+    )
+
+
+def _profiles(depth: int, sizes: set[int]) -> dict[int, Profile]:
+    """Made-up measurements: a fixed cost per micro-batch plus a per-sample one, blocks slower
+    towards the end, so that different shapes and counts win for different reasons."""
+
+    def unit(j: int, b: int) -> BlockProfile:
+        return BlockProfile(0.3 + 0.01 * b + 0.002 * j * b, 0.6 + 0.02 * b, 100 * b, 1000, 50 * b)
+
+    return {
+        b: Profile(
+            tuple(unit(j, b) for j in range(depth)),
+            BlockProfile(0.1 + 0.01 * b, 0.1, 100 * b, 5000, 10 * b),
+            BlockProfile(0.05, 0.05, 10 * b, 300, 5 * b),
+            b,
+        )
+        for b in sizes
+    }
+
+
+def _ranges(layout: Layout) -> list[tuple[int, int]]:
+    return [(s.start, s.end) for s in layout.stages]
+
+
+# -- without measurement (the controller) ------------------------------------------------------
+
+
+def test_initial_layout() -> None:
+    spec = _spec(10, stages=4, replicas=1, microbatches=8, partition="uniform")
+    planned = plan_layout(spec)
+    assert isinstance(planned, Planned) and planned.reason == "initial"
+    layout = planned.layout
+    assert layout.version == 1 and layout.planner == "uniform" and layout.microbatches == 8
+    assert _ranges(layout) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert _ranges(layout) == planner.initial_ranges(spec)
+    # `auto` starts with the smallest candidate for the spec's depth until workers measure
+    assert plan_layout(_spec()).layout.microbatches == 2
+    with pytest.raises(ValueError, match="pass world"):
+        plan_layout(spec, current=layout)  # a current layout without a world is a re-form
+
+
+def test_reformed_world_reason_and_version() -> None:
+    spec = _spec(partition="uniform", microbatches=4)
+    current = plan_layout(spec).layout
+    shrunk = plan_layout(spec, world=2, current=current)
+    assert shrunk.reason == "re-formed for 2 worker(s)"
+    assert shrunk.layout.version == current.version + 1 and shrunk.layout.world_size == 2
+    frozen = plan_layout(spec, world=4, boundary=2, current=current)
+    assert (
+        frozen.reason == "re-formed for 4 worker(s) at the resumed checkpoint's freeze boundary 2"
+    )
+    assert frozen.layout.stages[0].start == 2
+    assert plan_layout(spec, world=4).layout.version == 1  # nothing to re-form from
+    with pytest.raises(PlanError, match="no workers"):
+        plan_layout(spec, world=0)
+
+
+# -- with measurement (the workers) ------------------------------------------------------------
+
+
+def test_startup_plans_the_spec_shape_from_measurement() -> None:
+    spec = _spec()
+    current = plan_layout(spec).layout
+    sizes = profile_sizes(spec, boundary=0)
+    assert sizes == {24 // m for m in (2, 3, 4, 6, 8, 12)}  # candidates in [S, 6S] of 24
+    profiles = _profiles(8, sizes)
+    planned = plan_layout(spec, world=4, current=current, profiles=profiles)
+    expected = plan(
+        profiles,
+        devices=4,
+        global_batch=48,
+        cost=CostModel(schedule="gpipe"),
+        microbatches=[2, 3, 4, 6, 8, 12],
+        stages=2,
+        replicas=2,
+    )
+    layout = planned.layout
+    assert (layout.pipeline_ranks, layout.replicas) == (2, 2)  # S and R stay the spec's
+    assert _ranges(layout) == list(expected.ranges)
+    assert layout.microbatches == expected.microbatches
+    assert layout.planner == "autopipe" and layout.version == current.version + 1
+    assert planned.reason == f"autopipe: {expected.summary()}"
+    # world defaults to the spec's: the same situation
+    assert plan_layout(spec, current=current, profiles=profiles) == planned
+
+
+def test_startup_keeps_the_even_cuts_unless_the_partition_is_autopipe() -> None:
+    spec = _spec(10, stages=4, replicas=1, partition="uniform")
+    current = plan_layout(spec).layout
+    profiles = _profiles(10, profile_sizes(spec))
+    planned = plan_layout(spec, world=4, current=current, profiles=profiles)
+    assert _ranges(planned.layout) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert planned.layout.planner == "autopipe"
+
+
+def test_relayout_searches_every_shape_of_the_world() -> None:
+    spec = _spec(microbatches=4)
+    current = plan_layout(spec).layout
+    sizes = profile_sizes(spec, world=4, boundary=2)
+    # shapes 1x4 (batch 12), 2x2 (24), 4x1 (48), each with the spec's 4 micro-batches
+    assert sizes == {3, 6, 12}
+    profiles = _profiles(8, sizes)
+    planned = plan_layout(spec, world=4, boundary=2, current=current, profiles=profiles)
+    cost = CostModel(freeze_boundary=2)
+    options = [
+        plan(
+            {48 // r // 4: profiles[48 // r // 4]},
+            devices=4,
+            global_batch=48,
+            cost=cost,
+            microbatches=[4],
+            stages=s,
+            replicas=r,
+            allowed_cuts=range(3, 8),
+        )
+        for s, r in ((1, 4), (2, 2), (4, 1))
+    ]
+    best = min(options, key=lambda p: (p.step_time_s, p.stages))
+    layout = planned.layout
+    assert layout.freeze_boundary == 2 and layout.stages[0].start == 2  # frozen prefix left
+    assert [(max(a, 2), c) for a, c in best.ranges] == _ranges(layout)
+    assert (layout.replicas, layout.microbatches) == (best.replicas, best.microbatches)
+    assert layout.planner == "autopipe" and layout.version == current.version + 1
+    assert planned.reason == f"F=2: {best.summary()}"
+    # a re-formed world the workers measure (boundary 0, another world) is a re-layout too
+    again = plan_layout(spec, world=2, current=current, profiles=_profiles(8, {6, 12, 24}))
+    assert again.reason.startswith("F=0: ") and again.layout.world_size == 2
+    assert profile_sizes(spec, world=2) == {6, 12}  # 1x2 (batch 24) and 2x1 (48), m=4
+
+
+def test_measured_plans_need_a_current_layout_and_a_shape_that_fits() -> None:
+    spec = _spec()
+    with pytest.raises(ValueError, match="pass current"):
+        plan_layout(spec, profiles=_profiles(8, {4}))
+    # 7 frozen blocks leave one active block: of 2x1 and 1x2 only 1 stage x 2 replicas fits
+    assert profile_sizes(spec, world=2, boundary=7) == {24 // m for m in (1, 2, 3, 4, 6)}
+    with pytest.raises(PlanError, match="no stages x replicas = 5"):
+        profile_sizes(_spec(depth=2), world=5, boundary=1)  # 1 active block, batch 48 / 5
+
+
+def test_fewer_measurements_than_asked_are_interpolated() -> None:
+    spec = _spec()
+    current = plan_layout(spec).layout
+    planned = plan_layout(spec, current=current, profiles=_profiles(8, {2, 12}))
+    assert planned.layout.world_size == 4 and planned.layout.planner == "autopipe"
+
+
+# -- the measuring edge and the old entry points -------------------------------------------------
+
+
+@pytest.fixture
+def fake_measure(monkeypatch) -> list[set[int]]:
+    asked: list[set[int]] = []
+
+    def measure(model_spec, sizes, *args, **kwargs):
+        asked.append(set(sizes))
+        return _profiles(model_spec.depth, set(sizes))
+
+    monkeypatch.setattr(profile_mod, "measure_profiles", measure)
+    return asked
+
+
+def test_measured_layout_measures_what_the_planner_asks_for(fake_measure) -> None:
+    spec = _spec(microbatches=4)
+    current = plan_layout(spec).layout
+    planned = profile_mod.measured_layout(spec, world=4, boundary=2, current=current)
+    assert fake_measure == [profile_sizes(spec, world=4, boundary=2)]
+    direct = plan_layout(
+        spec, world=4, boundary=2, current=current, profiles=_profiles(8, fake_measure[0])
+    )
+    assert planned == direct

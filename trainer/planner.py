@@ -1,0 +1,312 @@
+"""The one planning entry point: which `Layout` a job runs under, for the controller and the
+workers alike. Pure and deterministic (no torch, no I/O): measurements come in as `profiles`
+(`trainer.profile.measured_layout` measures what `profile_sizes` asks for and calls this).
+
+`plan_layout(spec, world=, boundary=, current=, profiles=)` tells four situations apart by its
+arguments; each is what one call site needs:
+
+* initial (`world` None, no `profiles`): the spec's `stages x virtual_stages` stages with the even
+  split (`uniform_partition`: earlier stages take the remainder), placed on ranks as the schedule
+  expects, `parallel.replicas` replicas, version 1. With `microbatches: auto` the count is
+  provisional (the smallest candidate for `parallel.stages`) until the workers measure. The
+  controller records it when a job is created or first published.
+* re-formed world (`world` given, no `profiles`): `world` workers after a node was lost or came
+  back, blocks [0, boundary) frozen and out of the pipeline, the rest split evenly. The current
+  pipeline depth is kept where it divides the world (the rest become replicas), else shallower
+  depths are tried, then deeper ones; the current micro-batch count is kept where the replica
+  batch and the schedule allow it, else the first candidate the schedule accepts. Version
+  current + 1 (1 without a current layout). The controller's answer to a new rendezvous.
+* start-up measurement (`profiles`, `boundary` 0 and `world` the spec's world): AutoPipe on the
+  measured profiles with S and R fixed to the spec's (the launched world): the partition when
+  `parallel.partition` is 'autopipe' (else the current layout's cuts stay), the micro-batch count
+  when it is 'auto' (else the spec's). Marked `planner="autopipe"`, version current + 1.
+* re-layout (`profiles` otherwise: after a freeze, or a re-formed world the workers measure):
+  AutoPipe + AutoDP: every S' x R' = world with S' <= active blocks and R' dividing the batch is
+  planned (cuts only after the boundary, the frozen prefix out of the pipeline; the spec's
+  micro-batch count where it divides the replica batch, else the candidates), and the lowest
+  predicted step time wins (ties: fewer stages). Marked `planner="autopipe"`, version current + 1.
+
+`needs_measurement(spec, layout)` says whether a worker should measure before training under an
+assigned layout; then, and at every re-layout, it calls `trainer.profile.measured_layout` with
+the same `world`, `boundary` and `current`. Raises PlanError, saying why, when nothing fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, NamedTuple
+
+from orchestrator.spec import SCHEDULES, JobSpec, schedule_problem
+from orchestrator.state import Layout
+from trainer.partition import (
+    CostModel,
+    PlanError,
+    Profile,
+    microbatch_candidates,
+    plan,
+    uniform_partition,
+)
+
+__all__ = [
+    "PlanError",
+    "Planned",
+    "cost_model",
+    "initial_ranges",
+    "needs_measurement",
+    "plan_layout",
+    "profile_sizes",
+    "recompute_flags",
+]
+
+Situation = Literal["initial", "reformed", "startup", "relayout"]
+
+
+class Planned(NamedTuple):
+    """A layout and the one-line reason the layout record keeps for it."""
+
+    layout: Layout
+    reason: str
+
+
+def initial_ranges(spec: JobSpec) -> list[tuple[int, int]]:
+    """The block ranges of the spec's own stages (the even split): what the initial layout runs
+    and what per-stage settings in the spec (a `recompute` list) are written for."""
+    return uniform_partition(spec.model.depth, spec.parallel.num_stages)
+
+
+def cost_model(spec: JobSpec, boundary: int) -> CostModel:
+    """The planner's cost model for a job with blocks [0, boundary) frozen."""
+    p = spec.parallel
+    return CostModel(freeze_boundary=boundary, schedule=p.schedule, recompute=p.recomputes_any)
+
+
+def needs_measurement(spec: JobSpec, layout: Layout) -> bool:
+    """Whether workers should re-plan `layout` from measurement before training under it: the
+    spec asks for AutoPipe or an automatic micro-batch count, and it was not measured yet."""
+    p = spec.parallel
+    return layout.planner != "autopipe" and (p.partition == "autopipe" or p.microbatches == "auto")
+
+
+def _situation(spec: JobSpec, world: int | None, boundary: int, measured: bool) -> Situation:
+    if not measured:
+        return "initial" if world is None else "reformed"
+    if boundary == 0 and world == spec.parallel.world_size:
+        return "startup"
+    return "relayout"
+
+
+def plan_layout(
+    spec: JobSpec,
+    *,
+    world: int | None = None,
+    boundary: int = 0,
+    current: Layout | None = None,
+    profiles: Mapping[int, Profile] | None = None,
+) -> Planned:
+    """The layout for `spec` in the situation the arguments describe (module docstring):
+    initial (no `world`), re-formed world (`world`), start-up measurement or re-layout
+    (`profiles`, measured at the sizes `profile_sizes` names; `world` defaults to the spec's and
+    `current` is required). Raises PlanError when nothing fits, ValueError on contradictory
+    arguments."""
+    if profiles is not None and world is None:
+        world = spec.parallel.world_size
+    situation = _situation(spec, world, boundary, profiles is not None)
+    if situation == "initial":
+        if current is not None or boundary:
+            raise ValueError("the initial layout takes no current layout or boundary: pass world")
+        return Planned(_initial(spec), "initial")
+    assert world is not None
+    if situation == "reformed":
+        return _reformed(spec, world, boundary, current)
+    if current is None:
+        raise ValueError("a measured plan replaces a current layout: pass current")
+    assert profiles is not None
+    if situation == "startup":
+        return _startup(spec, boundary, current, profiles)
+    return _relayout(spec, world, boundary, current, profiles)
+
+
+def profile_sizes(spec: JobSpec, *, world: int | None = None, boundary: int = 0) -> set[int]:
+    """The micro-batch sizes (samples) a measured `plan_layout` with these arguments needs
+    profiles at. Raises PlanError when no shape fits the world (before anything is measured)."""
+    world = spec.parallel.world_size if world is None else world
+    gb = spec.training.global_batch_size
+    if _situation(spec, world, boundary, measured=True) == "startup":
+        replica_batch = gb // spec.parallel.replicas
+        return {replica_batch // m for m in _startup_counts(spec)}
+    counts = _relayout_counts(spec, world, boundary)
+    return {gb // r // m for (_, r), ms in counts.items() for m in ms}
+
+
+def recompute_flags(spec: JobSpec, layout: Layout) -> list[bool]:
+    """Activation recomputation per stage of `layout`. A per-stage list in the spec is written
+    for the spec's own stages (`initial_ranges`); once a re-layout or a recovery changes the
+    stages, it carries over by block: a new stage recomputes if any of its blocks was in a
+    recomputing stage."""
+    flags = spec.parallel.recompute
+    if isinstance(flags, bool):
+        return [flags] * layout.num_stages
+    per_block = [False] * layout.num_blocks
+    for (start, end), flag in zip(initial_ranges(spec), flags, strict=True):
+        per_block[start:end] = [flag] * (end - start)
+    return [any(per_block[s.start : s.end]) for s in layout.stages]
+
+
+# ----------------------------------------------------------------------------------------------
+# The four situations
+
+
+def _initial(spec: JobSpec) -> Layout:
+    p = spec.parallel
+    m = p.microbatches
+    if m == "auto":
+        m = microbatch_candidates(p.stages, spec.training.global_batch_size // p.replicas)[0]
+    return Layout.build(
+        initial_ranges(spec),
+        num_blocks=spec.model.depth,
+        replicas=p.replicas,
+        microbatches=m,
+        schedule=p.schedule,
+        virtual_stages=p.virtual_stages,
+        placement=SCHEDULES[p.schedule].placement,
+        version=1,
+    )
+
+
+def _world_shapes(preferred: int, world: int) -> list[int]:
+    """Pipeline depths dividing `world`, in the order a re-formed job tries them: the current
+    depth first, then shallower ones (more replicas), then deeper ones."""
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    return sorted(divs, key=lambda d: (d > preferred, -d if d <= preferred else d))
+
+
+def _reformed(spec: JobSpec, world: int, boundary: int, current: Layout | None) -> Planned:
+    p = spec.parallel
+    L, f, gb = spec.model.depth, boundary, spec.training.global_batch_size
+    if world < 1:
+        raise PlanError(f"no workers to plan for (world {world})")
+    preferred = current.pipeline_ranks if current is not None else p.stages
+    virtual = current.virtual_stages if current is not None else p.virtual_stages
+    m_now = current.microbatches if current is not None else p.microbatches
+    why: list[str] = []
+    for depth in _world_shapes(preferred, world):
+        replicas, stages = world // depth, depth * virtual
+        if stages > L - f:
+            why.append(f"{depth}x{replicas}: {stages} stages > {L - f} active blocks")
+            continue
+        if gb % replicas:
+            why.append(f"{depth}x{replicas}: batch {gb} does not split into {replicas} replicas")
+            continue
+        options = microbatch_candidates(stages, gb // replicas)
+        if m_now != "auto" and (gb // replicas) % m_now == 0:
+            options = [m_now, *options]
+        m = next(
+            (m for m in options if schedule_problem(p.schedule, depth, virtual, m) is None), None
+        )
+        if m is None:
+            why.append(f"{depth}x{replicas}: no micro-batch count suits {p.schedule!r}")
+            continue
+        ranges = [(a + f, b + f) for a, b in uniform_partition(L - f, stages)]
+        layout = Layout.build(
+            ranges,
+            num_blocks=L,
+            replicas=replicas,
+            microbatches=m,
+            schedule=p.schedule,
+            virtual_stages=virtual,
+            placement=SCHEDULES[p.schedule].placement,
+            version=(current.version + 1) if current is not None else 1,
+            freeze_boundary=f,
+        )
+        reason = f"re-formed for {world} worker(s)"
+        if current is not None and current.freeze_boundary != f:
+            reason += f" at the resumed checkpoint's freeze boundary {f}"
+        return Planned(layout, reason)
+    raise PlanError(f"no layout fits {world} worker(s): " + "; ".join(why))
+
+
+def _restrict(profiles: Mapping[int, Profile], sizes: set[int]) -> dict[int, Profile]:
+    """The profiles at `sizes` when all were measured; else all of them (the planner then
+    interpolates between the measured sizes)."""
+    if sizes <= profiles.keys():
+        return {b: profiles[b] for b in sizes}
+    return dict(profiles)
+
+
+def _startup_counts(spec: JobSpec) -> list[int]:
+    p = spec.parallel
+    if p.microbatches != "auto":
+        return [p.microbatches]
+    return microbatch_candidates(p.stages, spec.training.global_batch_size // p.replicas)
+
+
+def _startup(
+    spec: JobSpec, boundary: int, current: Layout, profiles: Mapping[int, Profile]
+) -> Planned:
+    p, gb = spec.parallel, spec.training.global_batch_size
+    counts = _startup_counts(spec)
+    keep_cuts = None if p.partition == "autopipe" else [s.start for s in current.stages[1:]]
+    best = plan(
+        _restrict(profiles, {gb // p.replicas // m for m in counts}),
+        devices=p.world_size,
+        global_batch=gb,
+        cost=cost_model(spec, boundary),
+        microbatches=counts,
+        stages=p.stages,
+        replicas=p.replicas,
+        allowed_cuts=keep_cuts,
+    )
+    layout = best.to_layout(version=current.version + 1, schedule=p.schedule)
+    return Planned(layout.model_copy(update={"planner": "autopipe"}), f"autopipe: {best.summary()}")
+
+
+def _relayout_counts(spec: JobSpec, world: int, boundary: int) -> dict[tuple[int, int], list[int]]:
+    """Micro-batch counts to try per (stages, replicas) shape of `world` a re-layout considers."""
+    p, L, f = spec.parallel, spec.model.depth, boundary
+    gb = spec.training.global_batch_size
+    shapes = [
+        (s, world // s)
+        for s in range(1, world + 1)
+        if world % s == 0 and s <= L - f and gb % (world // s) == 0
+    ]
+    if not shapes:
+        raise PlanError(f"no stages x replicas = {world} fits {L - f} active blocks and batch {gb}")
+    counts: dict[tuple[int, int], list[int]] = {}
+    for s, r in shapes:
+        fixed = p.microbatches != "auto" and (gb // r) % p.microbatches == 0
+        counts[(s, r)] = [p.microbatches] if fixed else microbatch_candidates(s, gb // r)
+    return counts
+
+
+def _relayout(
+    spec: JobSpec, world: int, boundary: int, current: Layout, profiles: Mapping[int, Profile]
+) -> Planned:
+    p, L, f = spec.parallel, spec.model.depth, boundary
+    gb = spec.training.global_batch_size
+    cost = cost_model(spec, f)
+    plans = [
+        plan(
+            _restrict(profiles, {gb // r // m for m in ms}),
+            devices=world,
+            global_batch=gb,
+            cost=cost,
+            microbatches=ms,
+            stages=s,
+            replicas=r,
+            allowed_cuts=range(f + 1, L),
+        )
+        for (s, r), ms in _relayout_counts(spec, world, f).items()
+    ]
+    best = min(plans, key=lambda pl: (pl.step_time_s, pl.stages))
+    ranges = [(max(a, f), b) for a, b in best.ranges]  # frozen blocks leave the pipeline
+    layout = Layout.build(
+        ranges,
+        num_blocks=L,
+        replicas=best.replicas,
+        microbatches=best.microbatches,
+        schedule=p.schedule,
+        version=current.version + 1,
+        freeze_boundary=f,
+        planner="autopipe",
+    )
+    return Planned(layout, f"F={f}: {best.summary()}")

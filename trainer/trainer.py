@@ -1,0 +1,353 @@
+"""One rank's training run: the train loop and what it does at step boundaries.
+
+    step -> (first step: report) -> leave? -> end of epoch: evaluate, target reached?
+         -> periodic checkpoint -> decision point: AutoFreeze, re-layout if the boundary moved
+         -> control point: stop?
+
+Every rank runs the same loop and reaches every collective at the same step; decisions are taken
+on one rank and agreed over the control group (`trainer.collective`). The collaborators are
+explicit: `TrainState` (where training is, under which layout), `Checkpointing`, `Freezing`, and
+the `RankPipeline` + optimizer built for the layout in force (`trainer.relayout`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from orchestrator import keys
+from orchestrator.etcd_client import EtcdClient
+from orchestrator.manifest import read_meta, verify_checkpoint
+from orchestrator.protocol import (
+    Assignment,
+    CacheDecided,
+    Control,
+    Evaluated,
+    FirstStep,
+    LayoutPlanned,
+    Leaving,
+    Metrics,
+    RunOutcome,
+    Started,
+)
+from orchestrator.spec import JobSpec
+from orchestrator.state import Layout, StageLayout
+from trainer.cache import ActivationCache, CachePolicy
+from trainer.checkpointing import Checkpointing
+from trainer.collective import flag_from, from_rank0, ranks_where
+from trainer.data import Split, load_dataset
+from trainer.freeze import is_decision_point
+from trainer.freezing import Freezing
+from trainer.optim import lr_at, set_lr
+from trainer.pipeline import RankPipeline
+from trainer.planner import Planned, needs_measurement
+from trainer.process import LeaveRequest, Reporter, node_id
+from trainer.profile import measured_layout
+from trainer.relayout import build_training
+from trainer.sampler import IGNORE, ElasticSampler
+from trainer.train_state import TrainState
+
+log = logging.getLogger("pipetransformer.worker")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rank knows about its job and generation for its whole life."""
+
+    job_id: str
+    spec: JobSpec
+    assignment: Assignment
+    rank: int
+    world: int
+    etcd: EtcdClient
+    reporter: Reporter
+
+
+class Trainer:
+    """One rank's training run. A re-layout swaps the pipeline, optimizer and placement in
+    place; epoch, step, LR schedule position and the sampler cursor carry over."""
+
+    def __init__(self, ctx: Context, layout: Layout, leave: LeaveRequest | None = None):
+        self.ctx, self.spec, self.tspec = ctx, ctx.spec, ctx.spec.training
+        self.leave = leave or LeaveRequest()
+        self.data = load_dataset(self.spec.data, self.spec.model)
+        self.sampler = ElasticSampler(
+            len(self.data.train), self.tspec.global_batch_size, self.tspec.seed
+        )
+        total = self.tspec.epochs * self.sampler.steps_per_epoch()
+        self.total_steps = min(total, self.tspec.max_steps or total)
+        start = ctx.assignment.start
+        self.state = TrainState.start(
+            ctx.assignment, layout, read_meta(start.checkpoint) if start.checkpoint else None
+        )
+        self.checkpoints = Checkpointing(
+            self.spec, ctx.rank, ctx.reporter, ctx.assignment.checkpoint_dir, start
+        )
+        self.freezing = Freezing(self.spec, ctx.rank, ctx.etcd, ctx.job_id, ctx.reporter)
+        self.cache: ActivationCache | None = None
+        self._build(load_from=start.checkpoint, checksum=ctx.assignment.resume_checksum)
+
+    # -- where this rank sits in the layout in force ------------------------------------------------
+
+    @property
+    def layout(self) -> Layout:
+        return self.state.layout
+
+    @property
+    def stages(self) -> list[StageLayout]:
+        return [s for s, _ in self.layout.placements(self.ctx.rank)]
+
+    @property
+    def replica(self) -> int:
+        return self.layout.placement(self.ctx.rank)[1]
+
+    @property
+    def reports_loss(self) -> bool:
+        """One rank owns the loss of the global batch."""
+        return self.replica == 0 and self.pipe.is_last
+
+    def _build(self, load_from: str | None, checksum: str | None = None) -> None:
+        """This rank's pipeline and optimizer for the layout in force (collective)."""
+        if load_from and checksum:
+            verify_checkpoint(load_from, checksum)
+        self.pipe, self.optimizer = build_training(self.spec, self.layout, self.ctx.rank, load_from)
+        # dropout draws from torch's global generator, which a fresh process seeds at random
+        # (building the model leaves it as it was): give each rank its own stream from here on
+        # (stages and replicas draw different masks), the same whenever the run is repeated
+        torch.manual_seed(dropout_seed(self.tspec.seed, self.ctx.rank, self.state.step))
+        self._attach_cache()
+
+    def _attach_cache(self) -> None:
+        """AutoCache on a rank that runs a frozen prefix: one cache per process (files shared by
+        the node's processes), re-keyed at each boundary, used where it is measured cheaper."""
+        prefix, mode = self.pipe.model.prefix, self.spec.freeze.cache
+        if prefix is None or mode == "off":
+            return
+        f = self.state.boundary
+        if self.cache is None:
+            directory = Path(self.ctx.assignment.checkpoint_dir).parent / "cache"
+            self.cache = ActivationCache.for_model(directory, self.spec.model, len(self.data.train))
+        self.cache.set_boundary(f, prefix.fingerprints(f))
+        batch = self.tspec.global_batch_size // self.layout.replicas
+        sample = self.data.train.inputs[:batch]
+        decision = self.cache.decide(CachePolicy(mode), prefix, sample, f)
+        self.pipe.cache = self.cache if decision.use else None
+        log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, decision.reason)
+        self.ctx.reporter.emit(CacheDecided, boundary=f, **decision.as_dict())
+
+    def _checkpoint(self, reason: str, wait: bool = True, continues_under: Layout | None = None):
+        self.checkpoints.save(
+            self.state, self.pipe.model, self.optimizer, reason, wait, continues_under
+        )
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> RunOutcome:
+        ctx, spec, st = self.ctx, self.spec, self.state
+        ctx.reporter.emit(
+            Started,
+            stages=[s.index for s in self.stages],
+            replica=self.replica,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            node=node_id(),
+            total_steps=self.total_steps,
+        )
+        first = True
+        while not self._finished():
+            epoch_done = self.step()
+            if first and ctx.rank == 0:  # how long the (re)start took, for the record
+                ctx.reporter.emit(FirstStep, step=st.step)
+            first = False
+            if self._leaving():
+                return RunOutcome.LEAVE
+            if epoch_done and self._evaluate_and_check_target():
+                self._checkpoint("target")
+                return RunOutcome.TARGET
+            self.checkpoints.periodic(st, self.pipe.model, self.optimizer, epoch_done)
+            # decision points run with policy 'off' too: a manual override is applied there
+            if not self._finished() and is_decision_point(spec.freeze, st.step, epoch_done):
+                decision = self.freezing.decide(st)
+                if decision.boundary > st.boundary:
+                    self.relayout(decision.boundary, decision.reason)
+            if st.step % spec.runtime.control_every_steps == 0 or epoch_done:
+                if self._control() == Control.STOP:
+                    self._checkpoint("stop")
+                    return RunOutcome.STOPPED
+        self._checkpoint("end")
+        return RunOutcome.DONE
+
+    def _finished(self) -> bool:
+        return self.state.epoch >= self.tspec.epochs or self.state.step >= self.total_steps
+
+    def step(self) -> bool:
+        """One optimizer step; returns whether it ended an epoch."""
+        pipe, st = self.pipe, self.state
+        t0 = time.perf_counter()
+        p = st.progress
+        b = self.sampler.batch(p.epoch, p.samples_consumed, self.layout.replicas, self.replica)
+        inputs, targets = _replica_inputs(pipe, self.data.train, b.indices, b.valid)
+        lr = lr_at(p.step, self.total_steps, self.tspec)
+        set_lr(self.optimizer, lr)
+        loss = pipe.train_step(inputs, targets, b.global_valid, indices=b.indices)
+        norms = pipe.sync_and_clip(self.tspec.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.freezing.observe(norms.per_block)
+        if pipe.is_last and pipe.groups.data_parallel is not None:
+            total = torch.tensor([loss])
+            dist.all_reduce(total, group=pipe.groups.data_parallel)
+            loss = float(total)
+        epoch_done = st.advance(cursor=b.next_cursor, epoch_len=len(self.data.train), lr=lr)
+        if self.reports_loss:
+            self.ctx.reporter.emit(
+                Metrics,
+                step=st.step,
+                epoch=st.epoch,
+                samples_consumed=st.progress.samples_consumed,
+                loss=loss,
+                lr=lr,
+                samples_per_s=b.global_valid / (time.perf_counter() - t0),
+                frozen=st.boundary,
+            )
+        return epoch_done
+
+    def _leaving(self) -> bool:
+        """Whether any rank was asked to leave (SIGTERM) during this step: then everyone
+        checkpoints this step and exits, and the agents re-form the job without the leaver."""
+        ctx = self.ctx
+        ranks = ranks_where(self.leave.requested, ctx.rank, ctx.world)
+        if not ranks:
+            return False
+        self._checkpoint("leave")
+        if ctx.rank == 0:
+            ctx.reporter.emit(Leaving, ranks=ranks, step=self.state.step)
+        return True
+
+    def _evaluate_and_check_target(self) -> bool:
+        """End of an epoch: held-out accuracy (reported from the last stage), and whether it
+        reached the target (decided on the last stage, known everywhere)."""
+        result = evaluate(
+            self.pipe, self.data.test, self.tspec.global_batch_size, self.layout, self.replica
+        )
+        if result is not None and self.replica == 0:
+            accuracy, loss = result
+            self.ctx.reporter.emit(
+                Evaluated,
+                epoch=self.state.epoch,
+                step=self.state.step,
+                accuracy=accuracy,
+                loss=loss,
+            )
+        target = self.tspec.target_accuracy
+        if target is None:
+            return False
+        reached = result is not None and result[0] >= target
+        return flag_from(self.layout.stages[-1].ranks[0], reached)
+
+    def _control(self) -> Control:
+        """Rank 0 reads the control key; everyone gets its answer at the same step."""
+        key = keys.control(self.ctx.job_id)
+        return from_rank0(self.ctx.rank, lambda: Control.read(self.ctx.etcd.get(key)))
+
+    # -- AutoPipe + AutoDP ------------------------------------------------------------------------
+
+    def relayout(self, boundary: int, why: str) -> None:
+        """AutoPipe + AutoDP in the running processes: plan the layout for the new boundary
+        (rank 0 measures; everyone adopts), commit state, rebuild the training groups, and load
+        each block's weights and optimizer state onto its new owner from the committed
+        checkpoint (resharded by block name). Frozen blocks keep their exact values."""
+        t0 = time.monotonic()
+        planned = agree_on_layout(
+            self.ctx.rank,
+            lambda: measured_layout(
+                self.spec, world=self.ctx.world, boundary=boundary, current=self.layout
+            ),
+        )
+        self._checkpoint("relayout", continues_under=planned.layout)
+        self.pipe.destroy_groups()
+        self.state.adopt(planned.layout)
+        self._build(load_from=self.state.progress.checkpoint)
+        dist.barrier()
+        report_layout(
+            self.ctx, planned, f"autofreeze ({why}); {planned.reason}", time.monotonic() - t0
+        )
+
+
+def agree_on_layout(rank: int, plan: Callable[[], Planned]) -> Planned:
+    """Plan on rank 0 (it measures the model on its device), the same layout on every rank."""
+    return from_rank0(rank, plan)
+
+
+def report_layout(ctx: Context, planned: Planned, reason: str, seconds: float) -> None:
+    """Rank 0 tells the controller, which records the layout as the job's current one."""
+    if ctx.rank == 0:
+        ctx.reporter.emit(LayoutPlanned, layout=planned.layout, reason=reason, seconds=seconds)
+
+
+def startup_layout(ctx: Context, layout: Layout) -> Layout:
+    """The layout to train under: the assigned one, or one planned from measurement when the
+    spec asks for AutoPipe or an automatic micro-batch count and it was not measured yet."""
+    if not needs_measurement(ctx.spec, layout):
+        return layout
+    t0 = time.monotonic()
+    planned = agree_on_layout(
+        ctx.rank,
+        lambda: measured_layout(
+            ctx.spec, world=ctx.world, boundary=layout.freeze_boundary, current=layout
+        ),
+    )
+    report_layout(ctx, planned, planned.reason, time.monotonic() - t0)
+    return planned.layout
+
+
+def dropout_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of a rank's dropout masks from `step` on (a start, resume or re-layout): distinct
+    per rank and per such point, the same whenever the run is repeated."""
+    return ((seed * 1_000_003 + rank) * 1_000_003 + step) % (1 << 63)
+
+
+def _replica_inputs(
+    pipe: RankPipeline, split: Split, indices: np.ndarray, valid: np.ndarray
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The inputs (first stage) and masked targets (last stage) this rank needs for a batch."""
+    inputs = split.inputs[indices] if pipe.is_first else None
+    targets = None
+    if pipe.is_last:
+        targets = split.labels[indices].clone()
+        targets[~torch.from_numpy(valid)] = IGNORE  # padding entries add no loss
+    return inputs, targets
+
+
+def evaluate(
+    pipe: RankPipeline, test: Split, global_batch: int, layout: Layout, replica: int
+) -> tuple[float, float] | None:
+    """Held-out (accuracy, mean loss), known on the last stage (None elsewhere)."""
+    sampler = ElasticSampler(len(test), global_batch, seed=0)
+    correct = torch.zeros(2)  # correct count, summed loss
+    cursor = 0
+    while cursor < len(test):
+        b = sampler.batch(0, cursor, layout.replicas, replica)
+        inputs, targets = _replica_inputs(pipe, test, b.indices, b.valid)
+        logits = pipe.forward_only(inputs, targets)
+        if pipe.is_last:
+            mask = torch.from_numpy(b.valid)
+            correct[0] += (logits.argmax(-1)[mask] == targets[mask]).sum()
+            correct[1] += torch.nn.functional.cross_entropy(
+                logits, targets, ignore_index=IGNORE, reduction="sum"
+            )
+        cursor = b.next_cursor
+    if not pipe.is_last:
+        return None
+    if pipe.groups.data_parallel is not None:
+        dist.all_reduce(correct, group=pipe.groups.data_parallel)
+    return float(correct[0]) / len(test), float(correct[1]) / len(test)
