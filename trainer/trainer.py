@@ -144,7 +144,9 @@ class Trainer:
         log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, decision.reason)
         self.ctx.reporter.emit(CacheDecided, boundary=f, **decision.as_dict())
 
-    def _checkpoint(self, reason: str, wait: bool = True, continues_under: Layout | None = None):
+    def _checkpoint(
+        self, reason: str, wait: bool = True, continues_under: Layout | None = None
+    ) -> None:
         self.checkpoints.save(
             self.state, self.pipe.model, self.optimizer, reason, wait, continues_under
         )
