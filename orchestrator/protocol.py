@@ -370,7 +370,3 @@ def parse_event(raw: str | bytes) -> WorkerEvent:
         return _events.validate_json(raw)
     except ValidationError as exc:
         raise BadReport(first_error(exc)) from None
-
-
-def dump_event(event: WorkerEvent) -> str:
-    return event.model_dump_json()
