@@ -1,34 +1,33 @@
-"""The pipetransformer dashboard (Streamlit).
+"""The pipetransformer dashboard (Streamlit): the job's control room.
 
-    streamlit run dashboard/app.py -- --db sqlite:////path/to/store.db
+    pipetransformer dashboard --workdir ./runs            # what most people run
+    streamlit run dashboard/app.py -- --db sqlite:////path/to/store.db [--etcd HOST:PORT]
     PIPETRANSFORMER_DB=postgresql+psycopg://... streamlit run dashboard/app.py
 
-(`dashboard.launch.streamlit_command` builds the first form.) A reader only: it never migrates,
-writes, or creates the database. Data comes through `orchestrator.store.Store`, figures from
-`dashboard.figures`; this file only arranges them. `?job=<id>` selects a job.
+(`dashboard.launch.streamlit_command` builds the second form.) It never migrates, writes, or
+creates the database: the controller is the store's only writer. Its one action, a manual freeze
+request, goes to the running job's etcd for a signed-in user (`dashboard.control`), and the
+controller audits it. A running job's page re-reads the store every few seconds by itself.
+
+This file decides which job, which view and how often; `dashboard.job_view` draws the job.
+`?job=<id>` selects a job.
 """
 
 from __future__ import annotations
 
-import json
-from datetime import UTC, datetime
-from typing import Any
+from collections.abc import Callable
+from datetime import timedelta
 
 import streamlit as st
 from sqlalchemy.exc import SQLAlchemyError
 
-from dashboard import figures
-from dashboard.launch import ENV_DB, db_url_from, script_args
-from orchestrator.state import Layout
+from dashboard import job_view
+from dashboard.control import freeze_override_control, sign_in_panel
+from dashboard.job_view import VIEWS, ChartOptions, job_label
+from dashboard.launch import ENV_DB, Options, options_from, script_args
 from orchestrator.store import JobInfo, Store, sqlite_path
 
-STATE_ICONS = {
-    "pending": "⏳",
-    "running": "▶️",
-    "completed": "✅",
-    "failed": "❌",
-    "interrupted": "⏸️",
-}
+TERMINAL = {"completed", "failed", "interrupted"}
 
 
 @st.cache_resource(show_spinner=False)
@@ -68,11 +67,6 @@ def connect(url: str | None) -> Store | None:
     return store
 
 
-def job_label(job: JobInfo) -> str:
-    acc = "—" if job.accuracy is None else f"{job.accuracy:.1%}"
-    return f"{STATE_ICONS.get(job.state, '')} {job.id} · {job.state} · {acc}"
-
-
 def select_job(jobs: list[JobInfo]) -> JobInfo:
     """Sidebar job list; the selection is mirrored in the `?job=` query parameter."""
     by_id = {j.id: j for j in jobs}
@@ -93,143 +87,65 @@ def select_job(jobs: list[JobInfo]) -> JobInfo:
     return by_id[job_id]
 
 
-def fmt_time(t: float | datetime | None) -> str:
-    if t is None:
-        return ""
-    dt = t if isinstance(t, datetime) else datetime.fromtimestamp(t, UTC)
-    return dt.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+def chart_options() -> ChartOptions:
+    x = st.sidebar.radio("Time axis", ["step", "time"], horizontal=True, key="xaxis")
+    smoothing = st.sidebar.slider(
+        "Smoothing", 0.0, 0.99, 0.6, 0.01, key="smoothing", help="exponential moving average"
+    )
+    return ChartOptions(x=x, smoothing=smoothing)
 
 
-def header(store: Store, job: JobInfo) -> None:
-    st.title(job.id)
-    init = job.spec.init
-    # provenance of a fine-tuning job: which checkpoint its weights started from
-    source = f" · fine-tuned from `{init.checkpoint}`" if init.checkpoint else ""
-    st.caption(f"{job.name} · workdir `{job.workdir}` · created {fmt_time(job.created_at)}{source}")
-    epochs = job.spec.training.epochs
-    c = st.columns([1.6, 1, 1, 1, 1])  # state names are the longest values
-    c[0].metric("State", job.state)
-    # job.epoch counts finished epochs (a resume point), so a done job reads epochs/epochs
-    c[1].metric("Epochs done", f"{job.epoch}/{epochs}")
-    c[2].metric("Step", job.step)
-    c[3].metric("Accuracy", "—" if job.accuracy is None else f"{job.accuracy:.1%}")
-    c[4].metric("Frozen blocks", f"{job.freeze_boundary}/{job.spec.model.depth}")
-    if job.message:
-        (st.error if job.state == "failed" else st.info)(job.message)
+def live(
+    store: Store,
+    job_id: str,
+    seen_state: str,
+    every: float | None,
+    draw: Callable[[JobInfo], None],
+) -> None:
+    """Draw `draw(job)` now and, while the job runs, again every `every` seconds (a fragment:
+    the rest of the page, and the reader's choices, stay as they are). When the job stops
+    running, the whole page reruns once, which stops the polling."""
 
+    @st.fragment(run_every=timedelta(seconds=every) if every else None)
+    def fragment() -> None:
+        job = store.get_job(job_id)
+        if job.state != seen_state and every:
+            st.rerun(scope="app")
+        draw(job)
 
-def layout_section(store: Store, job: JobInfo) -> Layout | None:
-    st.subheader("Pipeline layout")
-    layout = store.current_layout(job.id)
-    if layout is None:
-        st.info("No layout recorded yet.")
-        return None
-    st.plotly_chart(figures.layout_figure(layout), key="layout")
-    st.caption(f"`{layout.describe()}`")
-    return layout
-
-
-def freeze_section(store: Store, job: JobInfo, layout: Layout | None) -> None:
-    st.subheader("Freezing")
-    history = store.layouts(job.id)
-    st.plotly_chart(figures.freeze_figure(history), key="freeze")
-    freeze_override_control(store, job, layout)
-
-
-def freeze_override_control(store: Store, job: JobInfo, layout: Layout | None) -> None:
-    """Manual freeze override: the control lands here in a later change.
-
-    It will file an override request for the controller (forward-only, within the model,
-    validated before anything is stored) and show pending/applied requests. Until then this
-    page stays read-only and shows no control.
-    """
-
-
-def training_section(store: Store, job: JobInfo) -> None:
-    st.subheader("Training")
-    metrics = store.metrics(job.id)
-    left, right = st.columns(2)
-    with left:
-        st.plotly_chart(figures.loss_figure(metrics), key="loss")
-    with right:
-        st.plotly_chart(figures.throughput_figure(metrics), key="throughput")
-    evaluations = store.evaluations(job.id)
-    target = job.spec.training.target_accuracy
-    st.plotly_chart(figures.accuracy_figure(evaluations, target=target), key="accuracy")
-
-
-def checkpoints_section(store: Store, job: JobInfo) -> None:
-    st.subheader("Checkpoints")
-    rows = [
-        {
-            "step": c.step,
-            "epoch": c.epoch,
-            "state": c.state,
-            "layout": c.layout_version,
-            "size (MB)": round(c.size_bytes / 1e6, 2),
-            "checksum": c.checksum,
-            "path": c.path,
-            "created": fmt_time(c.created_at),
-        }
-        for c in store.checkpoints(job.id, state=None)
-    ]
-    if rows:
-        st.dataframe(rows, hide_index=True, key="checkpoints")
-    else:
-        st.info("No checkpoints yet.")
-
-
-def events_section(store: Store, job: JobInfo, limit: int = 100) -> None:
-    st.subheader("Recent events")
-    rows: list[dict[str, Any]] = [
-        {
-            "time": fmt_time(e["time"]),
-            "kind": e["kind"],
-            "rank": e["rank"],
-            "message": e["message"],
-            "data": "" if e["data"] is None else json.dumps(e["data"]),
-        }
-        for e in store.events(job.id, limit=limit)
-    ]
-    if rows:
-        st.dataframe(rows, hide_index=True, key="events")
-    else:
-        st.info("No events yet.")
-    generations = store.generations(job.id)
-    if generations:
-        with st.expander(f"Generations ({len(generations)})"):
-            st.dataframe(
-                [
-                    {
-                        **g,
-                        "started_at": fmt_time(g["started_at"]),
-                        "ended_at": fmt_time(g["ended_at"]),
-                    }
-                    for g in generations
-                ],
-                hide_index=True,
-                key="generations",
-            )
+    fragment()
 
 
 def main() -> None:
     st.set_page_config(page_title="pipetransformer", page_icon="🧱", layout="wide")
     st.sidebar.title("pipetransformer")
-    store = connect(db_url_from(script_args()))
+    options: Options = options_from(script_args())
+    store = connect(options.db)
     if store is None:
         return
-    st.sidebar.button("Refresh")  # any widget interaction reruns the script: re-reads the DB
     jobs = store.list_jobs()
     if not jobs:
         st.info("No jobs in this store yet. Submit one with `pipetransformer run <spec>`.")
         return
-    job = select_job(jobs)
-    header(store, job)
-    layout = layout_section(store, job)
-    freeze_section(store, job, layout)
-    training_section(store, job)
-    checkpoints_section(store, job)
-    events_section(store, job)
+    selected = select_job(jobs)
+    opts = chart_options()
+    actor = sign_in_panel()
+    running = selected.state not in TERMINAL
+    every = options.refresh_s if running else None
+    if running:
+        st.sidebar.caption(f"Live: updates every {options.refresh_s:g} s.")
+    live(store, selected.id, selected.state, every, lambda job: job_view.header(store, job))
+    view = st.radio("View", VIEWS, horizontal=True, key="view", label_visibility="collapsed")
+    live(
+        store,
+        selected.id,
+        selected.state,
+        every,
+        lambda job: job_view.render(view, store, job, jobs, options, opts),
+    )
+    if view == "Freezing":
+        # outside the live fragment: a half-typed reason is never redrawn under the reader
+        freeze_override_control(store, selected, options, actor)
 
 
 main()

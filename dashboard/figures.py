@@ -1,11 +1,16 @@
 """Plotly figure builders: pure functions of store data (no I/O, no Streamlit).
 
-Inputs are what `orchestrator.store.Store` returns: a `Layout`, and the row dicts of
-`Store.metrics` / `Store.evaluations` (`time` in unix seconds).
+Inputs are what `orchestrator.store.Store` returns: a `Layout`, the `(Layout, reason, created_at)`
+history of `Store.layouts`, and the row dicts of `Store.metrics` / `Store.evaluations` (`time`
+in unix seconds). Every series chart takes `x` ("step" or "time", see `dashboard.timeline`) and
+an optional `Timeline` to draw layout versions and generation starts behind its curves. Figures
+are sized for a page about 800 px wide: short titles, legends horizontal below, small margins.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -13,13 +18,43 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from dashboard.timeline import (
+    LayoutHistory,
+    Rows,
+    Timeline,
+    XAxis,
+    axis_title,
+    axis_values,
+    check_axis,
+    decorate,
+    stepper,
+    unix,
+    utc,
+)
 from orchestrator.state import Layout
 
 FROZEN_COLOR = "#c7c7c7"
 STAGE_COLORS = qualitative.Plotly
 EMPTY_TEXT = "no data yet"
-
-Rows = Sequence[Mapping[str, Any]]
+RAW_OPACITY = 0.25  # the raw curve under a smoothed one: there, but faint
+HEIGHT = 320
+# Horizontal, at the bottom of the figure: below the x axis title and ticks whatever room they
+# take (a paper-relative y overlaps them on short figures); the bottom margin grows to fit.
+LEGEND = {
+    "orientation": "h",
+    "x": 0,
+    "xanchor": "left",
+    "yref": "container",
+    "y": 0,
+    "yanchor": "bottom",
+}
+# y axis label and tick format for the keys `compare_figure` knows; others use the key itself.
+SERIES: dict[str, tuple[str, str | None]] = {
+    "loss": ("loss", None),
+    "samples_per_s": ("samples/s", None),
+    "accuracy": ("accuracy", ".0%"),
+    "lr": ("learning rate", ".1e"),
+}
 
 
 def stage_color(index: int) -> str:
@@ -30,34 +65,444 @@ def rank_label(rank: int) -> str:
     return f"rank {rank}"
 
 
+def _when(created: datetime) -> str:
+    return utc(unix(created)).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+# ---- smoothing
+
+
+def smooth(values: Sequence[float | None], weight: float) -> list[float | None]:
+    """TensorBoard-style exponential moving average with debiasing.
+
+    `weight` in [0, 1): 0 returns the values unchanged, closer to 1 smooths more. Each output
+    is the mean of the finite values so far, weighted `weight**age`: the same as an EMA started
+    at 0 and divided by `1 - weight**n` (the debiasing), so the first values are not pulled
+    towards 0. None and non-finite entries give None and are skipped: they neither reset nor
+    poison the average.
+    """
+    if not 0.0 <= weight < 1.0:  # also refuses NaN
+        raise ValueError(f"weight must be in [0, 1), got {weight!r}")
+    out: list[float | None] = []
+    total = norm = 0.0
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append(None)
+            continue
+        # Numerator and denominator kept apart: a constant series comes out exactly constant.
+        total = total * weight + v
+        norm = norm * weight + 1.0
+        out.append(total / norm)
+    return out
+
+
+# ---- common pieces
+
+
 def _empty(fig: go.Figure, text: str = EMPTY_TEXT) -> go.Figure:
     fig.add_annotation(text=text, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
     return fig
 
 
-def _base(title: str, x_title: str, y_title: str) -> go.Figure:
+def _base(title: str, x_title: str, y_title: str, height: int = HEIGHT) -> go.Figure:
     fig = go.Figure()
     fig.update_layout(
-        title=title,
-        xaxis_title=x_title,
-        yaxis_title=y_title,
-        margin={"l": 60, "r": 20, "t": 50, "b": 50},
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
+        xaxis={"title": {"text": x_title}, "automargin": True},
+        yaxis={"title": {"text": y_title}, "automargin": True},
+        height=height,
+        margin={"l": 10, "r": 10, "t": 40, "b": 10},
         hovermode="x unified",
+        legend=LEGEND,
     )
     return fig
 
 
+def _finish(fig: go.Figure, tl: Timeline | None, x: XAxis) -> go.Figure:
+    return fig if tl is None else decorate(fig, tl, x)
+
+
+def _hover_rows(rows: Rows) -> list[list[Any]]:
+    """customdata for hover text: step and epoch of each row (the x axis may be time)."""
+    return [[r.get("step"), r.get("epoch")] for r in rows]
+
+
+def _series(
+    fig: go.Figure,
+    rows: Rows,
+    key: str,
+    *,
+    name: str,
+    color: str,
+    x: XAxis,
+    smoothing: float,
+    y_format: str,
+) -> None:
+    """One metric as a line: raw (faint when smoothed) and, with smoothing > 0, smoothed."""
+    xs = axis_values(rows, x)
+    raw = [r.get(key) for r in rows]
+    hover = "step %{customdata[0]} · epoch %{customdata[1]}<br>" + name + " %{y:" + y_format + "}"
+    fig.add_trace(
+        go.Scatter(
+            name=f"{name} (raw)" if smoothing > 0 else name,
+            x=xs,
+            y=raw,
+            mode="lines",
+            line={"color": color, "width": 1},
+            opacity=RAW_OPACITY if smoothing > 0 else 1.0,
+            customdata=_hover_rows(rows),
+            hovertemplate=hover + "<extra></extra>",
+        )
+    )
+    if smoothing > 0:
+        fig.add_trace(
+            go.Scatter(
+                name=f"{name} (smoothed)",
+                x=xs,
+                y=smooth(raw, smoothing),
+                mode="lines",
+                line={"color": color, "width": 2},
+                # The average skips gaps, so its line may too.
+                connectgaps=True,
+                customdata=_hover_rows(rows),
+                hovertemplate=hover + " smoothed<extra></extra>",
+            )
+        )
+
+
+# ---- series over step or time
+
+
+def loss_figure(
+    metrics: Rows,
+    evaluations: Rows = (),
+    *,
+    x: XAxis = "step",
+    smoothing: float = 0.0,
+    timeline: Timeline | None = None,
+) -> go.Figure:
+    """Training loss per step (raw, faint under a smoothed line when `smoothing` > 0) and the
+    held-out loss of each evaluation as markers."""
+    fig = _base("Training loss", axis_title(x), "loss")
+    evals = [r for r in evaluations if r.get("loss") is not None]
+    if not metrics and not evals:
+        return _empty(fig)
+    if metrics:
+        _series(
+            fig,
+            metrics,
+            "loss",
+            name="loss",
+            color=STAGE_COLORS[0],
+            x=x,
+            smoothing=smoothing,
+            y_format=".4f",
+        )
+    if evals:
+        fig.add_trace(
+            go.Scatter(
+                name="eval loss",
+                x=axis_values(evals, x),
+                y=[r["loss"] for r in evals],
+                mode="markers",
+                marker={"color": STAGE_COLORS[1], "size": 8, "symbol": "diamond"},
+                customdata=_hover_rows(evals),
+                hovertemplate="eval at step %{customdata[0]} (epoch %{customdata[1]})"
+                "<br>loss %{y:.4f}<extra></extra>",
+            )
+        )
+    return _finish(fig, timeline, x)
+
+
+def throughput_figure(
+    metrics: Rows,
+    *,
+    x: XAxis = "step",
+    smoothing: float = 0.0,
+    timeline: Timeline | None = None,
+) -> go.Figure:
+    """Training throughput (samples/s, all replicas together) per step; the raw per-step curve
+    is jumpy, so a smoothed line over a faint raw one reads better. y from zero."""
+    fig = _base("Throughput", axis_title(x), "samples/s")
+    if not metrics:
+        return _empty(fig)
+    _series(
+        fig,
+        metrics,
+        "samples_per_s",
+        name="samples/s",
+        color=STAGE_COLORS[2],
+        x=x,
+        smoothing=smoothing,
+        y_format=".1f",
+    )
+    fig.update_yaxes(rangemode="tozero")
+    return _finish(fig, timeline, x)
+
+
+def accuracy_figure(
+    evaluations: Rows,
+    target: float | None = None,
+    *,
+    x: XAxis = "step",
+    timeline: Timeline | None = None,
+) -> go.Figure:
+    """Held-out accuracy (fraction, shown as %) at each evaluation; an optional target accuracy
+    as a dashed line."""
+    fig = _base("Held-out accuracy", axis_title(x), "accuracy")
+    fig.update_yaxes(range=[0, 1.02], tickformat=".0%")
+    if target is not None:
+        fig.add_hline(
+            y=target,
+            line_dash="dash",
+            line_color="grey",
+            annotation_text=f"target {target:.0%}",
+            annotation_position="bottom right",
+        )
+    if not evaluations:
+        return _empty(fig)
+    fig.add_trace(
+        go.Scatter(
+            name="accuracy",
+            x=axis_values(evaluations, x),
+            y=[r.get("accuracy") for r in evaluations],
+            mode="lines+markers",
+            customdata=_hover_rows(evaluations),
+            hovertemplate="step %{customdata[0]} (epoch %{customdata[1]})"
+            "<br>accuracy %{y:.1%}<extra></extra>",
+        )
+    )
+    return _finish(fig, timeline, x)
+
+
+def lr_figure(metrics: Rows, *, x: XAxis = "step", timeline: Timeline | None = None) -> go.Figure:
+    """Learning rate per step, as the schedule set it."""
+    fig = _base("Learning rate", axis_title(x), "learning rate")
+    if not metrics:
+        return _empty(fig)
+    fig.add_trace(
+        go.Scatter(
+            name="lr",
+            x=axis_values(metrics, x),
+            y=[r.get("lr") for r in metrics],
+            mode="lines",
+            line={"color": STAGE_COLORS[3]},
+            customdata=_hover_rows(metrics),
+            hovertemplate="step %{customdata[0]} · epoch %{customdata[1]}"
+            "<br>lr %{y:.3e}<extra></extra>",
+        )
+    )
+    fig.update_yaxes(exponentformat="e", rangemode="tozero")
+    return _finish(fig, timeline, x)
+
+
+def freeze_figure(
+    layouts: LayoutHistory,
+    metrics: Rows = (),
+    *,
+    x: XAxis = "step",
+    timeline: Timeline | None = None,
+) -> go.Figure:
+    """Frozen blocks over step or time: a step line that rises at each layout version's
+    creation (placed on the step axis by `step_at` over `metrics`, so without metrics every
+    version sits at step 0) and runs on to the last metric row. Hover shows version, reason and
+    time."""
+    fig = _base("Frozen blocks", axis_title(x), "frozen blocks")
+    if not layouts:
+        return _empty(fig)
+    at = stepper(metrics)
+    xs: list[Any] = []
+    for _, _, created in layouts:
+        t = unix(created)
+        xs.append(at(t) if x == "step" else utc(t))
+    ys = [lay.freeze_boundary for lay, _, _ in layouts]
+    info = [[lay.version, why, _when(created)] for lay, why, created in layouts]
+    if metrics:
+        # Carry the last level on to the last row, so the line spans the run.
+        last = axis_values(metrics[-1:], x)[0]
+        if last > xs[-1]:
+            xs.append(last)
+            ys.append(ys[-1])
+            info.append(info[-1])
+    fig.add_trace(
+        go.Scatter(
+            name="frozen blocks",
+            x=xs,
+            y=ys,
+            mode="lines+markers",
+            line_shape="hv",
+            customdata=info,
+            hovertemplate="v%{customdata[0]}: %{y} frozen<br>%{customdata[1]}"
+            "<br>%{customdata[2]}<extra></extra>",
+        )
+    )
+    num_blocks = layouts[-1][0].num_blocks
+    if all(y == 0 for y in ys):
+        fig.add_annotation(
+            text="no blocks frozen yet", xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False
+        )
+    fig.update_yaxes(range=[-0.2, num_blocks + 0.2])
+    fig.update_layout(hovermode="closest")
+    return _finish(fig, timeline, x)
+
+
+# ---- gradient norms
+
+
+def _boundaries(layouts: LayoutHistory, rows: Rows) -> list[int]:
+    """The freeze boundary each row trained under: its own `frozen` where the row has one (the
+    worker's report carries it), else that of the last layout created at or before the row's
+    time (the first layout's before any; versions are created in time order), else 0."""
+    starts = [unix(created) for _, _, created in layouts]
+    out = []
+    for r in rows:
+        if r.get("frozen") is not None:
+            out.append(int(r["frozen"]))
+        elif layouts:
+            i = bisect.bisect_right(starts, float(r["time"]))
+            out.append(layouts[max(i - 1, 0)][0].freeze_boundary)
+        else:
+            out.append(0)
+    return out
+
+
+def grad_norm_figure(metrics: Rows, layouts: LayoutHistory = (), *, x: XAxis = "step") -> go.Figure:
+    """Gradient norm per transformer block over step or time, as a heat map.
+
+    Blocks on y (block 0 at the bottom), one column per metric row that has `grad_norms`,
+    colour = log10 of the norm (the colorbar says so). Non-finite norms are gaps. Frozen cells,
+    below the boundary in force (a row's `frozen`, else from `layouts`) or with a norm of
+    exactly 0 (what workers report for frozen blocks), are drawn grey by a separate trace: their
+    0 is "no gradient", not a small one. The freeze boundary is drawn on top as a step line
+    between blocks.
+    """
+    check_axis(x)
+    fig = _base("Gradient norm per block", axis_title(x), "block")
+    rows = [r for r in metrics if r.get("grad_norms")]
+    if not rows:
+        return _empty(fig)
+    blocks = max([len(r["grad_norms"]) for r in rows] + [lay.num_blocks for lay, _, _ in layouts])
+    xs = axis_values(rows, x)
+    bounds = _boundaries(layouts, rows)
+    z: list[list[float | None]] = [[] for _ in range(blocks)]
+    norms: list[list[float | None]] = [[] for _ in range(blocks)]
+    frozen: list[list[int | None]] = [[] for _ in range(blocks)]
+    for row, boundary in zip(rows, bounds, strict=True):
+        g = list(row["grad_norms"]) + [None] * (blocks - len(row["grad_norms"]))
+        for b in range(blocks):
+            v = g[b]
+            is_frozen = b < boundary or v == 0
+            ok = v is not None and math.isfinite(v) and v > 0 and not is_frozen
+            z[b].append(math.log10(v) if ok else None)
+            norms[b].append(v if ok else None)
+            frozen[b].append(1 if is_frozen else None)
+    ys = list(range(blocks))
+    if any(c is not None for col in frozen for c in col):
+        fig.add_trace(
+            go.Heatmap(
+                name="frozen",
+                x=xs,
+                y=ys,
+                z=frozen,
+                colorscale=[[0, FROZEN_COLOR], [1, FROZEN_COLOR]],
+                showscale=False,
+                showlegend=True,
+                hoverongaps=False,
+                hovertemplate="block %{y}: frozen<extra></extra>",
+            )
+        )
+    fig.add_trace(
+        go.Heatmap(
+            name="grad norm",
+            x=xs,
+            y=ys,
+            z=z,
+            customdata=norms,
+            colorscale="Viridis",
+            colorbar={"title": {"text": "log10 norm", "side": "right"}, "thickness": 12},
+            hoverongaps=False,
+            hovertemplate="block %{y}<br>%{x}<br>norm %{customdata:.3g}<extra></extra>",
+        )
+    )
+    if layouts or any(r.get("frozen") is not None for r in rows):
+        fig.add_trace(
+            go.Scatter(
+                name="freeze boundary",
+                x=xs,
+                # Between the last frozen block and the first trained one.
+                y=[b - 0.5 for b in bounds],
+                customdata=bounds,
+                mode="lines",
+                # hvh: steps halfway between columns, where the heat map's cells meet.
+                line_shape="hvh",
+                line={"color": "black", "width": 2},
+                showlegend=True,
+                hovertemplate="F=%{customdata}<extra></extra>",
+            )
+        )
+    fig.update_yaxes(range=[-0.5, blocks - 0.5], dtick=1 if blocks <= 16 else None)
+    fig.update_layout(hovermode="closest", height=max(HEIGHT, min(600, 160 + 16 * blocks)))
+    return fig
+
+
+# ---- layouts
+
+
+def _cell_bar(name: str, color: str, cells: dict[str, list[Any]], **extra: Any) -> go.Bar:
+    """Horizontal bars one block wide (or `widths`) starting at each `x`, on category rows."""
+    return go.Bar(
+        name=name,
+        x=cells.get("width", [1] * len(cells["x"])),
+        base=cells["x"],
+        y=cells["y"],
+        orientation="h",
+        text=cells["text"],
+        textposition="inside",
+        insidetextanchor="middle",
+        hovertext=cells["hover"],
+        hoverinfo="text",
+        marker={"color": color, "line": {"color": "white", "width": 2}},
+        customdata=cells["x"],
+        **extra,
+    )
+
+
+def _block_axis(num_blocks: int) -> dict[str, Any]:
+    axis: dict[str, Any] = {"title": {"text": "block"}, "range": [0, num_blocks]}
+    if num_blocks <= 32:  # one tick per block, centred on its cell
+        axis["tickvals"] = [b + 0.5 for b in range(num_blocks)]
+        axis["ticktext"] = [str(b) for b in range(num_blocks)]
+    return axis
+
+
+def layout_title(layout: Layout) -> str:
+    """Short title of a layout, e.g. "Layout v2 · 1 stage x 2 replicas · 5/6 frozen · m=4 gpipe"."""
+    return (
+        f"Layout v{layout.version} · {_plural(layout.num_stages, 'stage')} x "
+        f"{_plural(layout.replicas, 'replica')} · "
+        f"{layout.freeze_boundary}/{layout.num_blocks} frozen · "
+        f"m={layout.microbatches} {layout.schedule}"
+    )
+
+
 def layout_figure(layout: Layout) -> go.Figure:
-    """Which rank runs which block: blocks along x, one row per rank, colored by stage.
+    """Which rank runs which block: blocks along x, one row per rank, coloured by stage.
 
     One bar trace per stage (its legend entry), each bar one (rank, block) cell, plus one
     "frozen" trace for blocks below the freeze boundary, drawn grey. Frozen blocks that have
     left the pipeline (not in any stage) are shown on the first stage's ranks, which hold
-    their cached outputs.
+    their cached outputs. The title is short; the rest is in the hover.
     """
     fig = go.Figure()
     ranks = sorted(r for s in layout.stages for r in s.ranks)
     frozen: dict[str, list[Any]] = {"x": [], "y": [], "text": [], "hover": []}
+    setup = f"{layout.schedule}, {layout.microbatches} micro-batches, planner {layout.planner}" + (
+        f", {layout.virtual_stages} stages per rank" if layout.virtual_stages > 1 else ""
+    )
 
     def frozen_cell(block: int, rank: int, where: str) -> None:
         frozen["x"].append(block)
@@ -66,176 +511,143 @@ def layout_figure(layout: Layout) -> go.Figure:
         frozen["hover"].append(f"block {block}<br>{where}<br>rank {rank}<br>frozen")
 
     for stage in layout.stages:
-        xs, ys, text, hover = [], [], [], []
+        cells: dict[str, list[Any]] = {"x": [], "y": [], "text": [], "hover": []}
         for replica, rank in enumerate(stage.ranks):
             for block in range(stage.start, stage.end):
                 if block < layout.freeze_boundary:
                     frozen_cell(block, rank, f"stage {stage.index}, replica {replica}")
                     continue
-                xs.append(block)
-                ys.append(rank_label(rank))
-                text.append(f"b{block}")
-                hover.append(
-                    f"block {block}<br>stage {stage.index}, replica {replica}<br>rank {rank}"
+                cells["x"].append(block)
+                cells["y"].append(rank_label(rank))
+                cells["text"].append(f"b{block}")
+                cells["hover"].append(
+                    f"block {block}<br>stage {stage.index} (blocks {stage.start}-{stage.end - 1})"
+                    f", replica {replica}<br>rank {rank}<br>{setup}"
                 )
-        fig.add_trace(
-            go.Bar(
-                name=f"stage {stage.index}",
-                x=[1] * len(xs),
-                base=xs,
-                y=ys,
-                orientation="h",
-                text=text,
-                textposition="inside",
-                insidetextanchor="middle",
-                hovertext=hover,
-                hoverinfo="text",
-                marker={"color": stage_color(stage.index), "line": {"color": "white", "width": 2}},
-                customdata=xs,
-            )
-        )
+        fig.add_trace(_cell_bar(f"stage {stage.index}", stage_color(stage.index), cells))
 
-    first = layout.stages[0] if layout.stages else None
-    if first is not None:
-        for block in range(0, min(first.start, layout.freeze_boundary)):
-            for rank in first.ranks:
-                frozen_cell(block, rank, "outside the pipeline (cached)")
+    first = layout.stages[0]
+    for block in range(0, min(first.start, layout.freeze_boundary)):
+        for rank in first.ranks:
+            frozen_cell(block, rank, "outside the pipeline (cached)")
     if frozen["x"]:
-        fig.add_trace(
-            go.Bar(
-                name="frozen",
-                x=[1] * len(frozen["x"]),
-                base=frozen["x"],
-                y=frozen["y"],
-                orientation="h",
-                text=frozen["text"],
-                textposition="inside",
-                insidetextanchor="middle",
-                hovertext=frozen["hover"],
-                hoverinfo="text",
-                marker={"color": FROZEN_COLOR, "line": {"color": "white", "width": 2}},
-                customdata=frozen["x"],
-            )
-        )
+        fig.add_trace(_cell_bar("frozen", FROZEN_COLOR, frozen))
 
     fig.update_layout(
-        title=(
-            f"Layout v{layout.version}: {layout.num_stages} stage(s) x {layout.replicas} "
-            f"replica(s), {layout.freeze_boundary}/{layout.num_blocks} blocks frozen, "
-            f"{layout.microbatches} micro-batches ({layout.schedule})"
-        ),
+        title={"text": layout_title(layout), "x": 0.01, "xanchor": "left", "font": {"size": 15}},
         barmode="overlay",
-        xaxis={
-            "title": "block",
-            "range": [0, layout.num_blocks],
-            "tickvals": [b + 0.5 for b in range(layout.num_blocks)],
-            "ticktext": [str(b) for b in range(layout.num_blocks)],
-        },
+        xaxis=_block_axis(layout.num_blocks),
         yaxis={
-            "title": "rank",
+            "title": {"text": "rank"},
             "categoryorder": "array",
             # Rank 0 on top, like a process list.
             "categoryarray": [rank_label(r) for r in reversed(ranks)],
+            "automargin": True,
         },
-        height=120 + 40 * max(len(ranks), 1),
-        margin={"l": 60, "r": 20, "t": 50, "b": 40},
-        legend={"orientation": "h", "y": -0.25},
+        height=150 + 32 * max(len(ranks), 1),
+        margin={"l": 10, "r": 10, "t": 40, "b": 10},
+        legend=LEGEND,
     )
     return fig
 
 
-def _series(rows: Rows, key: str) -> tuple[list[int], list[float | None]]:
-    return [int(r["step"]) for r in rows], [r.get(key) for r in rows]
-
-
-def loss_figure(metrics: Rows) -> go.Figure:
-    """Training loss over optimizer steps."""
-    fig = _base("Training loss", "step", "loss")
-    if not metrics:
+def layout_history_figure(layouts: LayoutHistory) -> go.Figure:
+    """Every layout version at once: one row per version (newest on top), blocks along x,
+    each stage's block range coloured by stage index and frozen blocks grey; hover names the
+    stage's ranks, the reason and the time. Shows the whole sequence of re-layouts."""
+    # Capped: a long freeze progression makes many versions; rows then get thinner.
+    fig = _base(
+        "Layout history", "block", "version", height=min(600, 140 + 26 * max(len(layouts), 1))
+    )
+    if not layouts:
         return _empty(fig)
-    steps, loss = _series(metrics, "loss")
-    fig.add_trace(
-        go.Scatter(
-            name="loss",
-            x=steps,
-            y=loss,
-            mode="lines",
-            customdata=[r.get("epoch") for r in metrics],
-            hovertemplate="step %{x} (epoch %{customdata})<br>loss %{y:.4f}<extra></extra>",
-        )
+    stages: dict[int, dict[str, list[Any]]] = {}
+    frozen: dict[str, list[Any]] = {"x": [], "width": [], "y": [], "text": [], "hover": []}
+    for lay, why, created in layouts:
+        row = f"v{lay.version}"
+        when = _when(created)
+        about = f"{lay.pipeline_ranks}x{lay.replicas} · F={lay.freeze_boundary}<br>{why}<br>{when}"
+        f = lay.freeze_boundary
+        if f > 0:
+            frozen["x"].append(0)
+            frozen["width"].append(f)
+            frozen["y"].append(row)
+            frozen["text"].append("frozen")
+            frozen["hover"].append(f"{row}: blocks 0-{f - 1} frozen<br>{about}")
+        for s in lay.stages:
+            start = max(s.start, f)  # frozen blocks inside a stage are drawn grey
+            if start >= s.end:
+                continue
+            cells = stages.setdefault(
+                s.index, {"x": [], "width": [], "y": [], "text": [], "hover": []}
+            )
+            cells["x"].append(start)
+            cells["width"].append(s.end - start)
+            cells["y"].append(row)
+            cells["text"].append(f"S{s.index}")
+            ranks = ", ".join(map(str, s.ranks))
+            cells["hover"].append(
+                f"{row} stage {s.index}: blocks {s.start}-{s.end - 1}<br>ranks {ranks}<br>{about}"
+            )
+    for index in sorted(stages):
+        fig.add_trace(_cell_bar(f"stage {index}", stage_color(index), stages[index]))
+    if frozen["x"]:
+        fig.add_trace(_cell_bar("frozen", FROZEN_COLOR, frozen))
+    fig.update_layout(
+        barmode="overlay",
+        hovermode="closest",
+        xaxis=_block_axis(max(lay.num_blocks for lay, _, _ in layouts)),
+        # Categories run bottom-up: oldest first puts the newest on top.
+        yaxis={
+            "categoryorder": "array",
+            "categoryarray": [f"v{lay.version}" for lay, _, _ in layouts],
+        },
     )
     return fig
 
 
-def throughput_figure(metrics: Rows) -> go.Figure:
-    """Training throughput (samples/s, all replicas together) over steps."""
-    fig = _base("Throughput", "step", "samples/s")
-    if not metrics:
+# ---- several jobs
+
+
+def compare_figure(
+    series: Mapping[str, Rows],
+    key: str,
+    *,
+    x: XAxis = "step",
+    smoothing: float = 0.0,
+    title: str,
+) -> go.Figure:
+    """Several jobs' curves of `key` ("loss", "samples_per_s", "accuracy", ...) overlaid, one
+    trace per job (smoothed when `smoothing` > 0), from `series`: job id -> metrics or
+    evaluations rows. With x="time" each job's x is seconds since its own first row, so jobs
+    started at different times line up."""
+    check_axis(x)
+    label, fmt = SERIES.get(key, (key, None))
+    x_title = "step" if x == "step" else "seconds since each job's first row"
+    fig = _base(title, x_title, label)
+    if fmt:
+        fig.update_yaxes(tickformat=fmt)
+    if not any(series.values()):
         return _empty(fig)
-    steps, rate = _series(metrics, "samples_per_s")
-    fig.add_trace(
-        go.Scatter(
-            name="samples/s",
-            x=steps,
-            y=rate,
-            mode="lines",
-            hovertemplate="step %{x}<br>%{y:.1f} samples/s<extra></extra>",
+    for i, (job, rows) in enumerate(series.items()):
+        if not rows:
+            continue
+        if x == "step":
+            xs: list[float] = [int(r["step"]) for r in rows]
+        else:
+            t0 = float(rows[0]["time"])
+            xs = [float(r["time"]) - t0 for r in rows]
+        ys = [r.get(key) for r in rows]
+        fig.add_trace(
+            go.Scatter(
+                name=job,
+                x=xs,
+                y=smooth(ys, smoothing) if smoothing > 0 else ys,
+                mode="lines",
+                line={"color": STAGE_COLORS[i % len(STAGE_COLORS)]},
+                connectgaps=smoothing > 0,
+                customdata=[r.get("step") for r in rows],
+                hovertemplate=f"{job}<br>step %{{customdata}}<br>{label} %{{y:.4g}}<extra></extra>",
+            )
         )
-    )
-    fig.update_yaxes(rangemode="tozero")
-    return fig
-
-
-def accuracy_figure(evaluations: Rows, target: float | None = None) -> go.Figure:
-    """Held-out accuracy (fraction, shown as %) at each evaluation step; an optional target
-    accuracy as a dashed line."""
-    fig = _base("Held-out accuracy", "step", "accuracy")
-    fig.update_yaxes(range=[0, 1.02], tickformat=".0%")
-    if target is not None:
-        fig.add_hline(
-            y=target,
-            line_dash="dash",
-            line_color="grey",
-            annotation_text=f"target {target:.0%}",
-        )
-    if not evaluations:
-        return _empty(fig)
-    steps, acc = _series(evaluations, "accuracy")
-    fig.add_trace(
-        go.Scatter(
-            name="accuracy",
-            x=steps,
-            y=acc,
-            mode="lines+markers",
-            customdata=[r.get("epoch") for r in evaluations],
-            hovertemplate="step %{x} (epoch %{customdata})<br>accuracy %{y:.1%}<extra></extra>",
-        )
-    )
-    return fig
-
-
-def freeze_figure(history: Sequence[tuple[Layout, str, datetime]]) -> go.Figure:
-    """Freeze boundary per layout version (as from `Store.layouts`), hover shows the reason."""
-    fig = _base("Freeze progression", "layout version", "frozen blocks")
-    if not history:
-        return _empty(fig)
-    fig.add_trace(
-        go.Scatter(
-            name="freeze boundary",
-            x=[lay.version for lay, _, _ in history],
-            y=[lay.freeze_boundary for lay, _, _ in history],
-            mode="lines+markers",
-            line_shape="hv",
-            customdata=[[why, when.isoformat(timespec="seconds")] for _, why, when in history],
-            hovertemplate="v%{x}: %{y} frozen<br>%{customdata[0]}<br>%{customdata[1]}"
-            "<extra></extra>",
-        )
-    )
-    num_blocks = history[-1][0].num_blocks
-    if all(lay.freeze_boundary == 0 for lay, _, _ in history):
-        fig.add_annotation(
-            text="no blocks frozen yet", xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False
-        )
-    fig.update_yaxes(range=[-0.2, num_blocks + 0.2])
-    fig.update_xaxes(dtick=1)
     return fig

@@ -35,7 +35,12 @@ from orchestrator.controller import (
 from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.launch import torchrun_command, worker_env
-from orchestrator.overrides import OverrideError, file_freeze_request
+from orchestrator.overrides import (
+    OverrideError,
+    endpoint_file,
+    file_freeze_request,
+    live_etcd_endpoint,
+)
 from orchestrator.pretrained import resolve_init
 from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
@@ -46,9 +51,6 @@ from orchestrator.summary import bought_line, cache_line, history_from_store, hi
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
-
-
-ENDPOINT_FILE = "etcd.endpoint"
 
 
 class UsageError(Exception):
@@ -89,13 +91,13 @@ def etcd_for(
             yield client
         return
     server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd", client_port=port or None)
-    endpoint_file = job_dir(args.workdir, job_id) / ENDPOINT_FILE
+    found_at = endpoint_file(args.workdir, job_id)
     with server, EtcdClient(server.endpoint) as client:
-        endpoint_file.write_text(server.endpoint)  # how `freeze` finds a running job
+        found_at.write_text(server.endpoint)  # how `freeze` and the dashboard find a running job
         try:
             yield client
         finally:
-            endpoint_file.unlink(missing_ok=True)
+            found_at.unlink(missing_ok=True)
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -346,11 +348,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dashboard.auth import AuthConfigError, bind_warning, load_credentials, oidc_configured
     from dashboard.launch import streamlit_command
 
     open_store(args).close()  # fail here, clearly, if there is nothing to show
-    cmd = streamlit_command(db_url(args), host=args.host, port=args.port)
-    console.print(f"dashboard on http://{args.host}:{args.port} (Ctrl-C to stop)")
+    try:
+        credentials = load_credentials()
+    except AuthConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if warning := bind_warning(args.host, credentials, oidc_configured()):
+        err.print(f"[yellow]warning:[/] {escape(warning)}")
+    cmd = streamlit_command(
+        db_url(args), host=args.host, port=args.port, etcd=args.etcd, refresh_s=args.refresh
+    )
+    who = f"actions for {credentials.source}" if credentials else "read-only (no credentials)"
+    console.print(f"dashboard on http://{args.host}:{args.port}, {who} (Ctrl-C to stop)")
     sys.stdout.flush()
     os.execv(cmd[0], cmd)  # become Streamlit: signals (kill, container stop) reach it directly
 
@@ -359,12 +371,7 @@ def cmd_freeze(args: argparse.Namespace) -> int:
     """File a manual freeze request; the job applies it at its next decision point."""
     store = open_store(args)
     job = store.get_job(args.job)
-    endpoint = args.etcd
-    if not endpoint:
-        path = job_dir(job.workdir, job.id) / ENDPOINT_FILE
-        if not path.exists():
-            raise UsageError(f"job {job.id} is {job.state} and has no live etcd (pass --etcd)")
-        endpoint = path.read_text().strip()
+    endpoint = live_etcd_endpoint(job, args.etcd)
     try:
         with EtcdClient(endpoint, retry_timeout=3) as etcd:
             request = file_freeze_request(store, etcd, job.id, args.layers, args.reason)
@@ -516,10 +523,16 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.set_defaults(fn=cmd_freeze)
 
-    p = sub.add_parser("dashboard", help="start the Streamlit dashboard")
-    p.add_argument("--host", default="127.0.0.1")
+    p = sub.add_parser(
+        "dashboard",
+        help="start the Streamlit dashboard (actions need PIPETRANSFORMER_DASHBOARD_TOKEN[_FILE])",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=int, default=8501)
-    common(p, etcd=False)
+    p.add_argument(
+        "--refresh", type=float, default=5.0, help="seconds between a running job's page updates"
+    )
+    common(p)
     p.set_defaults(fn=cmd_dashboard)
 
     p = sub.add_parser("controller", help="controller role (torchx launches)")

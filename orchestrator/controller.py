@@ -67,6 +67,7 @@ from orchestrator.protocol import (
     parse_event,
     read_freeze_request,
 )
+from orchestrator.roster import Roster
 from orchestrator.spec import JobSpec
 from orchestrator.state import Layout, TrainingState
 from orchestrator.store import CheckpointInfo, Store, StoreUnavailable
@@ -167,6 +168,7 @@ class Controller:
         self._explain_until: dict[int, float] = {}
         self._explained: dict[int, str] = {}  # generation -> reason last written to the store
         self._fatal: str | None = None  # every rank failed the same way while starting
+        self.roster = Roster(store, job_id)  # the store's `workers` rows
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -289,6 +291,10 @@ class Controller:
         else:  # ranks known by number only
             world = a.layout.world_size if a.layout else 0
             self._pms[a.generation] = PostMortem(a.generation, {}, world)
+            joined = None
+        # rows the previous controller did not get to write, then what it wrote
+        self.roster.assign(a.generation, self._pms[a.generation].world, joined)
+        self.roster.load(a.generation)
         self.layout = a.layout or self.layout
         job = self.store.get_job(self.job_id)
         self.progress = Progress(step=job.step, epoch=job.epoch, layout=self.layout)
@@ -347,6 +353,7 @@ class Controller:
         self._pms[self.generation] = PostMortem.of(
             self.generation, request.world, request.pids, request.nodes
         )
+        self.roster.assign(self.generation, request.world, request)
         assignment = Assignment(
             generation=self.generation,
             checkpoint_dir=str(self.checkpoint_dir),
@@ -429,6 +436,7 @@ class Controller:
             return []
         alive = {r for r, g in self._presence().items() if g == a.generation}
         self._seen |= alive
+        self.roster.leases_held(a.generation, alive)
         pm = self._pms[a.generation]  # made with the assignment (start_generation, attach)
         ended = {r for r, e in pm.ends.items() if e.kind != "left"}
         gone = sorted((self._seen - alive) | ended)
@@ -474,8 +482,10 @@ class Controller:
 
     def _vanished(self, pm: PostMortem, rank: int) -> None:
         how = "its lease lapsed with no report (the process or its node died, or it hung)"
+        self.roster.lease_gone(pm.generation, rank)
         if pm.vanished(rank, how):
             self._record_end(pm, rank)
+            self.roster.ended(pm.generation, pm.ends[rank])
 
     def _record_end(self, pm: PostMortem, rank: int) -> None:
         """One store event for how a rank's part in a generation ended (once per rank and
@@ -520,7 +530,11 @@ class Controller:
         for gen, until in list(self._explain_until.items()):
             pm = self._pms[gen]
             for rank in sorted(set(pm.members) | set(range(pm.world))):
-                if rank not in pm.ends and held.get(rank) != gen:
+                if held.get(rank) == gen:
+                    continue
+                if rank in pm.ends:
+                    self.roster.lease_gone(gen, rank)  # e.g. a dead rank's, after its exit status
+                else:
                     self._vanished(pm, rank)
             self._write_reason(gen)
             if pm.complete or now > until:
@@ -544,6 +558,8 @@ class Controller:
         phase = e.phase if isinstance(e, Failed | PeerLost) else None
         if pm.report(e.rank, e.kind, detail, phase):
             self._record_end(pm, e.rank)
+            aborted = isinstance(e, Aborted)
+            self.roster.ended(e.generation, pm.ends[e.rank], aborted=aborted, own_word=True)
         self._write_reason(e.generation)
         if isinstance(e, Failed):
             self._check_fatal(pm)
@@ -557,6 +573,8 @@ class Controller:
             if rank is not None:
                 if pm.exited(rank, report.exit_code, report.signal):
                     self._record_end(pm, rank)
+                if rank in pm.ends:  # a new verdict, or the status of a known end
+                    self.roster.ended(gen, pm.ends[rank])
                 self._write_reason(gen)
                 return
         # a worker that died before its generation was formed (no rank to blame in one)
@@ -650,6 +668,7 @@ class Controller:
         metrics = [e.payload() | {"time": e.time} for e in events if isinstance(e, Metrics)]
         if metrics:
             self.store.add_metrics(self.job_id, metrics)
+        self.roster.reported(events)  # last_report_at, one statement
         for key, e in parsed:
             self._report = key  # store events derived from a report are keyed by it: replay-safe
             try:
@@ -762,6 +781,7 @@ class Controller:
                 p.step, p.epoch, p.loss, p.samples_per_s = e.step, e.epoch, e.loss, e.samples_per_s
             case Started():
                 p.total_steps = e.total_steps
+                self.roster.started(e)
                 self._record_event(
                     "worker_started", f"rank {e.rank} started", rank=e.rank, data=e.payload()
                 )
@@ -783,6 +803,7 @@ class Controller:
                 self._record_freeze(e)
             case Finished():
                 p.outcome = e.outcome
+                self.roster.finished(e)
             case Failed():  # the agents restart the workers; the job fails when they stop
                 p.error = e.error
                 self._apply_end(e)
@@ -809,6 +830,7 @@ class Controller:
                 self.aborted_at = None
             case Leaving():
                 self._leaving = e.generation  # its leases go next: a re-formation, not a loss
+                self.roster.finished(e)
                 self._record_event(
                     "worker_leaving",
                     f"rank(s) {e.ranks} asked to leave (SIGTERM); checkpointed at step {e.step}",

@@ -1,18 +1,25 @@
 """Manual freeze requests: validated against the job's state, then filed in etcd for the next
 decision point. The controller audits them in the store (it is the only SQL writer); the CLI
-(`pipetransformer freeze`) files them through `file_freeze_request`."""
+(`pipetransformer freeze`) and the dashboard file them through `file_freeze_request`, after
+finding the job's etcd with `live_etcd_endpoint`."""
 
 from __future__ import annotations
 
 import getpass
 import socket
 import uuid
+from pathlib import Path
 
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient
 from orchestrator.protocol import FreezeRequest
 from orchestrator.state import Layout
-from orchestrator.store import Store
+from orchestrator.store import JobInfo, Store
+from trainer.freeze import FreezeOverrideError, apply_override, max_boundary  # the pure rule
+
+# Written next to a job's data by a launch with an embedded etcd while it serves, so that
+# `pipetransformer freeze` and the dashboard can find a running job's etcd without being told.
+ENDPOINT_FILE = "etcd.endpoint"
 
 
 class OverrideError(ValueError):
@@ -23,19 +30,53 @@ def requester() -> str:
     return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
+def endpoint_file(workdir: str | Path, job_id: str) -> Path:
+    return Path(workdir).resolve() / "jobs" / job_id / ENDPOINT_FILE
+
+
+def live_etcd_endpoint(job: JobInfo, explicit: str | None = None) -> str:
+    """The etcd a running job coordinates through: `explicit` (an external etcd) when given,
+    else the endpoint its embedded etcd left in the job's directory."""
+    if explicit:
+        return explicit
+    path = endpoint_file(job.workdir, job.id)
+    try:
+        return path.read_text().strip()
+    except OSError:
+        raise OverrideError(
+            f"job {job.id} is {job.state} and has no live etcd (no {path}); pass --etcd "
+            "HOST:PORT if it coordinates through an external one"
+        ) from None
+
+
+def current_boundary(etcd: EtcdClient, job: JobInfo) -> int:
+    """The boundary in force: the layout the controller published, else the stored one."""
+    raw = etcd.get(keys.layout(job.id))
+    return Layout.model_validate_json(raw).freeze_boundary if raw else job.freeze_boundary
+
+
+def allowed_layers(job: JobInfo, current: int) -> tuple[int, int]:
+    """The range a request may ask for: forward from `current`, keeping the spec's
+    `freeze.keep_trainable` last blocks trainable (empty when lo > hi)."""
+    return current, max_boundary(job.spec.model.depth, job.spec.freeze.keep_trainable)
+
+
+def pending_request(etcd: EtcdClient, job_id: str) -> str | None:
+    """The raw request waiting for the job's next decision point, if any."""
+    return etcd.get(keys.freeze_override(job_id))
+
+
 def file_freeze_request(
     store: Store, etcd: EtcdClient, job_id: str, layers: int, reason: str, who: str | None = None
 ) -> FreezeRequest:
     """Ask for blocks [0, layers) to be frozen at the job's next decision point. Valid only for
     a running job, forward from the current boundary, and within the model (keeping
-    `freeze.keep_trainable` blocks trainable); one pending request at a time."""
-    from trainer.freeze import FreezeOverrideError, apply_override  # the pure rule workers apply
-
+    `freeze.keep_trainable` blocks trainable); one pending request at a time. Nothing is filed
+    when any rule fails (OverrideError names the rule)."""
     job = store.get_job(job_id)
     if job.state != "running":
         raise OverrideError(f"job {job_id} is {job.state}; freeze requests need a running job")
-    raw = etcd.get(keys.layout(job_id))
-    current = Layout.model_validate_json(raw).freeze_boundary if raw else job.freeze_boundary
+    current = current_boundary(etcd, job)
     try:
         apply_override(current, layers, job.spec.model.depth, job.spec.freeze.keep_trainable)
     except FreezeOverrideError as exc:
@@ -43,9 +84,9 @@ def file_freeze_request(
     if not reason.strip():
         raise OverrideError("reason: say why (it is kept in the job's audit trail)")
     request = FreezeRequest(
-        id=uuid.uuid4().hex[:8], layers=layers, who=who or requester(), reason=reason
+        id=uuid.uuid4().hex[:8], layers=layers, who=who or requester(), reason=reason.strip()
     )
     if not etcd.put_if_absent(keys.freeze_override(job_id), request.model_dump_json()):
-        pending = etcd.get(keys.freeze_override(job_id))
+        pending = pending_request(etcd, job_id)
         raise OverrideError(f"job {job_id} already has a pending freeze request: {pending}")
     return request

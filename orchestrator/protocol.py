@@ -185,6 +185,8 @@ class Started(_Event):
     host: str
     node: str
     total_steps: int
+    # the file this process's stdout goes to, when it is a regular file (the worker's log)
+    log: str | None = None
 
 
 class FirstStep(_Event):
@@ -208,6 +210,9 @@ class Metrics(_Event):
     lr: float
     samples_per_s: float | None
     frozen: int  # the layout's freeze boundary at this step
+    # one gradient L2 norm per transformer block (after the cross-replica all-reduce, before
+    # clipping; 0 for frozen blocks); None where not finite. Absent from older workers' reports.
+    grad_norms: list[float | None] | None = None
 
 
 class Evaluated(_Event):

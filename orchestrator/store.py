@@ -5,8 +5,8 @@ readers (the dashboard, `pipetransformer status`). Every write method is one tra
 validates its input before touching the database, so bad input raises and changes nothing.
 
 Timestamps are timezone-aware UTC `datetime`s on the typed results (`JobInfo`,
-`CheckpointInfo`, layouts); the row dicts (`metrics`, `evaluations`, `events`) carry `time` as
-unix seconds, the same shape the trainer reports them in, so they are JSON-ready.
+`CheckpointInfo`, layouts); the row dicts (`metrics`, `evaluations`, `events`, `workers`) carry
+times as unix seconds, the same shape the trainer reports them in, so they are JSON-ready.
 
 SQLite (default, one file per run directory) and PostgreSQL (production) are both supported,
 with the same migrations and tests. The schema is created and upgraded only by alembic
@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from time import monotonic, sleep
@@ -33,18 +33,31 @@ from typing import Any, TypeVar
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 from sqlalchemy import (
     Connection,
     Engine,
     ScalarSelect,
     Select,
+    and_,
+    case,
     create_engine,
     delete,
     event,
     func,
     insert,
+    literal,
+    or_,
     select,
+    update,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -60,6 +73,8 @@ from orchestrator.tables import (
     EVENT_KEY_MAX_CHARS,
     GENERATION_STATES,
     JOB_STATES,
+    LEASE_STATES,
+    WORKER_STATES,
     Checkpoint,
     Evaluation,
     Event,
@@ -67,6 +82,8 @@ from orchestrator.tables import (
     Job,
     LayoutRow,
     Metric,
+    UTCDateTime,
+    Worker,
     utcnow,
 )
 
@@ -74,6 +91,8 @@ __all__ = [
     "CHECKPOINT_STATES",
     "GENERATION_STATES",
     "JOB_STATES",
+    "LEASE_STATES",
+    "WORKER_STATES",
     "CheckpointInfo",
     "JobExists",
     "JobInfo",
@@ -298,14 +317,112 @@ class _MetricRow(BaseModel):
     samples_per_s: float | None
     lr: float = Field(ge=0, allow_inf_nan=False)
     time: float = Field(allow_inf_nan=False)
+    grad_norms: list[float | None] | None = None  # one per block
 
     @field_validator("loss", "samples_per_s")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         return _finite_or_none(value)
 
+    @field_validator("grad_norms")
+    @classmethod
+    def _norms(cls, value: list[float | None] | None) -> list[float | None] | None:
+        if value is None:
+            return None
+        for i, n in enumerate(value):
+            if n is not None and n < 0:  # NaN compares False: it becomes null below
+                raise ValueError(f"grad_norms[{i}] is a norm and cannot be negative, got {n}")
+        return [_finite_or_none(n) for n in value]
+
 
 _metric_rows = TypeAdapter(list[_MetricRow])
+
+
+class _WorkerMember(BaseModel):
+    """A rank of a generation as its join request names it (`Store.add_workers`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: StrictInt = Field(ge=0)
+    node: str  # "host:agent-pid"; "" when the join request did not name it
+    pid: StrictInt | None = Field(default=None, ge=0)
+    host: str | None = None
+
+
+_worker_members = TypeAdapter(list[_WorkerMember])
+
+
+class _WorkerUpdate(BaseModel):
+    """What `Store.update_workers` may set; fields not passed are left alone."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str | None = None
+    pid: StrictInt | None = Field(default=None, ge=0)
+    stages: list[StrictInt] | None = None
+    replica: StrictInt | None = Field(default=None, ge=0)
+    log: str | None = None
+    started_at: float | None = Field(default=None, allow_inf_nan=False)  # unix seconds
+    state: str | None = None
+    lease: str | None = None
+    exit_code: StrictInt | None = None
+    signal: StrictInt | None = Field(default=None, ge=1)
+    detail: str | None = None
+
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(i < 0 for i in value):
+            raise ValueError(f"stage indices must be >= 0, got {value}")
+        return value
+
+    @field_validator("state")
+    @classmethod
+    def _state(cls, value: str | None) -> str:
+        if value not in WORKER_STATES:
+            raise ValueError(f"{value!r} is not one of {', '.join(WORKER_STATES)}")
+        return value
+
+    @field_validator("lease")
+    @classmethod
+    def _lease(cls, value: str | None) -> str:
+        if value not in LEASE_STATES:
+            raise ValueError(f"{value!r} is not one of {', '.join(LEASE_STATES)}")
+        return value
+
+    def columns(self) -> dict[str, Any]:
+        """The `workers` columns to set, from the fields the caller passed."""
+        out: dict[str, Any] = {}
+        for name in self.model_fields_set:
+            value = getattr(self, name)
+            if name == "stages":
+                out["stages_json"] = None if value is None else json.dumps(value)
+            elif name == "started_at":
+                out["started_at"] = None if value is None else _from_unix(value)
+            else:
+                out[name] = value
+        return out
+
+
+def _worker_dict(w: Worker) -> dict[str, Any]:
+    return {
+        "generation": w.generation,
+        "rank": w.rank,
+        "node": w.node,
+        "host": w.host,
+        "pid": w.pid,
+        "stages": None if w.stages_json is None else json.loads(w.stages_json),
+        "replica": w.replica,
+        "log": w.log,
+        "assigned_at": _unix(w.assigned_at),
+        "started_at": None if w.started_at is None else _unix(w.started_at),
+        "last_report_at": None if w.last_report_at is None else _unix(w.last_report_at),
+        "lease": w.lease,
+        "state": w.state,
+        "exit_code": w.exit_code,
+        "signal": w.signal,
+        "detail": w.detail,
+    }
 
 
 def _problems(err: ValidationError, what: str) -> str:
@@ -334,6 +451,20 @@ def _json_safe(value: Any) -> Any:
 def _check_state(kind: str, state: str, allowed: Sequence[str]) -> None:
     if state not in allowed:
         raise ValueError(f"{kind} state {state!r} is not valid; allowed: {', '.join(allowed)}")
+
+
+def _finite_time(t: Any, name: str) -> float:
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+        raise ValueError(f"{name} must be finite unix seconds, got {t!r}")
+    return float(t)
+
+
+def _ranks(ranks: Sequence[int]) -> list[int]:
+    if isinstance(ranks, str) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
+    ):
+        raise ValueError(f"ranks must be integers >= 0, got {ranks!r}")
+    return sorted(set(ranks))
 
 
 def _from_unix(t: float) -> datetime:
@@ -824,7 +955,10 @@ class Store:
     def add_metrics(self, job_id: str, rows: Sequence[dict[str, Any]]) -> int:
         """Append training metrics (step, epoch, loss, samples_per_s, lr, time) in one
         transaction. Steps already stored (or repeated in `rows`) are skipped; returns the
-        number of rows inserted. Non-finite loss/samples_per_s are stored as NULL."""
+        number of rows inserted. Non-finite loss/samples_per_s are stored as NULL.
+
+        A row may carry `grad_norms`: one gradient norm per block (>= 0; a non-finite one is
+        stored as null in the list), or None."""
         try:
             parsed = _metric_rows.validate_python(list(rows))
         except ValidationError as err:
@@ -856,6 +990,7 @@ class Store:
                     "samples_per_s": r.samples_per_s,
                     "lr": r.lr,
                     "time": _from_unix(r.time),
+                    "grad_norms": None if r.grad_norms is None else json.dumps(r.grad_norms),
                 }
                 for step, r in sorted(by_step.items())
                 if step not in existing
@@ -869,7 +1004,9 @@ class Store:
         return self._write("add_metrics", tx)
 
     def metrics(self, job_id: str) -> list[dict[str, Any]]:
-        """Training metrics ordered by step; `time` in unix seconds."""
+        """Training metrics ordered by step; `time` in unix seconds; `grad_norms` the per-block
+        gradient norms (None where a norm was not finite), or None (not reported, or a row
+        stored before revision 0005)."""
 
         def tx(s: Session) -> list[dict[str, Any]]:
             self._job(s, job_id)
@@ -882,6 +1019,7 @@ class Store:
                     "samples_per_s": m.samples_per_s,
                     "lr": m.lr,
                     "time": _unix(m.time),
+                    "grad_norms": None if m.grad_norms is None else json.loads(m.grad_norms),
                 }
                 for m in rows
             ]
@@ -1109,17 +1247,21 @@ class Store:
 
         return self._write("add_event", tx)
 
-    def events(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
-        """The job's most recent events, newest first; `time` in unix seconds."""
+    def events(
+        self, job_id: str, limit: int = 100, kinds: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """The job's most recent events, newest first; `time` in unix seconds. `kinds`: only
+        events of these kinds (e.g. `["freeze_requested"]`); None for all."""
+        if isinstance(kinds, str):  # "freeze" would otherwise mean the kinds f, r, e, ...
+            raise ValueError(f"kinds must be a sequence of event kinds, not the string {kinds!r}")
+        wanted = None if kinds is None else list(kinds)
 
         def tx(s: Session) -> list[dict[str, Any]]:
             self._job(s, job_id)
-            rows = s.scalars(
-                select(Event)
-                .where(Event.job_id == job_id)
-                .order_by(Event.time.desc(), Event.id.desc())
-                .limit(limit)
-            )
+            q = select(Event).where(Event.job_id == job_id)
+            if wanted is not None:
+                q = q.where(Event.kind.in_(wanted))
+            rows = s.scalars(q.order_by(Event.time.desc(), Event.id.desc()).limit(limit))
             return [
                 {
                     "id": e.id,
@@ -1133,6 +1275,158 @@ class Store:
             ]
 
         return self._read("events", tx)
+
+    # ---- workers
+
+    def add_workers(
+        self,
+        job_id: str,
+        generation: int,
+        members: Sequence[Mapping[str, Any]],
+        time: float | None = None,
+    ) -> int:
+        """Record the ranks of a generation as its join request names them, in state "assigned"
+        with lease "unknown": `members` are dicts with `rank`, `node` ("host:agent-pid"), and
+        optionally `pid` and `host`. `time` (unix seconds, default now) is `assigned_at`.
+
+        Ranks already recorded for the generation are left as they are (a restarted controller
+        re-adds them), so this is idempotent; returns the number of rows inserted. Raises
+        NotFound if the job has no such generation."""
+        try:
+            parsed = _worker_members.validate_python(list(members))
+        except ValidationError as err:
+            raise ValueError(f"invalid workers: {_problems(err, 'members')}") from None
+        seen: set[int] = set()
+        for i, m in enumerate(parsed):
+            if m.rank in seen:
+                raise ValueError(f"invalid workers: members[{i}].rank: rank {m.rank} repeated")
+            seen.add(m.rank)
+        when = utcnow() if time is None else _from_unix(_finite_time(time, "time"))
+        tried: set[int] = set()  # ranks an earlier try of this call inserted (may have landed)
+
+        def tx(s: Session) -> int:
+            self._generation(s, job_id, generation)
+            existing = set(
+                s.scalars(
+                    select(Worker.rank).where(
+                        Worker.job_id == job_id, Worker.generation == generation
+                    )
+                )
+            )
+            new = [
+                {
+                    "job_id": job_id,
+                    "generation": generation,
+                    "rank": m.rank,
+                    "node": m.node,
+                    "host": m.host,
+                    "pid": m.pid,
+                    "assigned_at": when,
+                    "lease": "unknown",
+                    "state": "assigned",
+                }
+                for m in sorted(parsed, key=lambda m: m.rank)
+                if m.rank not in existing
+            ]
+            ours = len(existing & tried)
+            tried.update(row["rank"] for row in new)
+            if new:
+                s.execute(insert(Worker), new)
+            return len(new) + ours
+
+        return self._write("add_workers", tx)
+
+    def update_workers(
+        self, job_id: str, generation: int, ranks: Sequence[int], **fields: Any
+    ) -> int:
+        """Set the same `fields` on some ranks of a generation, in one statement: any of
+        `host, pid, stages (list[int]), replica, log, started_at (unix seconds), state, lease,
+        exit_code, signal, detail`; fields not passed are left alone, None clears a nullable one.
+        Setting values is idempotent. Returns the number of rows matched: ranks (or a
+        generation) without a row are skipped, not an error."""
+        try:
+            update_ = _WorkerUpdate.model_validate(fields)
+        except ValidationError as err:
+            raise ValueError(f"invalid worker update: {_problems(err, 'fields')}") from None
+        values = update_.columns()
+        if not values:
+            raise ValueError("invalid worker update: no fields given")
+        wanted = _ranks(ranks)
+
+        def tx(s: Session) -> int:
+            self._job(s, job_id)
+            if not wanted:
+                return 0
+            result = s.execute(
+                update(Worker)
+                .where(
+                    Worker.job_id == job_id,
+                    Worker.generation == generation,
+                    Worker.rank.in_(wanted),
+                )
+                .values(**values)
+                .execution_options(synchronize_session=False)  # no rows loaded in this session
+            )
+            return result.rowcount  # type: ignore[attr-defined]
+
+        return self._write("update_workers", tx)
+
+    def touch_workers(self, job_id: str, times: Mapping[tuple[int, int], float]) -> None:
+        """Advance `last_report_at` of several ranks in one statement: `times` maps (generation,
+        rank) to the time of its newest report (unix seconds). A time never moves back (reports
+        replayed after a controller restart, clocks of other hosts); ranks without a row are
+        skipped."""
+        pairs: list[tuple[int, int, datetime]] = []
+        for key, t in times.items():
+            if not (
+                isinstance(key, tuple)
+                and len(key) == 2
+                and all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in key)
+            ):
+                raise ValueError(f"invalid worker times: key {key!r} is not (generation, rank)")
+            pairs.append((key[0], key[1], _from_unix(_finite_time(t, f"times[{key!r}]"))))
+
+        def tx(s: Session) -> None:
+            self._job(s, job_id)
+            for i in range(0, len(pairs), 200):  # keep under bind-parameter limits
+                chunk = pairs[i : i + 200]
+                who = [and_(Worker.generation == g, Worker.rank == r) for g, r, _ in chunk]
+                newer = [
+                    and_(w, or_(Worker.last_report_at.is_(None), Worker.last_report_at < t))
+                    for w, (_, _, t) in zip(who, chunk, strict=True)
+                ]
+                new_time = case(
+                    *[
+                        (w, literal(t, UTCDateTime()))
+                        for w, (_, _, t) in zip(who, chunk, strict=True)
+                    ],
+                    else_=Worker.last_report_at,
+                )
+                s.execute(
+                    update(Worker)
+                    .where(Worker.job_id == job_id, or_(*newer))
+                    .values(last_report_at=new_time)
+                    .execution_options(synchronize_session=False)
+                )
+
+        self._write("touch_workers", tx)
+
+    def workers(self, job_id: str) -> list[dict[str, Any]]:
+        """Every rank of every generation, by generation then rank: `generation, rank, node,
+        host, pid, stages (list[int] | None), replica, log, assigned_at, started_at,
+        last_report_at (unix seconds; the last two None until known), lease, state, exit_code,
+        signal, detail`."""
+
+        def tx(s: Session) -> list[dict[str, Any]]:
+            self._job(s, job_id)
+            rows = s.scalars(
+                select(Worker)
+                .where(Worker.job_id == job_id)
+                .order_by(Worker.generation, Worker.rank)
+            )
+            return [_worker_dict(w) for w in rows]
+
+        return self._read("workers", tx)
 
     # ---- summary
 

@@ -34,6 +34,26 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 JOB_STATES = ("pending", "running", "completed", "failed", "interrupted")
 GENERATION_STATES = ("running", "completed", "failed", "aborted", "interrupted")
 CHECKPOINT_STATES = ("committed", "deleted", "corrupt")
+# A worker (one rank of one generation): assigned, then running once it reported `started`, then
+# how it ended: done/stopped (the job's training ended as asked), left (a graceful leave or
+# SIGTERM), aborted (the controller aborted its generation), or the post-mortem's verdict:
+# failed (its own exception), died (an abnormal exit status), lost (its lease lapsed without a
+# word), peer_lost (a peer of a collective went away).
+WORKER_STATES = (
+    "assigned",
+    "running",
+    "done",
+    "stopped",
+    "left",
+    "aborted",
+    "failed",
+    "died",
+    "lost",
+    "peer_lost",
+)
+# Its presence key's lease as the controller saw it: not seen yet, held, gone without the rank
+# saying goodbye (lapsed), or let go with a final report (released).
+LEASE_STATES = ("unknown", "held", "lapsed", "released")
 # Column widths the store validates against: PostgreSQL enforces them, SQLite does not.
 CHECKSUM_MAX_CHARS = 128
 EVENT_KEY_MAX_CHARS = 255
@@ -160,6 +180,9 @@ class Metric(Base):
     samples_per_s: Mapped[float | None] = mapped_column(Float)
     lr: Mapped[float] = mapped_column(Float)
     time: Mapped[datetime] = mapped_column(UTCDateTime())
+    # JSON list: one gradient norm per block, null where not finite (revision 0005; NULL on
+    # rows written before it)
+    grad_norms: Mapped[str | None] = mapped_column(Text)
 
 
 class Evaluation(Base):
@@ -213,3 +236,35 @@ class Event(Base):
     data_json: Mapped[str | None] = mapped_column(Text)
     # NULL only on rows written before revision 0002 (several NULLs never collide).
     dedup_key: Mapped[str | None] = mapped_column(String(EVENT_KEY_MAX_CHARS))
+
+
+class Worker(Base):
+    """One rank of one generation: where it ran, what it ran, and how it ended (revision 0005).
+    The controller writes it from the join request, the rank's reports, its presence lease and
+    the post-mortem."""
+
+    __tablename__ = "workers"
+    __table_args__ = (
+        UniqueConstraint("job_id", "generation", "rank"),
+        CheckConstraint(_in("state", WORKER_STATES), name="state"),
+        CheckConstraint(_in("lease", LEASE_STATES), name="lease"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    generation: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    node: Mapped[str] = mapped_column(Text)  # "host:agent-pid", from the join request
+    host: Mapped[str | None] = mapped_column(Text)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    stages_json: Mapped[str | None] = mapped_column(Text)  # JSON list of stage indices
+    replica: Mapped[int | None] = mapped_column(Integer)
+    log: Mapped[str | None] = mapped_column(Text)  # the file its stdout went to
+    assigned_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    last_report_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    lease: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    signal: Mapped[int | None] = mapped_column(Integer)
+    detail: Mapped[str | None] = mapped_column(Text)

@@ -4,15 +4,18 @@ aborts the generation, and a restarted controller takes over the running one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import event, text
 
 from orchestrator import keys
 from orchestrator.controller import Controller
@@ -192,6 +195,11 @@ def test_the_dead_rank_is_named_not_the_peer_that_reported_first(ctrl, etcd, sto
     assert reason.startswith("rank 1 (pid 101 on b) vanished: its lease lapsed"), reason
     assert reason.endswith("rank 0 only lost its peer")
     assert not [e for e in store.events("job-ft") if e["kind"] == "worker_failed"]
+    # the workers table says the same: rank 1 lost (lease lapsed), rank 0 a victim that let go
+    w0, w1 = store.workers("job-ft")
+    assert (w1["state"], w1["lease"], w1["pid"], w1["host"]) == ("lost", "lapsed", 101, "b")
+    assert "lease lapsed" in w1["detail"] and w1["exit_code"] is w1["signal"] is None
+    assert (w0["state"], w0["lease"], w0["detail"]) == ("peer_lost", "released", GONE)
 
 
 def test_an_exit_report_names_the_dead_rank_and_how(ctrl, etcd, store) -> None:
@@ -216,6 +224,10 @@ def test_an_exit_report_names_the_dead_rank_and_how(ctrl, etcd, store) -> None:
     ctrl.tick()  # the victim's report arrives after the abort: the reason is completed
     reason = store.generations("job-ft")[-1]["reason"]
     assert reason == "rank 1 (pid 101 on b) killed by signal 9 (SIGKILL); rank 0 only lost its peer"
+    w0, w1 = store.workers("job-ft")
+    assert (w1["state"], w1["exit_code"], w1["signal"]) == ("died", None, signal.SIGKILL)
+    assert w1["detail"] == "killed by signal 9 (SIGKILL)"
+    assert (w0["state"], w0["detail"]) == ("peer_lost", GONE)
 
 
 def test_every_rank_failing_alike_while_starting_fails_the_job(ctrl, etcd, store) -> None:
@@ -464,3 +476,167 @@ def test_a_malformed_join_request_is_rejected_not_fatal(ctrl, etcd, store, caplo
     assert len(rejected) == 1 and rejected[0]["data"]["error"].startswith("world")
     _join(etcd, 2, ["a:1", "b:2"])  # a good one is answered as usual
     assert ctrl.answer_join() is not None
+
+
+# -- the workers table -------------------------------------------------------------------------
+
+
+def _rows(store: Store, *keys: str) -> list[tuple]:
+    return [tuple(w[k] for k in keys) for w in store.workers("job-ft")]
+
+
+def _started(etcd: EtcdClient, generation: int, rank: int, host: str, **extra) -> None:
+    _report(etcd, generation, rank, "started", stages=[rank], replica=0, pid=100 + rank,
+            host=host, node=f"{host}:1", total_steps=10, **extra)  # fmt: skip
+
+
+def _metrics(etcd: EtcdClient, generation: int, rank: int, step: int, **extra) -> None:
+    _report(etcd, generation, rank, "metrics", seq=step, step=step, epoch=0,
+            samples_consumed=64 * step, loss=1.0, lr=1e-3, samples_per_s=10.0, frozen=0,
+            **extra)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _worker_updates(store: Store) -> Iterator[list[str]]:
+    """The UPDATE statements on `workers` run inside the block."""
+    seen: list[str] = []
+
+    def watch(conn, cursor, statement: str, *args) -> None:
+        if statement.lstrip().upper().startswith("UPDATE WORKERS"):
+            seen.append(statement)
+
+    event.listen(store._engine, "before_cursor_execute", watch)
+    try:
+        yield seen
+    finally:
+        event.remove(store._engine, "before_cursor_execute", watch)
+
+
+def test_worker_rows_follow_a_generation_from_assignment_to_its_end(ctrl, etcd, store) -> None:
+    request = JoinRequest(id="r1", world=2, nodes=["a:1", "b:2"], pids=[100, 101])
+    etcd.put(keys.join("job-ft"), request.model_dump_json())
+    a = ctrl.answer_join()
+    g = a.generation
+    assert _rows(store, "generation", "rank", "node", "host", "pid", "state", "lease") == [
+        (g, 0, "a:1", "a", 100, "assigned", "unknown"),
+        (g, 1, "b:2", "b", 101, "assigned", "unknown"),
+    ]
+    assert all(w["started_at"] is w["last_report_at"] is None for w in store.workers("job-ft"))
+
+    leases = [_register(etcd, g, r, ttl=5) for r in (0, 1)]
+    ctrl.tick()
+    assert _rows(store, "lease") == [("held",), ("held",)]
+    with _worker_updates(store) as watched:
+        ctrl.tick()
+        ctrl.tick()
+    assert watched == []  # the leases are written once, not every tick
+
+    _started(etcd, g, 0, "a", log="/w/workers-n0.log", time=1000.0)
+    _started(etcd, g, 1, "b", time=1000.5)  # stdout not a file: no log
+    ctrl.tick()
+    assert _rows(store, "state", "host", "stages", "replica", "log", "started_at") == [
+        ("running", "a", [0], 0, "/w/workers-n0.log", 1000.0),
+        ("running", "b", [1], 0, None, 1000.5),
+    ]
+    assert _rows(store, "last_report_at") == [(1000.0,), (1000.5,)]
+
+    # the loss-owning rank reports every step: its report time advances, in one statement per
+    # drain however many reports it drains
+    _metrics(etcd, g, 1, 1, time=1001.0, grad_norms=[0.0, 0.5, float("nan"), 2.0])
+    _metrics(etcd, g, 1, 2, time=1003.0)  # a worker that does not report norms
+    _metrics(etcd, g, 1, 3, time=1002.0, grad_norms=[0.0, 0.25, 1.0, 1.5])
+    with _worker_updates(store) as watched:
+        ctrl.drain()
+    assert len(watched) == 1, watched
+    assert _rows(store, "last_report_at") == [(1000.0,), (1003.0,)]
+    assert [m["grad_norms"] for m in store.metrics("job-ft")] == [
+        [0.0, 0.5, None, 2.0],
+        None,
+        [0.0, 0.25, 1.0, 1.5],
+    ]
+
+    _report(etcd, g, 0, "done", seq=1, outcome="done", time=1004.0)
+    ctrl.tick()
+    for lease in leases:
+        lease.revoke()
+    ctrl.tick()
+    assert _rows(store, "state", "lease", "last_report_at") == [
+        ("done", "released", 1004.0),
+        ("done", "released", 1003.0),
+    ]
+
+
+def test_a_failed_rank_keeps_its_error_and_gets_its_exit_status(ctrl, etcd, store) -> None:
+    request = JoinRequest(id="r1", world=2, nodes=["a:1", "b:2"], pids=[100, 101])
+    etcd.put(keys.join("job-ft"), request.model_dump_json())
+    g = ctrl.answer_join().generation
+    _ = [_register(etcd, g, r, ttl=5) for r in (0, 1)]
+    ctrl.tick()
+    _report(etcd, g, 1, "failed", error="ValueError: bad batch", phase="train")
+    ctrl.tick()
+    etcd.put(
+        keys.exit_report("job-ft", "b", 101),
+        WorkerExit(pid=101, host="b", exit_code=1).model_dump_json(),
+    )
+    _report(etcd, g, 0, "aborted", seq=1, why="the controller aborted the generation")
+    ctrl.tick()
+    w0, w1 = store.workers("job-ft")
+    assert (w1["state"], w1["exit_code"], w1["signal"]) == ("failed", 1, None)
+    assert (w1["detail"], w1["lease"]) == ("ValueError: bad batch", "released")
+    assert (w0["state"], w0["lease"]) == ("aborted", "released")
+    assert w0["detail"] == "the controller aborted the generation"
+
+
+def test_a_graceful_leave_ends_every_rank_as_left(ctrl, etcd, store) -> None:
+    _join(etcd, 2, ["a:1", "b:2"])
+    g = ctrl.answer_join().generation
+    _report(etcd, g, 0, "leaving", ranks=[1], step=7)
+    ctrl.tick()
+    assert _rows(store, "state", "lease", "detail") == [
+        ("left", "released", "re-formed without [1]; checkpointed at step 7"),
+        ("left", "released", "asked to leave (SIGTERM); checkpointed at step 7"),
+    ]
+    assert _rows(store, "node", "pid") == [("a:1", None), ("b:2", None)]  # no pids named
+
+
+def test_a_restarted_controller_keeps_the_worker_rows(ctrl, etcd, store) -> None:
+    request = JoinRequest(id="r1", world=2, nodes=["a:1", "b:2"], pids=[100, 101])
+    etcd.put(keys.join("job-ft"), request.model_dump_json())
+    g = ctrl.answer_join().generation
+    _ = [_register(etcd, g, r, ttl=5) for r in (0, 1)]
+    ctrl.tick()
+    _started(etcd, g, 0, "a", time=1000.0)
+    ctrl.tick()
+    before = store.workers("job-ft")
+    successor = Controller(store, etcd, "job-ft")
+    assert successor.attach()
+    assert store.workers("job-ft") == before  # re-added rows are the same rows
+    with _worker_updates(store) as watched:
+        successor.check_workers()
+    assert watched == []  # it knows what was written: leases already held
+    _started(etcd, g, 1, "b", seq=0, time=1001.0)
+    successor.tick()
+    assert _rows(store, "state") == [("running",), ("running",)]
+
+    # rows a controller did not get to write (e.g. it died first) are written on attach
+    with store._engine.begin() as conn:
+        conn.execute(text("DELETE FROM workers"))
+    assert Controller(store, etcd, "job-ft").attach()
+    assert _rows(store, "rank", "node", "pid", "state") == [
+        (0, "a:1", 100, "assigned"),
+        (1, "b:2", 101, "assigned"),
+    ]
+
+
+def test_a_worker_names_the_file_its_stdout_goes_to(tmp_path: Path) -> None:
+    script = (
+        "import sys; from trainer.process import stdout_log; print(stdout_log(), file=sys.stderr)"
+    )
+    log = tmp_path / "workers-n0.log"
+    with log.open("w") as out:
+        to_file = subprocess.run([sys.executable, "-c", script], cwd=REPO, stdout=out,
+                                 stderr=subprocess.PIPE, text=True, check=True)  # fmt: skip
+    to_pipe = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+    assert to_file.stderr.strip() == str(log)
+    assert to_pipe.stderr.strip() == "None"

@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard.launch import APP_PATH, ENV_DB, db_url_from, script_args, streamlit_command
+from dashboard.launch import (
+    APP_PATH,
+    DEFAULT_REFRESH_S,
+    ENV_DB,
+    ENV_ETCD,
+    Options,
+    db_url_from,
+    options_from,
+    script_args,
+    streamlit_command,
+)
 from orchestrator.store import Store, sqlite_url
 
 TIMEOUT_S = 30  # first run imports plotly/pandas; generous for 2 slow cores
@@ -38,6 +48,15 @@ def page_text(at: AppTest) -> str:
     return "\n".join(str(p) for p in parts)
 
 
+def chart_titles(at: AppTest) -> list[str]:
+    return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+
+
+def show(at: AppTest, view: str) -> AppTest:
+    at.radio(key="view").set_value(view)
+    return at.run()
+
+
 def test_job_page_renders(monkeypatch: pytest.MonkeyPatch, finished_run) -> None:
     at = run_app(monkeypatch, finished_run.db_url)
     assert not at.exception, [e.value for e in at.exception]
@@ -46,23 +65,73 @@ def test_job_page_renders(monkeypatch: pytest.MonkeyPatch, finished_run) -> None
     job = finished_run.store.get_job(finished_run.job_id)
     assert job.state in metrics["State"]
     assert metrics["Step"] == str(job.step)
-    # Sidebar lists the job with its state.
-    (radio,) = at.sidebar.radio
+    assert metrics["Frozen"] == f"{job.freeze_boundary}/{job.spec.model.depth}"
+    assert metrics["Layout"].startswith("v")
+    assert all(m.value and "None" not in m.value for m in at.metric)
+    # Sidebar lists the job with its state; a finished job is not polled.
+    (radio,) = [r for r in at.sidebar.radio if r.key == "job"]
     assert radio.value == finished_run.job_id
     assert any(finished_run.job_id in o and job.state in o for o in radio.options)
+    assert "Live:" not in page_text(at)
 
-    charts = at.get("plotly_chart")
-    specs = [json.loads(c.proto.spec) for c in charts]
-    titles = [s["layout"]["title"]["text"] for s in specs]
-    assert len(charts) == 5, titles
-    assert titles[0].startswith("Layout v")
-    assert {"Training loss", "Throughput", "Held-out accuracy"} <= set(titles)
-    assert all(s["data"] for s in specs)  # every chart has data behind it
-
-    subheaders = [s.value for s in at.subheader]
-    assert {"Pipeline layout", "Checkpoints", "Recent events"} <= set(subheaders)
-    assert len(at.dataframe) >= 2  # checkpoints and events tables
+    # Training: every curve on the step axis, each with data behind it.
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    titles = chart_titles(at)
+    assert set(titles) == {"Training loss", "Throughput", "Held-out accuracy", "Learning rate"}
+    assert all(s["data"] for s in specs)
+    assert all(s["layout"]["xaxis"]["title"]["text"] == "step" for s in specs)
+    # the same charts against wall time
+    at.radio(key="xaxis").set_value("time")
+    at = at.run()
+    assert not at.exception
+    assert {
+        json.loads(c.proto.spec)["layout"]["xaxis"]["title"]["text"] for c in at.get("plotly_chart")
+    } == {"time (UTC)"}
     assert not at.error
+
+
+def test_every_view_renders(monkeypatch: pytest.MonkeyPatch, finished_run) -> None:
+    at = run_app(monkeypatch, finished_run.db_url)
+    job = finished_run.store.get_job(finished_run.job_id)
+
+    at = show(at, "Layout")
+    assert not at.exception, [e.value for e in at.exception]
+    assert chart_titles(at)[0].startswith("Layout v")
+
+    at = show(at, "Freezing")
+    assert not at.exception, [e.value for e in at.exception]
+    assert {"Frozen blocks", "Gradient norm per block"} <= set(chart_titles(at))
+    # the override form is there, and disabled: no credentials, and the job is not running
+    (submit,) = [b for b in at.button if b.label == "File freeze request"]
+    assert submit.disabled
+    assert any("Actions are disabled" in i.value for i in at.sidebar.info)
+
+    at = show(at, "Workers")
+    assert not at.exception, [e.value for e in at.exception]
+    text = page_text(at)
+    assert "Generation 1" in text
+    workers = finished_run.store.workers(finished_run.job_id)
+    assert workers, "a real run records its workers"
+    frames = [df.value for df in at.dataframe]
+    assert frames and sum(len(f) for f in frames) == len(workers)
+    assert {"host", "pid", "stage", "replica", "lease", "last report", "exit", "log"} <= set(
+        frames[0].columns
+    )
+
+    at = show(at, "Events")
+    assert not at.exception, [e.value for e in at.exception]
+    events = at.dataframe[0].value
+    assert "None" not in set(events["from"]) and "controller" in set(events["from"])
+    assert len(at.dataframe) == 2  # events and checkpoints
+
+    at = show(at, "Spec")
+    assert not at.exception
+    (code,) = at.code
+    assert code.language == "yaml" and f"name: {job.name}" in code.value
+
+    at = show(at, "Compare")
+    assert not at.exception, [e.value for e in at.exception]
+    assert {"Training loss", "Throughput (samples/s)", "Held-out accuracy"} <= set(chart_titles(at))
 
 
 def test_job_selected_by_query_param(monkeypatch: pytest.MonkeyPatch, finished_run) -> None:
@@ -79,8 +148,11 @@ def test_job_selected_by_query_param(monkeypatch: pytest.MonkeyPatch, finished_r
     assert not at.exception
     assert [t.value for t in at.main.title] == ["newer-job-000001"]
     text = page_text(at)
-    assert "No layout recorded yet." in text
+    assert "Layout: —" in text and "Samples/s: —" in text
     assert "fine-tuned from `/w/jobs/pre/checkpoints/step-00000040`" in text
+    assert "Live: updates every" in text  # a pending job is watched until it ends
+    assert "No layout recorded yet." in page_text(show(at, "Layout"))
+    assert not at.exception
 
     at = run_app(monkeypatch, finished_run.db_url, job=finished_run.job_id)
     assert not at.exception
@@ -130,7 +202,9 @@ def test_no_database_given(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_streamlit_command() -> None:
-    cmd = streamlit_command("sqlite:////tmp/x.db", host="0.0.0.0", port=8600)
+    cmd = streamlit_command(
+        "sqlite:////tmp/x.db", host="0.0.0.0", port=8600, etcd="10.0.0.5:2379", refresh_s=2
+    )
     assert cmd[:5] == [sys.executable, "-m", "streamlit", "run", str(APP_PATH)]
     assert Path(cmd[4]).is_file()
     opts = cmd[5 : cmd.index("--")]
@@ -139,17 +213,191 @@ def test_streamlit_command() -> None:
         "--server.address": "0.0.0.0",
         "--server.port": "8600",
         "--browser.gatherUsageStats": "false",
+        "--client.toolbarMode": "viewer",  # no Deploy button
     }
-    assert cmd[cmd.index("--") + 1 :] == ["--db", "sqlite:////tmp/x.db"]
     # What the app reads back from the arguments after `--`.
-    assert db_url_from(cmd[cmd.index("--") + 1 :], environ={}) == "sqlite:////tmp/x.db"
+    app_args = cmd[cmd.index("--") + 1 :]
+    assert options_from(app_args, environ={}) == Options(
+        db="sqlite:////tmp/x.db", etcd="10.0.0.5:2379", refresh_s=2.0
+    )
+    assert db_url_from(app_args, environ={}) == "sqlite:////tmp/x.db"
+    plain = streamlit_command("sqlite://")
+    assert "--etcd" not in plain
+    assert options_from(plain[plain.index("--") + 1 :], environ={}).refresh_s == DEFAULT_REFRESH_S
 
 
 def test_db_url_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert db_url_from(["--db", "sqlite://"], {ENV_DB: "postgresql://h/db"}) == "sqlite://"
     assert db_url_from([], {ENV_DB: "postgresql://h/db"}) == "postgresql://h/db"
     assert db_url_from(["-q", "--durations=5", "--d", "x"], {}) is None
+    assert options_from([], {ENV_ETCD: "h:2379"}).etcd == "h:2379"
+    assert options_from(["--refresh", "0"], {}).refresh_s == DEFAULT_REFRESH_S  # never a busy loop
     monkeypatch.setattr(sys, "argv", [str(APP_PATH), "--db", "sqlite://"])
     assert script_args() == ["--db", "sqlite://"]
     monkeypatch.setattr(sys, "argv", ["pytest", "--db", "sqlite://"])
     assert script_args() == []
+
+
+# --------------------------------------------------------------------------- actions
+
+TOKEN = "s3cret-token-for-tests"
+
+
+@pytest.fixture
+def running_job(store: Store, db_url: str, etcd, etcd_server, monkeypatch: pytest.MonkeyPatch):
+    """A job the store says is running, with its layout, and the etcd it coordinates through
+    (found by the dashboard through PIPETRANSFORMER_ETCD)."""
+    from orchestrator.spec import parse_spec
+    from tests.fixtures_store import two_stage_layout
+
+    spec = parse_spec({"name": "live", "model": {"depth": 6}, "parallel": {"stages": 2}})
+    store.create_job("live-1", spec, "/tmp/nowhere")
+    store.record_layout("live-1", two_stage_layout(1, 0), reason="initial")
+    store.set_job_state("live-1", "running")
+    monkeypatch.setenv(ENV_ETCD, etcd_server.endpoint)
+    return db_url
+
+
+def button(at: AppTest, label: str, sidebar: bool = False):
+    (found,) = [b for b in (at.sidebar.button if sidebar else at.button) if b.label == label]
+    return found
+
+
+def file_request(at: AppTest, layers: int, reason: str) -> AppTest:
+    at.number_input(key="override_layers").set_value(layers)
+    at.text_input(key="override_reason").set_value(reason)
+    button(at, "File freeze request").click()
+    return at.run()
+
+
+def test_freeze_override_needs_a_signed_in_user(
+    monkeypatch: pytest.MonkeyPatch, running_job: str, etcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    from orchestrator import keys
+    from orchestrator.protocol import FreezeRequest
+
+    monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN", TOKEN)
+    monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_USER", "alice")
+    at = show(run_app(monkeypatch, running_job, job="live-1"), "Freezing")
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Live: updates every" in page_text(at)
+    assert button(at, "File freeze request").disabled
+    assert any("Sign in" in c.value for c in at.caption)
+
+    # a wrong token is refused, and the refusal is logged with the name that was tried
+    at.text_input(key="sign_in_user").set_value("alice")
+    at.text_input(key="sign_in_token").set_value("not-the-token")
+    button(at, "Sign in", sidebar=True).click()
+    at = at.run()
+    assert any("Sign-in refused" in e.value for e in at.sidebar.error)
+    assert "refused sign-in: user 'alice'" in caplog.text
+    assert button(at, "File freeze request").disabled
+
+    at.text_input(key="sign_in_user").set_value("alice")
+    at.text_input(key="sign_in_token").set_value(TOKEN)
+    button(at, "Sign in", sidebar=True).click()
+    at = at.run()
+    assert any("Signed in as **alice**" in c.value for c in at.sidebar.caption)
+    assert not button(at, "File freeze request").disabled
+
+    # the CLI's rules, before anything is filed
+    at = file_request(at, 6, "too far")
+    assert any("Refused: layers=6 exceeds 5" in e.value for e in at.error), at.error
+    at = file_request(at, 2, "   ")
+    assert any("Refused: reason" in e.value for e in at.error), at.error
+    assert etcd.get(keys.freeze_override("live-1")) is None
+
+    at = file_request(at, 2, "blocks 0-1 plateaued")
+    assert any("filed" in s.value for s in at.success), at.error
+    filed = FreezeRequest.model_validate_json(etcd.get(keys.freeze_override("live-1")))
+    assert (filed.layers, filed.who, filed.reason) == (
+        2,
+        "alice (dashboard)",
+        "blocks 0-1 plateaued",
+    )
+    # listed as pending (the controller has not audited it yet)
+    requests = at.table[0].value
+    assert list(requests["request"]) == [filed.id] and list(requests["status"]) == ["pending"]
+    # one pending request at a time
+    at = file_request(at, 3, "again")
+    assert any("already has a pending freeze request" in e.value for e in at.error)
+
+
+def test_without_credentials_nothing_can_be_filed(
+    monkeypatch: pytest.MonkeyPatch, running_job: str, etcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    from orchestrator import keys
+
+    monkeypatch.delenv("PIPETRANSFORMER_DASHBOARD_TOKEN", raising=False)
+    monkeypatch.delenv("PIPETRANSFORMER_DASHBOARD_TOKEN_FILE", raising=False)
+    at = show(run_app(monkeypatch, running_job, job="live-1"), "Freezing")
+    assert not at.exception
+    assert any("Actions are disabled" in i.value for i in at.sidebar.info)
+    assert not [b for b in at.sidebar.button if b.label == "Sign in"]
+    assert button(at, "File freeze request").disabled
+    assert etcd.get(keys.freeze_override("live-1")) is None
+
+
+def test_a_form_left_open_after_sign_out_files_nothing(
+    monkeypatch: pytest.MonkeyPatch, running_job: str, etcd
+) -> None:
+    from orchestrator import keys
+
+    monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN", TOKEN)
+    at = show(run_app(monkeypatch, running_job, job="live-1"), "Freezing")
+    at.text_input(key="sign_in_token").set_value(TOKEN)
+    button(at, "Sign in", sidebar=True).click()
+    at = at.run()
+    assert not button(at, "File freeze request").disabled
+    at.session_state["actor"] = None  # signed out elsewhere; this page still shows the form
+    at = file_request(at, 2, "stale")
+    # the page is drawn for who is signed in now: the form is disabled again, the submit void
+    assert not at.success and button(at, "File freeze request").disabled
+    assert any("Sign in" in c.value for c in at.caption)
+    assert etcd.get(keys.freeze_override("live-1")) is None
+
+
+# --------------------------------------------------------------------------- the CLI's checks
+
+
+def test_cli_warns_before_serving_beyond_loopback_without_credentials(
+    monkeypatch: pytest.MonkeyPatch,
+    finished_run,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    from orchestrator import cli
+
+    served: list[list[str]] = []
+
+    def execv(path: str, argv: list[str]) -> None:
+        served.append(argv)
+        raise SystemExit(0)  # instead of becoming Streamlit
+
+    monkeypatch.setattr(cli.os, "execv", execv)
+    for var in ("PIPETRANSFORMER_DASHBOARD_TOKEN", "PIPETRANSFORMER_DASHBOARD_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)  # no .streamlit/secrets.toml here (OIDC would count as auth)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = ["dashboard", "--db", finished_run.db_url]
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--host", "0.0.0.0"])
+    err = capsys.readouterr().err
+    assert "warning" in err and "0.0.0.0" in err and "PIPETRANSFORMER_DASHBOARD_TOKEN" in err
+    assert served[-1][served[-1].index("--server.address") + 1] == "0.0.0.0"
+
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--host", "127.0.0.1"])
+    assert "warning" not in capsys.readouterr().err
+
+    monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN", TOKEN)
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--host", "0.0.0.0"])
+    assert "warning" not in capsys.readouterr().err
+
+    # credentials configured but unusable: refused before anything is served
+    monkeypatch.delenv("PIPETRANSFORMER_DASHBOARD_TOKEN")
+    monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN_FILE", "/nonexistent/tokens")
+    served.clear()
+    assert cli.main([*args]) == 2
+    assert "cannot read" in capsys.readouterr().err and not served

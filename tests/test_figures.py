@@ -1,28 +1,538 @@
-"""Dashboard figure builders: pure functions, asserted on the figure data."""
+"""Dashboard figure builders and the job timeline: pure functions, asserted on the figure data
+(traces, shapes, annotations, axis settings)."""
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 
 import plotly.graph_objects as go
 import pytest
+from plotly.subplots import make_subplots
 
 from dashboard.figures import (
     EMPTY_TEXT,
     FROZEN_COLOR,
     accuracy_figure,
+    compare_figure,
     freeze_figure,
+    grad_norm_figure,
     layout_figure,
+    layout_history_figure,
     loss_figure,
+    lr_figure,
+    smooth,
     stage_color,
     throughput_figure,
+)
+from dashboard.timeline import (
+    BAND_FILLS,
+    GENERATION_COLOR,
+    RECOVERY_COLOR,
+    Band,
+    Timeline,
+    decorate,
+    step_at,
+    timeline,
 )
 from orchestrator.state import Layout, StageLayout
 from tests.fixtures_store import two_stage_layout
 
+T0 = 1_700_000_000.0
+
+
+def at(t: float) -> datetime:
+    return datetime.fromtimestamp(t, UTC)
+
 
 def cells(trace: go.Bar) -> set[tuple[int, str]]:
     return set(zip(trace.base, trace.y, strict=True))
+
+
+def by_name(fig: go.Figure) -> dict[str, go.BaseTraceType]:
+    return {t.name: t for t in fig.data}
+
+
+def notes(fig: go.Figure) -> list[str]:
+    return [a.text for a in fig.layout.annotations]
+
+
+# ---- a realistic history ---------------------------------------------------------------------
+# Generation 1 (2 ranks) trains 2 stages x 1 replica, freezes 2 blocks at step 8 (v2), and is
+# aborted after step 15 when rank 1 dies. Generation 2 recovers on 2 ranks and re-plans to
+# 1 stage x 2 replicas (v3); the user stops it after step 30; generation 3 resumes it.
+
+
+def one_stage_two_replicas(version: int, freeze_boundary: int) -> Layout:
+    return Layout(
+        version=version,
+        num_blocks=6,
+        freeze_boundary=freeze_boundary,
+        stages=[StageLayout(index=0, start=freeze_boundary, end=6, ranks=[0, 1])],
+        replicas=2,
+        microbatches=4,
+    )
+
+
+def step_time(step: int) -> float:
+    """Steps 1-15 at T0+6..T0+20 (generation 1), 16-30 at T0+36..T0+50, 31-35 at T0+61..65."""
+    return T0 + step + (5 if step <= 15 else 20 if step <= 30 else 30)
+
+
+def norms(step: int) -> list[float | None]:
+    # Frozen blocks report 0; block 5 overflows once.
+    boundary = 0 if step < 8 else 2
+    out: list[float | None] = [0.0 if b < boundary else 10.0 ** -(b + 1) for b in range(6)]
+    if step == 20:
+        out[5] = None
+    return out
+
+
+METRICS = [
+    {
+        "step": s,
+        "epoch": (s - 1) // 10,
+        "loss": 2.0 / s,
+        "samples_per_s": 100.0 * s,
+        "lr": 1e-3,
+        "time": step_time(s),
+        "grad_norms": norms(s),
+    }
+    for s in range(1, 36)
+]
+EVALS = [
+    {"epoch": e, "step": 10 * (e + 1), "accuracy": 0.5 + 0.1 * e, "loss": 1.0 - 0.2 * e}
+    | {"time": step_time(10 * (e + 1))}
+    for e in range(3)
+]
+LAYOUTS = [
+    (two_stage_layout(1, 0), "initial", at(T0 + 1)),
+    (two_stage_layout(2, 2), "autofreeze: blocks 0-1 converged", at(T0 + 12.5)),
+    (one_stage_two_replicas(3, 2), "re-planned for 2 ranks", at(T0 + 31)),
+]
+GENERATIONS = [
+    {
+        "number": 1,
+        "world_size": 2,
+        "state": "aborted",
+        "started_at": at(T0),
+        "ended_at": at(T0 + 21),
+        "reason": "rank 1 died (SIGKILL)",
+    },
+    {
+        "number": 2,
+        "world_size": 2,
+        "state": "interrupted",
+        "started_at": at(T0 + 30),
+        "ended_at": at(T0 + 51),
+        "reason": None,
+    },
+    {
+        "number": 3,
+        "world_size": 2,
+        "state": "running",
+        "started_at": at(T0 + 60),
+        "ended_at": None,
+        "reason": None,
+    },
+]
+TIMELINE = timeline(LAYOUTS, GENERATIONS, METRICS)
+
+
+# ---- smooth ----------------------------------------------------------------------------------
+
+
+def test_smooth_debiased_constant_stays_constant() -> None:
+    assert smooth([1, 1, 1], 0.9) == [1, 1, 1]
+    assert smooth([5.0] * 50, 0.99) == pytest.approx([5.0] * 50)
+
+
+def test_smooth_zero_weight_is_raw() -> None:
+    assert smooth([3.0, None, -1.0, 2.5], 0.0) == [3.0, None, -1.0, 2.5]
+
+
+def test_smooth_numbers_match_tensorboard() -> None:
+    # TensorBoard: last = last * w + (1 - w) * v from 0, shown as last / (1 - w ** n).
+    values, w = [1.0, 2.0, 4.0, 0.5], 0.6
+    last, expected = 0.0, []
+    for n, v in enumerate(values, start=1):
+        last = last * w + (1 - w) * v
+        expected.append(last / (1 - w**n))
+    assert smooth(values, w) == pytest.approx(expected)
+    assert smooth([1.0, 2.0], 0.5) == pytest.approx([1.0, 5 / 3])
+
+
+def test_smooth_skips_none_and_non_finite() -> None:
+    # None stays None; the average carries over it (no reset, no poisoning).
+    assert smooth([1.0, None, 2.0], 0.5) == pytest.approx([1.0, None, 5 / 3])
+    assert smooth([None, None, 3.0, 3.0], 0.9) == pytest.approx([None, None, 3.0, 3.0])
+    assert smooth([1.0, math.nan, math.inf, 2.0], 0.5) == pytest.approx([1.0, None, None, 5 / 3])
+    assert smooth([], 0.5) == []
+
+
+@pytest.mark.parametrize("weight", [1.0, -0.1, 1.5, math.nan])
+def test_smooth_refuses_weights_outside_0_1(weight: float) -> None:
+    with pytest.raises(ValueError, match="weight"):
+        smooth([1.0], weight)
+
+
+# ---- step_at ---------------------------------------------------------------------------------
+
+
+def test_step_at() -> None:
+    rows = [{"step": s, "time": T0 + 10 * s} for s in (3, 4, 5)]
+    assert step_at([], T0) == 0  # no rows
+    assert step_at(rows, T0) == 3  # before the first row: the first step
+    assert step_at(rows, T0 + 30) == 3  # at a row's time: that row's step
+    assert step_at(rows, T0 + 30.1) == 4  # between rows: the step then being trained
+    assert step_at(rows, T0 + 50) == 5
+    assert step_at(rows, T0 + 99) == 5  # after the last row: the last step
+
+
+def test_step_at_rows_out_of_time_order() -> None:
+    # A clock stepping back: still the first row, in step order, at or after t.
+    rows = [{"step": 1, "time": T0 + 10}, {"step": 2, "time": T0 + 5}, {"step": 3, "time": T0 + 20}]
+    assert step_at(rows, T0 + 7) == 1
+    assert step_at(rows, T0 + 15) == 3
+    assert step_at(rows, T0 + 25) == 3
+
+
+# ---- timeline --------------------------------------------------------------------------------
+
+
+def test_timeline_bands_one_per_layout_version() -> None:
+    assert TIMELINE.bands == [
+        Band(1, "v1 · 2x1 · F=0", 1, 8, T0 + 1, T0 + 12.5, 0, "initial"),
+        Band(2, "v2 · 2x1 · F=2", 8, 16, T0 + 12.5, T0 + 31, 2, "autofreeze: blocks 0-1 converged"),
+        Band(3, "v3 · 1x2 · F=2", 16, None, T0 + 31, None, 2, "re-planned for 2 ranks"),
+    ]
+
+
+def test_timeline_marks_generation_starts_and_recovery() -> None:
+    recovery, resume = TIMELINE.marks
+    assert (recovery.kind, recovery.label, recovery.step, recovery.time) == (
+        "recovery",
+        "recovery: generation 2",
+        16,  # steps 16-30 follow the abort
+        T0 + 30,
+    )
+    assert "generation 1 aborted: rank 1 died (SIGKILL)" in recovery.detail
+    assert (resume.kind, resume.label, resume.step) == ("generation", "generation 3", 31)
+    assert "generation 2 interrupted" in resume.detail
+
+
+def test_timeline_of_nothing() -> None:
+    assert timeline([], [], []) == Timeline(bands=[], marks=[])
+    # One generation, no metrics yet: no marks, and the one band sits at step 0.
+    tl = timeline(LAYOUTS[:1], GENERATIONS[:1], [])
+    assert tl.marks == [] and (tl.bands[0].start_step, tl.bands[0].end_step) == (0, None)
+
+
+# ---- decorate --------------------------------------------------------------------------------
+
+
+def rects(fig: go.Figure) -> list:
+    return [s for s in fig.layout.shapes if s.type == "rect"]
+
+
+def lines(fig: go.Figure) -> list:
+    """Vertical lines at data x (generation marks), not lines across the plot (a target)."""
+    return [s for s in fig.layout.shapes if s.type == "line" and s.xref == "x"]
+
+
+def test_decorate_on_the_step_axis() -> None:
+    fig = decorate(go.Figure(go.Scatter(x=[1, 35], y=[0, 1])), TIMELINE)
+    bands = rects(fig)
+    assert [(b.x0, b.x1) for b in bands] == [(1, 8), (8, 16), (16, 35)]  # open band to last x
+    assert all(b.layer == "below" and b.yref == "paper" and (b.y0, b.y1) == (0, 1) for b in bands)
+    assert [b.fillcolor for b in bands] == [BAND_FILLS[0], BAND_FILLS[1], BAND_FILLS[0]]
+    recovery, resume = lines(fig)
+    assert (recovery.x0, recovery.x1, recovery.line.color, recovery.line.dash) == (
+        16,
+        16,
+        RECOVERY_COLOR,
+        "dash",
+    )
+    assert (resume.x0, resume.line.color, resume.line.dash) == (31, GENERATION_COLOR, "dot")
+    labels = {a.text: a for a in fig.layout.annotations}
+    assert {"v1 · 2x1 · F=0", "v2 · 2x1 · F=2", "v3 · 1x2 · F=2"} <= set(labels)
+    assert labels["v3 · 1x2 · F=2"].x == 16 and labels["v3 · 1x2 · F=2"].yanchor == "top"
+    assert "re-planned" in labels["v3 · 1x2 · F=2"].hovertext
+    assert labels["recovery: generation 2"].x == 16
+    assert "rank 1 died" in labels["recovery: generation 2"].hovertext
+    assert labels["generation 3"].x == 31
+
+
+def test_decorate_on_the_time_axis() -> None:
+    fig = decorate(go.Figure(go.Scatter(x=[at(T0 + 6), at(T0 + 65)], y=[0, 1])), TIMELINE, "time")
+    assert [(b.x0, b.x1) for b in rects(fig)] == [
+        (at(T0 + 1), at(T0 + 12.5)),
+        (at(T0 + 12.5), at(T0 + 31)),
+        (at(T0 + 31), at(T0 + 65)),
+    ]
+    assert [s.x0 for s in lines(fig)] == [at(T0 + 30), at(T0 + 60)]
+
+
+def test_decorate_skips_zero_width_bands_and_shortens_narrow_labels() -> None:
+    tl = Timeline(
+        bands=[
+            Band(1, "v1 · 2x1 · F=0", 1, 1, T0, T0 + 1, 0),  # came and went before step 1
+            Band(2, "v2 · 2x1 · F=0", 1, 96, T0 + 1, T0 + 96, 0),
+            Band(3, "v3 · 2x1 · F=2", 96, 100, T0 + 96, T0 + 100, 2),  # 4% of the range
+            Band(4, "v4 · 2x1 · F=3", 100, None, T0 + 100, None, 3),  # open, ends at last x
+        ],
+        marks=[],
+    )
+    fig = decorate(go.Figure(go.Scatter(x=[1, 100], y=[0, 1])), tl)
+    assert [(b.x0, b.x1) for b in rects(fig)] == [(1, 96), (96, 100)]
+    assert [b.fillcolor for b in rects(fig)] == [BAND_FILLS[0], BAND_FILLS[1]]  # still alternate
+    assert notes(fig) == ["v2 · 2x1 · F=0", "v3"]
+
+
+def test_decorate_a_figure_with_two_y_axes() -> None:
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Scatter(x=[1, 35], y=[1, 2]), secondary_y=False)
+    fig.add_trace(go.Scatter(x=[1, 35], y=[100, 200]), secondary_y=True)
+    decorate(fig, TIMELINE)
+    assert len(rects(fig)) == 3 and len(lines(fig)) == 2
+    assert all(s.xref == "x" and s.yref == "paper" for s in fig.layout.shapes)
+
+
+# ---- series figures --------------------------------------------------------------------------
+
+SMALL = [
+    {"step": s, "epoch": s // 3, "loss": 2.0 / s, "samples_per_s": 100.0 * s, "lr": 1e-3}
+    | {"time": T0 + s}
+    for s in range(1, 7)
+]
+SMALL_EVALS = [
+    {"epoch": 0, "step": 3, "accuracy": 0.5, "loss": 1.0, "time": T0 + 3},
+    {"epoch": 1, "step": 6, "accuracy": 0.8, "loss": None, "time": T0 + 6},
+]
+
+
+def test_loss_figure() -> None:
+    fig = loss_figure(SMALL)
+    assert len(fig.data) == 1
+    assert list(fig.data[0].x) == [1, 2, 3, 4, 5, 6]
+    assert list(fig.data[0].y) == pytest.approx([2.0 / s for s in range(1, 7)])
+    assert (fig.layout.xaxis.title.text, fig.layout.yaxis.title.text) == ("step", "loss")
+    assert fig.layout.title.text == "Training loss"
+    assert fig.layout.legend.orientation == "h"
+
+
+def test_loss_figure_keeps_gaps_for_missing_loss() -> None:
+    rows = [dict(SMALL[0]), dict(SMALL[1], loss=None)]
+    assert list(loss_figure(rows).data[0].y) == [2.0, None]
+
+
+def test_loss_figure_smoothed_with_eval_loss() -> None:
+    fig = loss_figure(SMALL, SMALL_EVALS, smoothing=0.5)
+    traces = by_name(fig)
+    assert list(traces) == ["loss (raw)", "loss (smoothed)", "eval loss"]
+    raw, smoothed, evals = fig.data
+    assert raw.opacity < 1 and smoothed.opacity is None
+    assert list(smoothed.y) == pytest.approx(smooth([r["loss"] for r in SMALL], 0.5))
+    # Only evaluations with a loss, as markers at their steps.
+    assert (list(evals.x), list(evals.y), evals.mode) == ([3], [1.0], "markers")
+
+
+def test_loss_figure_of_evaluations_only() -> None:
+    fig = loss_figure([], SMALL_EVALS)
+    assert [t.name for t in fig.data] == ["eval loss"] and EMPTY_TEXT not in notes(fig)
+
+
+def test_throughput_figure() -> None:
+    fig = throughput_figure(SMALL)
+    assert len(fig.data) == 1
+    assert list(fig.data[0].y) == [100.0 * s for s in range(1, 7)]
+    assert fig.layout.yaxis.title.text == "samples/s"
+    assert fig.layout.yaxis.rangemode == "tozero"
+    assert fig.layout.xaxis.title.text == "step"
+
+
+def test_throughput_figure_smoothed() -> None:
+    rows = [
+        dict(r, samples_per_s=v) for r, v in zip(SMALL, [0, 4000, 0, 4000, None, 0], strict=True)
+    ]
+    raw, smoothed = throughput_figure(rows, smoothing=0.9).data
+    assert list(raw.y) == [0, 4000, 0, 4000, None, 0]
+    assert smoothed.y[4] is None and smoothed.connectgaps
+    assert all(0 < v < 4000 for v in smoothed.y[1:4])
+
+
+def test_accuracy_figure_with_target() -> None:
+    fig = accuracy_figure(SMALL_EVALS, target=0.9)
+    assert len(fig.data) == 1
+    assert list(fig.data[0].x) == [3, 6] and list(fig.data[0].y) == [0.5, 0.8]
+    assert fig.layout.yaxis.title.text == "accuracy" and fig.layout.yaxis.tickformat == ".0%"
+    assert len(fig.layout.shapes) == 1 and fig.layout.shapes[0].y0 == 0.9
+    assert len(accuracy_figure(SMALL_EVALS).layout.shapes) == 0
+
+
+def test_lr_figure() -> None:
+    fig = lr_figure(METRICS)
+    assert list(fig.data[0].x) == list(range(1, 36)) and set(fig.data[0].y) == {1e-3}
+    assert (fig.layout.title.text, fig.layout.yaxis.title.text) == (
+        "Learning rate",
+        "learning rate",
+    )
+
+
+def time_builders() -> list:
+    return [
+        lambda x, tl: loss_figure(METRICS, EVALS, x=x, smoothing=0.6, timeline=tl),
+        lambda x, tl: throughput_figure(METRICS, x=x, smoothing=0.6, timeline=tl),
+        lambda x, tl: accuracy_figure(EVALS, 0.9, x=x, timeline=tl),
+        lambda x, tl: lr_figure(METRICS, x=x, timeline=tl),
+        lambda x, tl: freeze_figure(LAYOUTS, METRICS, x=x, timeline=tl),
+        lambda x, tl: grad_norm_figure(METRICS, LAYOUTS, x=x),
+    ]
+
+
+@pytest.mark.parametrize("build", time_builders())
+def test_time_axis_plots_utc_datetimes(build) -> None:
+    fig = build("time", None)
+    assert fig.layout.xaxis.title.text == "time (UTC)"
+    xs = [v for t in fig.data for v in t.x]
+    assert xs and all(isinstance(v, datetime) and v.utcoffset().total_seconds() == 0 for v in xs)
+    assert min(xs) >= at(T0) and max(xs) <= at(T0 + 65)
+
+
+def every_figure() -> list[go.Figure]:
+    return [build(x, TIMELINE) for build in time_builders() for x in ("step", "time")] + [
+        layout_figure(two_stage_layout(2, 2)),
+        layout_history_figure(LAYOUTS),
+        compare_figure({"a": METRICS, "b": METRICS}, "loss", x="time", title="Loss"),
+    ]
+
+
+def test_every_figure_fits_800_px() -> None:
+    for fig in every_figure():
+        assert len(fig.layout.title.text) <= 60, fig.layout.title.text
+        legend = fig.layout.legend
+        assert (legend.orientation, legend.yref, legend.y, legend.yanchor) == (
+            "h",
+            "container",
+            0,
+            "bottom",
+        )
+        assert fig.layout.margin.l <= 20 and fig.layout.margin.r <= 20
+        assert fig.layout.height <= 600
+
+
+@pytest.mark.parametrize("build", time_builders()[:5])
+def test_series_figures_draw_the_timeline(build) -> None:
+    step = build("step", TIMELINE)
+    assert len(rects(step)) == 3 and len(lines(step)) == 2
+    assert [s.x0 for s in lines(step)] == [16, 31]
+    time = build("time", TIMELINE)
+    assert [s.x0 for s in lines(time)] == [at(T0 + 30), at(T0 + 60)]
+
+
+def test_loss_figure_on_the_time_axis() -> None:
+    fig = loss_figure(METRICS, EVALS, x="time")
+    loss, evals = fig.data
+    assert loss.x[0] == at(step_time(1)) and loss.x[-1] == at(step_time(35))
+    assert list(evals.x) == [at(step_time(s)) for s in (10, 20, 30)]
+    assert loss.customdata[0] == [1, 0]  # step and epoch stay in the hover
+
+
+@pytest.mark.parametrize("build", [loss_figure, lr_figure, freeze_figure, grad_norm_figure])
+def test_unknown_axis_is_refused(build) -> None:
+    with pytest.raises(ValueError, match="x must be"):
+        build(METRICS if build is not freeze_figure else LAYOUTS, x="epoch")
+
+
+# ---- freeze_figure ---------------------------------------------------------------------------
+
+
+def test_freeze_figure_over_steps() -> None:
+    fig = freeze_figure(LAYOUTS, METRICS)
+    (line,) = fig.data
+    # One point per version where it took over, then on to the last step.
+    assert list(line.x) == [1, 8, 16, 35] and list(line.y) == [0, 2, 2, 2]
+    assert line.line.shape == "hv"
+    assert line.customdata[1][:2] == [2, "autofreeze: blocks 0-1 converged"]
+    assert "UTC" in line.customdata[1][2]
+    assert (fig.layout.xaxis.title.text, fig.layout.yaxis.title.text) == ("step", "frozen blocks")
+    assert tuple(fig.layout.yaxis.range) == (-0.2, 6.2)
+
+
+def test_freeze_figure_over_time() -> None:
+    (line,) = freeze_figure(LAYOUTS, METRICS, x="time").data
+    assert list(line.x) == [at(T0 + 1), at(T0 + 12.5), at(T0 + 31), at(step_time(35))]
+
+
+def test_freeze_figure_nothing_frozen_says_so() -> None:
+    fig = freeze_figure(LAYOUTS[:1], METRICS[:3])
+    assert list(fig.data[0].y) == [0, 0] and notes(fig) == ["no blocks frozen yet"]
+
+
+# ---- grad_norm_figure ------------------------------------------------------------------------
+
+
+def test_grad_norm_heatmap() -> None:
+    fig = grad_norm_figure(METRICS, LAYOUTS)
+    traces = by_name(fig)
+    assert list(traces) == ["frozen", "grad norm", "freeze boundary"]
+    heat = traces["grad norm"]
+    assert list(heat.y) == list(range(6)) and list(heat.x) == list(range(1, 36))
+    assert len(heat.z) == 6 and all(len(row) == 35 for row in heat.z)  # block x column
+    # z is log10 of the norm (block b's norm is 10^-(b+1)); the colorbar says so.
+    assert heat.z[3][0] == pytest.approx(-4.0) and heat.customdata[3][0] == pytest.approx(1e-4)
+    assert "log10" in heat.colorbar.title.text
+    assert heat.z[5][19] is None  # step 20: a non-finite norm is a gap
+    # Blocks 0-1 from step 8: frozen, so not in the colour scale but grey.
+    frozen = traces["frozen"]
+    for b in (0, 1):
+        assert heat.z[b][6] is not None and frozen.z[b][6] is None  # step 7: still trained
+        assert all(v is None for v in heat.z[b][7:])
+        assert all(v == 1 for v in frozen.z[b][7:])
+    assert all(v is None for row in frozen.z[2:] for v in row)
+    assert frozen.colorscale[0][1] == FROZEN_COLOR and frozen.showscale is False
+    # The boundary line sits between the last frozen block and the first trained one.
+    line = traces["freeze boundary"]
+    assert line.line.shape == "hvh" and line.y[0] == -0.5 and line.y[-1] == 1.5
+    assert fig.layout.xaxis.title.text == "step" and fig.layout.yaxis.title.text == "block"
+
+
+def test_grad_norm_zero_norm_is_frozen_without_layouts() -> None:
+    fig = grad_norm_figure(METRICS)
+    assert [t.name for t in fig.data] == ["frozen", "grad norm"]  # no boundary line to draw
+    heat = by_name(fig)["grad norm"]
+    assert heat.z[0][6] is not None and heat.z[0][7] is None
+
+
+def test_grad_norm_prefers_the_rows_own_boundary() -> None:
+    # Rows that carry the boundary they trained under (`frozen`) need no layouts to draw it.
+    rows = [dict(r, frozen=0 if r["step"] < 8 else 2) for r in METRICS]
+    fig = grad_norm_figure(rows)
+    line = by_name(fig)["freeze boundary"]
+    assert list(line.customdata) == [0] * 7 + [2] * 28
+
+
+def test_grad_norm_skips_rows_without_norms() -> None:
+    rows = [
+        dict(METRICS[0], grad_norms=None),
+        {k: v for k, v in METRICS[1].items() if k != "grad_norms"},
+    ]
+    rows += [dict(METRICS[2], grad_norms=[1.0, None, 2.0])]  # shorter than the model
+    fig = grad_norm_figure(rows, LAYOUTS[:1])
+    heat = by_name(fig)["grad norm"]
+    assert list(heat.x) == [3]
+    assert [row[0] for row in heat.z] == pytest.approx(
+        [0.0, None, math.log10(2.0), None, None, None]
+    )
+
+
+def test_grad_norm_without_any_norms_is_empty() -> None:
+    rows = [{k: v for k, v in r.items() if k != "grad_norms"} for r in METRICS]
+    fig = grad_norm_figure(rows, LAYOUTS)
+    assert len(fig.data) == 0 and notes(fig) == [EMPTY_TEXT]
+
+
+# ---- layout figures --------------------------------------------------------------------------
 
 
 def test_layout_two_stages_unfrozen() -> None:
@@ -35,10 +545,17 @@ def test_layout_two_stages_unfrozen() -> None:
     assert s0.marker.color == stage_color(0) != s1.marker.color
     assert "block 4" in s1.hovertext[1] and "stage 1" in s1.hovertext[1]
     assert "rank 1" in s1.hovertext[1]
+    assert "gpipe, 4 micro-batches" in s1.hovertext[1]  # what the title leaves out
     assert fig.layout.xaxis.title.text == "block"
     assert fig.layout.yaxis.title.text == "rank"
     assert tuple(fig.layout.xaxis.range) == (0, 6)
     assert list(fig.layout.yaxis.categoryarray) == ["rank 1", "rank 0"]
+
+
+def test_layout_title_is_short() -> None:
+    fig = layout_figure(one_stage_two_replicas(2, 5))
+    assert fig.layout.title.text == "Layout v2 · 1 stage x 2 replicas · 5/6 frozen · m=4 gpipe"
+    assert len(layout_figure(two_stage_layout(7, 2)).layout.title.text) <= 60
 
 
 def test_layout_frozen_prefix_outside_pipeline_is_grey() -> None:
@@ -50,7 +567,7 @@ def test_layout_frozen_prefix_outside_pipeline_is_grey() -> None:
     assert cells(frozen) == {(0, "rank 0"), (1, "rank 0")}
     assert frozen.marker.color == FROZEN_COLOR
     assert all("frozen" in h for h in frozen.hovertext)
-    assert "2/6 blocks frozen" in fig.layout.title.text
+    assert "2/6 frozen" in fig.layout.title.text
 
 
 def test_layout_replicas_and_frozen_blocks_inside_a_stage() -> None:
@@ -76,60 +593,70 @@ def test_layout_replicas_and_frozen_blocks_inside_a_stage() -> None:
     # One (rank, block) cell per block each rank holds, nothing drawn twice.
     every = [c for t in fig.data for c in zip(t.base, t.y, strict=True)]
     assert len(every) == len(set(every)) == 8
+    assert fig.layout.title.text.startswith("Layout v3 · 2 stages x 2 replicas")
 
 
-METRICS = [
-    {"step": s, "epoch": s // 3, "loss": 2.0 / s, "samples_per_s": 100.0 * s, "lr": 1e-3, "time": s}
-    for s in range(1, 7)
-]
-EVALS = [
-    {"epoch": 0, "step": 3, "accuracy": 0.5, "loss": 1.0, "time": 3.0},
-    {"epoch": 1, "step": 6, "accuracy": 0.8, "loss": 0.5, "time": 6.0},
-]
+def test_layout_history_figure() -> None:
+    fig = layout_history_figure(LAYOUTS)
+    traces = by_name(fig)
+    assert list(traces) == ["stage 0", "stage 1", "frozen"]
+    # Oldest first in the category order: the newest version is the top row.
+    assert list(fig.layout.yaxis.categoryarray) == ["v1", "v2", "v3"]
+    s0, s1, frozen = traces["stage 0"], traces["stage 1"], traces["frozen"]
+    # (first block, width, row) of each segment.
+    assert list(zip(s0.base, s0.x, s0.y, strict=True)) == [(0, 3, "v1"), (2, 2, "v2"), (2, 4, "v3")]
+    assert list(zip(s1.base, s1.x, s1.y, strict=True)) == [(3, 3, "v1"), (4, 2, "v2")]
+    assert list(zip(frozen.base, frozen.x, frozen.y, strict=True)) == [(0, 2, "v2"), (0, 2, "v3")]
+    assert s0.marker.color == stage_color(0) and frozen.marker.color == FROZEN_COLOR
+    assert "ranks 0, 1" in s0.hovertext[2] and "re-planned for 2 ranks" in s0.hovertext[2]
+    assert "ranks 1" in s1.hovertext[0]
+    assert tuple(fig.layout.xaxis.range) == (0, 6)
 
 
-def test_loss_figure() -> None:
-    fig = loss_figure(METRICS)
-    assert len(fig.data) == 1
-    assert list(fig.data[0].x) == [1, 2, 3, 4, 5, 6]
-    assert list(fig.data[0].y) == pytest.approx([2.0 / s for s in range(1, 7)])
-    assert (fig.layout.xaxis.title.text, fig.layout.yaxis.title.text) == ("step", "loss")
+# ---- compare_figure --------------------------------------------------------------------------
 
 
-def test_loss_figure_keeps_gaps_for_missing_loss() -> None:
-    rows = [dict(METRICS[0]), dict(METRICS[1], loss=None)]
-    assert list(loss_figure(rows).data[0].y) == [2.0, None]
+def test_compare_figure_lines_jobs_up_by_time_since_their_start() -> None:
+    early = [{"step": s, "loss": 1.0 / s, "time": T0 + 2 * s} for s in range(1, 4)]
+    late = [{"step": s, "loss": 2.0 / s, "time": T0 + 3600 + 5 * s} for s in range(1, 3)]
+    fig = compare_figure({"a": early, "b": late}, "loss", x="time", title="Loss")
+    a, b = fig.data
+    assert (a.name, list(a.x)) == ("a", [0.0, 2.0, 4.0])
+    assert (b.name, list(b.x)) == ("b", [0.0, 5.0])
+    assert "since each job's first row" in fig.layout.xaxis.title.text
+    assert (fig.layout.title.text, fig.layout.yaxis.title.text) == ("Loss", "loss")
+    steps = compare_figure({"a": early, "b": late}, "loss", title="Loss")
+    assert list(steps.data[1].x) == [1, 2] and steps.layout.xaxis.title.text == "step"
 
 
-def test_throughput_figure() -> None:
-    fig = throughput_figure(METRICS)
-    assert len(fig.data) == 1
-    assert list(fig.data[0].y) == [100.0 * s for s in range(1, 7)]
-    assert fig.layout.yaxis.title.text == "samples/s"
-    assert fig.layout.xaxis.title.text == "step"
+def test_compare_figure_smooths_each_job() -> None:
+    rows = [{"step": s, "accuracy": v, "time": T0 + s} for s, v in enumerate([0.2, 0.6, 0.4])]
+    fig = compare_figure({"a": rows, "b": []}, "accuracy", smoothing=0.5, title="Accuracy")
+    (a,) = fig.data  # a job with no rows gets no trace
+    assert list(a.y) == pytest.approx(smooth([0.2, 0.6, 0.4], 0.5))
+    assert fig.layout.yaxis.tickformat == ".0%"
 
 
-def test_accuracy_figure_with_target() -> None:
-    fig = accuracy_figure(EVALS, target=0.9)
-    assert len(fig.data) == 1
-    assert list(fig.data[0].x) == [3, 6] and list(fig.data[0].y) == [0.5, 0.8]
-    assert fig.layout.yaxis.title.text == "accuracy" and fig.layout.yaxis.tickformat == ".0%"
-    assert len(fig.layout.shapes) == 1 and fig.layout.shapes[0].y0 == 0.9
-    assert len(accuracy_figure(EVALS).layout.shapes) == 0
+# ---- empty inputs ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("build", [loss_figure, throughput_figure, accuracy_figure])
+@pytest.mark.parametrize(
+    "build",
+    [
+        loss_figure,
+        throughput_figure,
+        accuracy_figure,
+        lr_figure,
+        freeze_figure,
+        grad_norm_figure,
+        layout_history_figure,
+        lambda rows: compare_figure({}, "loss", title="Loss"),
+        lambda rows: compare_figure({"a": rows}, "loss", x="time", title="Loss"),
+        lambda rows: loss_figure(rows, [], x="time", smoothing=0.9, timeline=TIMELINE),
+    ],
+)
 def test_empty_inputs_give_an_empty_figure_with_a_note(build) -> None:
     fig = build([])
     assert len(fig.data) == 0
-    assert [a.text for a in fig.layout.annotations] == [EMPTY_TEXT]
-
-
-def test_freeze_figure() -> None:
-    when = datetime(2025, 1, 1, tzinfo=UTC)
-    history = [(two_stage_layout(1, 0), "initial", when), (two_stage_layout(2, 2), "auto", when)]
-    fig = freeze_figure(history)
-    assert list(fig.data[0].x) == [1, 2] and list(fig.data[0].y) == [0, 2]
-    assert fig.data[0].customdata[1][0] == "auto"
-    assert fig.layout.yaxis.title.text == "frozen blocks"
-    assert len(freeze_figure([]).data) == 0
+    assert notes(fig) == [EMPTY_TEXT]
+    assert len(fig.layout.shapes) == 0

@@ -105,3 +105,21 @@ def test_freeze_requests_parse_or_say_why_not() -> None:
 def test_only_an_explicit_stop_stops() -> None:
     assert Control.read("stop") is Control.STOP
     assert Control.read(None) is Control.RUN and Control.read("pause?") is Control.RUN
+
+
+def test_metrics_carry_grad_norms_and_older_reports_still_parse() -> None:
+    old = {"kind": "metrics", "rank": 1, "generation": 2, "time": 5.0, "step": 3, "epoch": 0,
+           "samples_consumed": 96, "loss": 0.5, "lr": 1e-3, "samples_per_s": 100.0, "frozen": 0}  # fmt: skip
+    parsed = parse_event(json.dumps(old))  # a worker from before grad_norms existed
+    assert isinstance(parsed, Metrics) and parsed.grad_norms is None
+    new = Metrics.model_validate(old | {"grad_norms": [0.0, 1.5, float("nan"), None]})
+    back = parse_event(new.model_dump_json())
+    assert back.grad_norms == [0.0, 1.5, None, None]  # not finite travels as None, like loss
+    assert "NaN" not in new.model_dump_json()
+
+
+def test_started_names_its_log_file_when_it_has_one() -> None:
+    fields = {"kind": "started", "rank": 0, "stages": [0], "replica": 0, "pid": 7, "host": "h",
+              "node": "h:1", "total_steps": 10}  # fmt: skip
+    assert parse_event(json.dumps(fields)).log is None  # an older worker's report
+    assert parse_event(json.dumps(fields | {"log": "/w/n0.log"})).log == "/w/n0.log"

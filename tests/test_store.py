@@ -39,7 +39,18 @@ from orchestrator.store import (
     sqlite_path,
     sqlite_url,
 )
-from orchestrator.tables import Base, Checkpoint, Evaluation, Event, Generation, LayoutRow, Metric
+from orchestrator.tables import (
+    LEASE_STATES,
+    WORKER_STATES,
+    Base,
+    Checkpoint,
+    Evaluation,
+    Event,
+    Generation,
+    LayoutRow,
+    Metric,
+    Worker,
+)
 from tests.fixtures_postgres import PostgresServer
 from tests.fixtures_store import POPULATED_JOB_ID, STORE_BACKENDS, StoreRun, two_stage_layout
 
@@ -63,6 +74,7 @@ SCHEMA_TABLES = {
     "evaluations",
     "checkpoints",
     "events",
+    "workers",
 }
 
 
@@ -93,7 +105,7 @@ def tables(url: str) -> set[str]:
 
 
 def test_head_is_the_newest_revision() -> None:
-    assert HEAD == "0004"
+    assert HEAD == "0005"
 
 
 def test_upgrade_empty_database_to_head(db_url: str, store_backend: str) -> None:
@@ -222,6 +234,59 @@ def test_populated_job_keeps_its_boundary_through_a_downgrade(populated_store: S
     s.migrate()
     assert s.status(j) == before
     assert len(s.metrics(j)) == 40 and len(s.evaluations(j)) == 4
+
+
+def columns(url: str, table: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        return {c["name"] for c in inspect(engine).get_columns(table)}
+    finally:
+        engine.dispose()
+
+
+def test_0005_adds_grad_norms_and_the_workers_table(db_url: str) -> None:
+    # At 0004: a job with a generation, a metrics row (written by hand: today's Store writes
+    # the new column) and an event; upgrading must keep them all (no table recreation).
+    with Store.open(db_url, migrate=False) as s:
+        s.migrate("0004")
+        s.create_job("old", spec(), "/w")
+        gen = s.start_generation("old", 2)
+        s.add_event("old", "freeze", "before 0005")
+        with s._engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO metrics (job_id, step, epoch, loss, samples_per_s, lr, time) "
+                    "VALUES ('old', 1, 0, 0.5, 10.0, 0.001, :t)"
+                ),
+                {"t": store_module._from_unix(1_700_000_001.0)},
+            )
+        assert "workers" not in tables(db_url)
+
+        s.migrate()
+        assert s.revision() == HEAD == "0005"
+        assert "grad_norms" in columns(db_url, "metrics") and "workers" in tables(db_url)
+        assert [(m["step"], m["loss"], m["grad_norms"]) for m in s.metrics("old")] == [
+            (1, 0.5, None)  # an old row reads back without norms
+        ]
+        assert [e["message"] for e in s.events("old")] == ["before 0005"]
+        s.add_metrics("old", [metric(2) | {"grad_norms": [0.5, 0.25]}])
+        assert s.metrics("old")[1]["grad_norms"] == [0.5, 0.25]
+        assert s.add_workers("old", gen, [{"rank": 0, "node": "a:1", "pid": 7}]) == 1
+        assert [w["node"] for w in s.workers("old")] == ["a:1"]
+
+        # Downgrade drops both; everything else stays.
+        command.downgrade(alembic_config(url=db_url), "0004")
+        assert s.revision() == "0004"
+        assert "grad_norms" not in columns(db_url, "metrics") and "workers" not in tables(db_url)
+        with s._engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM metrics")).scalar() == 2
+            assert conn.execute(text("SELECT count(*) FROM events")).scalar() == 1
+            assert conn.execute(text("SELECT count(*) FROM generations")).scalar() == 1
+
+        s.migrate()  # and up again: the dropped norms are gone, the rows are not
+        assert [m["grad_norms"] for m in s.metrics("old")] == [None, None]
+        assert s.workers("old") == []
+    command.check(alembic_config(url=db_url))
 
 
 def test_list_jobs_reads_every_boundary_in_one_query(store: Store) -> None:
@@ -513,7 +578,7 @@ def test_metrics_round_trip_and_idempotence(store: Store) -> None:
     rows = store.metrics("j")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[2]["loss"] == 1.0  # the first write of step 3 stands
-    assert rows[0] == metric(1)
+    assert rows[0] == metric(1) | {"grad_norms": None}  # none reported
     assert store.add_metrics("j", []) == 0
 
 
@@ -521,6 +586,45 @@ def test_metrics_non_finite_loss_stored_as_null(store: Store) -> None:
     store.create_job("j", spec(), "/w")
     store.add_metrics("j", [metric(1, float("nan")), metric(2, float("inf"))])
     assert [r["loss"] for r in store.metrics("j")] == [None, None]
+
+
+def test_metrics_carry_per_block_grad_norms(store: Store) -> None:
+    store.create_job("j", spec(), "/w")
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        metric(1) | {"grad_norms": [0.0, 1.5, 2.25]},  # 0: a frozen block
+        metric(2) | {"grad_norms": [nan, inf, None, 3.0]},  # not finite: null in the list
+        metric(3) | {"grad_norms": None},
+        metric(4),  # not reported (an older worker)
+        metric(5) | {"grad_norms": []},
+    ]
+    assert store.add_metrics("j", rows) == 5
+    assert [r["grad_norms"] for r in store.metrics("j")] == [
+        [0.0, 1.5, 2.25],
+        [None, None, None, 3.0],
+        None,
+        None,
+        [],
+    ]
+    assert json.loads(json.dumps(store.metrics("j"))) == store.metrics("j")  # strict JSON
+
+
+@pytest.mark.parametrize(
+    "norms, problem",
+    [
+        ([1.0, -0.5], r"rows\[1\]\.grad_norms: .*grad_norms\[1\] .*negative"),
+        (["big"], r"rows\[1\]\.grad_norms\.0"),
+        (1.0, r"rows\[1\]\.grad_norms"),
+        ({"0": 1.0}, r"rows\[1\]\.grad_norms"),
+    ],
+)
+def test_bad_grad_norms_name_the_field_and_write_nothing(
+    store: Store, norms: Any, problem: str
+) -> None:
+    store.create_job("j", spec(), "/w")
+    with pytest.raises(ValueError, match=problem):
+        store.add_metrics("j", [metric(1), metric(2) | {"grad_norms": norms}])
+    assert store.metrics("j") == []
 
 
 def test_bad_metrics_batch_writes_nothing(store: Store) -> None:
@@ -634,6 +738,25 @@ def test_events(store: Store) -> None:
     with pytest.raises(ValueError, match="kind"):
         store.add_event("j", "", "x")
     assert len(store.events("j")) == 7
+
+
+def test_events_filtered_by_kind(store: Store) -> None:
+    store.create_job("j", spec(), "/w")
+    store.create_job("k", spec(), "/w")
+    for i, kind in enumerate(["freeze_requested", "metrics", "freeze_applied", "freeze_requested"]):
+        store.add_event("j", kind, f"{kind} {i}", time=100.0 + i)
+    store.add_event("k", "freeze_requested", "other job", time=200.0)
+    requested = store.events("j", kinds=["freeze_requested"])
+    assert [e["message"] for e in requested] == ["freeze_requested 3", "freeze_requested 0"]
+    both = store.events("j", kinds=("freeze_requested", "freeze_applied"), limit=2)
+    assert [e["kind"] for e in both] == ["freeze_requested", "freeze_applied"]  # newest first
+    assert store.events("j", kinds=[]) == []
+    assert store.events("j", kinds=["nothing-like-it"]) == []
+    assert len(store.events("j", kinds=None)) == 4
+    with pytest.raises(ValueError, match="kinds"):
+        store.events("j", kinds="freeze_requested")  # a string is not a list of kinds
+    with pytest.raises(UnknownJob):
+        store.events("nope", kinds=["freeze_requested"])
 
 
 # --------------------------------------------------------------------------- summary
@@ -893,3 +1016,231 @@ def test_write_gives_up_after_retry_s(private_postgres: PostgresServer) -> None:
         assert "retry_s=1.5" in str(info.value)
         private_postgres.start()
         assert [e["kind"] for e in store.events("j")] == []  # nothing was written
+
+
+# --------------------------------------------------------------------------- workers
+
+WORKER_KEYS = [
+    "generation",
+    "rank",
+    "node",
+    "host",
+    "pid",
+    "stages",
+    "replica",
+    "log",
+    "assigned_at",
+    "started_at",
+    "last_report_at",
+    "lease",
+    "state",
+    "exit_code",
+    "signal",
+    "detail",
+]
+
+
+def two_ranks(node_b: str = "b:2") -> list[dict[str, Any]]:
+    return [
+        {"rank": 0, "node": "a:1", "pid": 100, "host": "a"},
+        {"rank": 1, "node": node_b, "pid": 101, "host": node_b.split(":")[0]},
+    ]
+
+
+def job_with_generations(store: Store, n: int = 1) -> None:
+    store.create_job("j", spec(), "/w")
+    for _ in range(n):
+        store.start_generation("j", 2)
+
+
+def test_workers_round_trip_in_generation_then_rank_order(store: Store) -> None:
+    job_with_generations(store, 2)
+    assert store.add_workers("j", 2, list(reversed(two_ranks("c:3"))), time=200.0) == 2
+    assert store.add_workers("j", 1, two_ranks(), time=100.0) == 2
+    rows = store.workers("j")
+    assert [(w["generation"], w["rank"]) for w in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(list(w) == WORKER_KEYS for w in rows)
+    assert rows[0] == {
+        "generation": 1,
+        "rank": 0,
+        "node": "a:1",
+        "host": "a",
+        "pid": 100,
+        "stages": None,
+        "replica": None,
+        "log": None,
+        "assigned_at": 100.0,
+        "started_at": None,
+        "last_report_at": None,
+        "lease": "unknown",
+        "state": "assigned",
+        "exit_code": None,
+        "signal": None,
+        "detail": None,
+    }
+    assert rows[3]["node"] == "c:3" and rows[3]["assigned_at"] == 200.0
+
+    started = {"host": "b", "pid": 4242, "stages": [1, 3], "replica": 0, "log": "/w/n1.log"}
+    assert store.update_workers("j", 1, [1], state="running", started_at=101.5, **started) == 1
+    assert store.update_workers("j", 1, [0, 1], lease="held") == 2
+    assert store.update_workers("j", 1, [1], state="died", signal=9, detail="killed") == 1
+    w = store.workers("j")[1]
+    assert {k: w[k] for k in started} == started
+    assert (w["state"], w["lease"], w["started_at"]) == ("died", "held", 101.5)
+    assert (w["exit_code"], w["signal"], w["detail"]) == (None, 9, "killed")
+    # None clears a nullable field; fields not passed stay
+    assert store.update_workers("j", 1, [1], signal=None, exit_code=3, log=None) == 1
+    w = store.workers("j")[1]
+    assert (w["signal"], w["exit_code"], w["log"], w["stages"]) == (None, 3, None, [1, 3])
+    assert json.loads(json.dumps(store.workers("j"))) == store.workers("j")
+    assert store.workers("j")[2:] == rows[2:]  # the other generation was not touched
+
+
+def test_adding_workers_again_changes_nothing(store: Store) -> None:
+    job_with_generations(store)
+    assert store.add_workers("j", 1, two_ranks()) == 2
+    store.update_workers("j", 1, [0], state="running", lease="held")
+    before = store.workers("j")
+    # a restarted controller re-adds the generation's ranks (with less to say): kept as they are
+    assert store.add_workers("j", 1, [{"rank": 0, "node": ""}, {"rank": 1, "node": "x:9"}]) == 0
+    assert store.workers("j") == before
+    assert store.add_workers("j", 1, [{"rank": 2, "node": "c:3"}]) == 1  # only the new rank
+    assert [w["rank"] for w in store.workers("j")] == [0, 1, 2]
+    assert store.add_workers("j", 1, []) == 0
+
+
+def test_updating_missing_workers_matches_nothing(store: Store) -> None:
+    job_with_generations(store)
+    store.add_workers("j", 1, two_ranks())
+    assert store.update_workers("j", 1, [5], state="lost") == 0
+    assert store.update_workers("j", 7, [0], state="lost") == 0  # no such generation
+    assert store.update_workers("j", 1, [], state="lost") == 0
+    assert {w["state"] for w in store.workers("j")} == {"assigned"}
+    with pytest.raises(UnknownJob):
+        store.update_workers("nope", 1, [0], state="lost")
+    with pytest.raises(NotFound, match="generation 3"):
+        store.add_workers("j", 3, two_ranks())
+
+
+@pytest.mark.parametrize(
+    "members, field",
+    [
+        ([{"rank": -1, "node": "a:1"}], r"members\[0\]\.rank"),
+        ([{"node": "a:1"}], r"members\[0\]\.rank"),
+        ([{"rank": 0, "node": "a:1"}, {"rank": 1}], r"members\[1\]\.node"),
+        ([{"rank": 0, "node": "a:1", "pid": "100"}], r"members\[0\]\.pid"),
+        ([{"rank": 0, "node": "a:1", "colour": "red"}], r"members\[0\]\.colour"),
+        ([{"rank": 0, "node": "a:1"}, {"rank": 0, "node": "b:2"}], r"members\[1\]\.rank"),
+    ],
+)
+def test_bad_workers_name_the_field_and_store_nothing(
+    store: Store, members: list[dict[str, Any]], field: str
+) -> None:
+    job_with_generations(store)
+    with pytest.raises(ValueError, match=field):
+        store.add_workers("j", 1, members)
+    assert store.workers("j") == []
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"state": "zombie"}, "fields.state"),
+        ({"state": None}, "fields.state"),
+        ({"lease": "borrowed"}, "fields.lease"),
+        ({"stages": [0, -1]}, "fields.stages"),
+        ({"stages": "0,1"}, "fields.stages"),
+        ({"replica": -1}, "fields.replica"),
+        ({"pid": 1.5}, "fields.pid"),
+        ({"signal": 0}, "fields.signal"),
+        ({"started_at": float("nan")}, "fields.started_at"),
+        ({"colour": "red"}, "fields.colour"),
+        ({}, "no fields"),
+    ],
+)
+def test_bad_worker_updates_name_the_field_and_change_nothing(
+    store: Store, fields: dict[str, Any], field: str
+) -> None:
+    job_with_generations(store)
+    store.add_workers("j", 1, two_ranks())
+    before = store.workers("j")
+    with pytest.raises(ValueError, match=field):
+        store.update_workers("j", 1, [0, 1], **fields)
+    assert store.workers("j") == before
+    with pytest.raises(ValueError, match="ranks"):
+        store.update_workers("j", 1, [0, -1], state="running")
+    assert store.workers("j") == before
+
+
+def test_touch_workers_moves_report_times_forward_in_one_statement(store: Store) -> None:
+    job_with_generations(store, 2)
+    store.add_workers("j", 1, two_ranks())
+    store.add_workers("j", 2, two_ranks())
+    updates: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("UPDATE"):
+            updates.append(statement)
+
+    event.listen(store._engine, "before_cursor_execute", count)
+    try:
+        store.touch_workers("j", {(1, 0): 110.0, (1, 1): 105.0, (2, 1): 120.0})
+    finally:
+        event.remove(store._engine, "before_cursor_execute", count)
+    assert len(updates) == 1, updates
+
+    def times() -> dict[tuple[int, int], float | None]:
+        return {(w["generation"], w["rank"]): w["last_report_at"] for w in store.workers("j")}
+
+    assert times() == {(1, 0): 110.0, (1, 1): 105.0, (2, 0): None, (2, 1): 120.0}
+    # replayed or older reports never move a time back; ranks without a row are skipped
+    store.touch_workers("j", {(1, 0): 100.0, (1, 1): 106.5, (9, 0): 1.0})
+    assert times() == {(1, 0): 110.0, (1, 1): 106.5, (2, 0): None, (2, 1): 120.0}
+    store.touch_workers("j", {})
+    assert times()[(1, 0)] == 110.0
+    for bad, what in (
+        ({(1, 0): float("inf")}, "times"),
+        ({(1,): 1.0}, "key"),
+        ({(1, -1): 1.0}, "key"),
+        ({"1-0": 1.0}, "key"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            store.touch_workers("j", {(1, 1): 200.0, **bad})
+    assert times()[(1, 1)] == 106.5  # the good entry of a bad call was not written either
+
+
+def test_deleting_a_job_deletes_its_workers(store: Store) -> None:
+    job_with_generations(store)
+    store.add_workers("j", 1, two_ranks())
+    store.create_job("k", spec(), "/w")
+    store.start_generation("k", 1)
+    store.add_workers("k", 1, [{"rank": 0, "node": "a:1"}])
+    store.delete_job("j")
+    with store._sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Worker)) == 1
+    assert len(store.workers("k")) == 1
+
+
+def test_worker_states_are_checked_by_the_database(store: Store) -> None:
+    # the store validates first; the schema's CHECK constraints are the last line
+    job_with_generations(store)
+    store.add_workers("j", 1, two_ranks())
+    assert set(WORKER_STATES) >= {"assigned", "running", "lost", "peer_lost"}
+    assert LEASE_STATES == ("unknown", "held", "lapsed", "released")
+    for column, value in (("state", "zombie"), ("lease", "borrowed")):
+        with pytest.raises(DBAPIError), store._engine.begin() as conn:
+            conn.execute(text(f"UPDATE workers SET {column} = :v"), {"v": value})
+    assert {w["state"] for w in store.workers("j")} == {"assigned"}
+
+
+def test_worker_writes_land_once_when_the_commit_ack_is_lost(store: Store) -> None:
+    lose_ack = LoseCommitAck(store)
+    job_with_generations(store)
+    assert lose_ack(lambda: store.add_workers("j", 1, two_ranks())) == 2
+    assert len(store.workers("j")) == 2
+    assert lose_ack(lambda: store.update_workers("j", 1, [0, 1], lease="held")) == 2
+    lose_ack(lambda: store.touch_workers("j", {(1, 0): 5.0}))
+    assert [(w["lease"], w["last_report_at"]) for w in store.workers("j")] == [
+        ("held", 5.0),
+        ("held", None),
+    ]

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -80,6 +81,19 @@ def node_id() -> str:
     one machine). A worker forked by the node's fork server is told its agent's pid."""
     agent = os.environ.get(keys.AGENT_PID_ENV) or str(os.getppid())
     return f"{socket.gethostname()}:{agent}"
+
+
+def stdout_log() -> str | None:
+    """The path of the file this process's stdout is written to, when that is a regular file
+    (the worker's log, for the dashboard); None for a pipe, a terminal, or off Linux."""
+    try:
+        if not stat.S_ISREG(os.fstat(1).st_mode):
+            return None
+        path = os.readlink("/proc/self/fd/1")
+    except OSError:  # stdout closed, or no /proc (not Linux)
+        return None
+    # "/x (deleted)" or an anonymous file is no path anyone can open
+    return path if os.path.isabs(path) and os.path.exists(path) else None
 
 
 def join(etcd: EtcdClient, job_id: str, rank: int, world: int) -> Assignment:

@@ -13,6 +13,7 @@ the `RankPipeline` + optimizer built for the layout in force (`trainer.relayout`
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -50,7 +51,7 @@ from trainer.freezing import Freezing
 from trainer.optim import lr_at, set_lr
 from trainer.pipeline import RankPipeline
 from trainer.planner import Planned, needs_measurement
-from trainer.process import LeaveRequest, Reporter, node_id
+from trainer.process import LeaveRequest, Reporter, node_id, stdout_log
 from trainer.profile import measured_layout
 from trainer.relayout import build_training
 from trainer.sampler import IGNORE, ElasticSampler
@@ -163,6 +164,7 @@ class Trainer:
             host=socket.gethostname(),
             node=node_id(),
             total_steps=self.total_steps,
+            log=stdout_log(),
         )
         first = True
         while not self._finished():
@@ -220,6 +222,7 @@ class Trainer:
                 lr=lr,
                 samples_per_s=b.global_valid / (time.perf_counter() - t0),
                 frozen=st.boundary,
+                grad_norms=[n if math.isfinite(n) else None for n in norms.per_block],
             )
         return epoch_done
 

@@ -1,0 +1,222 @@
+"""The dashboard's actions: signing in, and filing a manual freeze request for a running job.
+
+Reading is open; acting needs a signed-in user (`dashboard.auth`). A freeze request goes through
+`orchestrator.overrides.file_freeze_request`, the same validation as `pipetransformer freeze`
+(running job, forward only, within the model), before anything is filed in the job's etcd; the
+controller then audits it in the store under the signed-in name. Refused sign-ins and refused
+requests are logged on the dashboard's stderr with the client address.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import streamlit as st
+
+from dashboard.auth import (
+    HOW_TO_ENABLE,
+    AuthConfigError,
+    Credentials,
+    load_credentials,
+    oidc_configured,
+)
+from dashboard.launch import Options
+from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
+from orchestrator.overrides import (
+    OverrideError,
+    allowed_layers,
+    file_freeze_request,
+    live_etcd_endpoint,
+    pending_request,
+)
+from orchestrator.store import JobInfo, Store
+
+ACTOR_KEY = "actor"  # session state: the signed-in user's name
+FLASH_KEY = "filed"  # session state: what the last filing said, shown after the rerun
+ETCD_TIMEOUT_S = 3.0
+
+
+def audit_log() -> logging.Logger:
+    """The dashboard's audit logger, on stderr with a timestamp (Streamlit configures only its own
+    loggers); set up once per server process, whatever the number of reruns."""
+    log = logging.getLogger("pipetransformer.dashboard")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    return log
+
+
+def client_address() -> str:
+    try:
+        ip = st.context.ip_address
+    except (AttributeError, RuntimeError):
+        ip = None
+    return ip if isinstance(ip, str) and ip else "unknown address"
+
+
+def _oidc_user() -> str | None:
+    """The OIDC-authenticated name when Streamlit's login is configured and used."""
+    try:
+        if st.user.is_logged_in:
+            return str(st.user.get("email") or st.user.get("name") or st.user.get("sub"))
+    except (AttributeError, KeyError, RuntimeError):
+        pass
+    return None
+
+
+def signed_in() -> str | None:
+    return st.session_state.get(ACTOR_KEY) or _oidc_user()
+
+
+def sign_in_panel() -> str | None:
+    """The sidebar's account box; returns the signed-in user's name, or None."""
+    log = audit_log()
+    box = st.sidebar.container(border=True)
+    box.markdown("**Actions**")
+    if (oidc_user := _oidc_user()) is not None:
+        box.caption(f"Signed in as **{oidc_user}** (OIDC)")
+        box.button("Sign out", on_click=st.logout, key="logout")
+        return oidc_user
+    if actor := st.session_state.get(ACTOR_KEY):
+        box.caption(f"Signed in as **{actor}**")
+        if box.button("Sign out", key="sign_out"):
+            log.info("sign-out: %s from %s", actor, client_address())
+            del st.session_state[ACTOR_KEY]
+            st.rerun()
+        return actor
+    try:
+        credentials = load_credentials()
+    except AuthConfigError as exc:
+        box.error(f"Sign-in is misconfigured: {exc}")
+        return None
+    oidc = oidc_configured()
+    if credentials is not None:
+        _token_form(box, credentials, log)
+    if oidc:
+        box.button("Log in with your identity provider", on_click=st.login, key="oidc_login")
+    if credentials is None and not oidc:
+        box.info(HOW_TO_ENABLE)
+    return None
+
+
+def _token_form(
+    box: st.delta_generator.DeltaGenerator, credentials: Credentials, log: logging.Logger
+) -> None:
+    names = credentials.names
+    with box.form("sign_in", clear_on_submit=True, border=False):
+        user = st.text_input("User", value=names[0] if len(names) == 1 else "", key="sign_in_user")
+        token = st.text_input("Token", type="password", key="sign_in_token")
+        submitted = st.form_submit_button("Sign in")
+    if not submitted:
+        return
+    name = credentials.check(user, token)
+    if name is None:
+        log.warning(
+            "refused sign-in: user %r from %s (wrong user or token)", user.strip(), client_address()
+        )
+        box.error("Sign-in refused: wrong user or token.")
+        return
+    log.info("sign-in: %s from %s (%s)", name, client_address(), credentials.source)
+    st.session_state[ACTOR_KEY] = name
+    st.rerun()
+
+
+@st.cache_resource(show_spinner=False)
+def etcd_client(endpoint: str) -> EtcdClient:
+    # One client per endpoint for the whole server; calls fail fast when the job's etcd is gone.
+    return EtcdClient(endpoint, timeout=ETCD_TIMEOUT_S, retry_timeout=ETCD_TIMEOUT_S)
+
+
+def job_etcd(job: JobInfo, options: Options) -> EtcdClient | None:
+    """The running job's etcd client, or None when it has none (finished, or not found)."""
+    if job.state != "running":
+        return None
+    try:
+        return etcd_client(live_etcd_endpoint(job, options.etcd))
+    except OverrideError:
+        return None
+
+
+def pending_raw(job: JobInfo, options: Options) -> str | None:
+    """The request waiting in the running job's etcd (None when there is none or no etcd)."""
+    etcd = job_etcd(job, options)
+    if etcd is None:
+        return None
+    try:
+        return pending_request(etcd, job.id)
+    except EtcdUnavailable:
+        return None
+
+
+def freeze_override_control(
+    store: Store, job: JobInfo, options: Options, actor: str | None
+) -> None:
+    """Choose a new boundary, say why, file it. Disabled (and saying why) without a signed-in
+    user or a running job; a refused request says which rule refused it and files nothing."""
+    lo, hi = allowed_layers(job, job.freeze_boundary)
+    if actor is None:
+        why_not = "Sign in (sidebar) to file freeze requests."
+    elif job.state != "running":
+        why_not = f"The job is {job.state}: freeze requests need a running job."
+    else:
+        why_not = None
+    depth = job.spec.model.depth
+    with st.form("freeze_override", border=True):
+        # the boundary in force is in the live header ("Frozen"); this form is not redrawn
+        st.markdown("**Freeze override** · applied at the job's next decision point")
+        layers = st.number_input(
+            "New freeze boundary (blocks below it freeze)",
+            min_value=0,
+            max_value=depth,
+            value=min(lo + 1, hi) if lo < hi else lo,
+            step=1,
+            disabled=why_not is not None,
+            help=f"forward only: {lo}..{hi} (the last {job.spec.freeze.keep_trainable} block(s) stay trainable)",
+            key="override_layers",
+        )
+        reason = st.text_input(
+            "Reason (kept in the audit trail)",
+            disabled=why_not is not None,
+            key="override_reason",
+        )
+        submitted = st.form_submit_button(
+            "File freeze request", disabled=why_not is not None, type="primary"
+        )
+    if why_not is not None:
+        st.caption(why_not)
+    if message := st.session_state.pop(FLASH_KEY, None):
+        st.success(message)
+    if submitted:
+        _file(store, job, options, int(layers), reason)
+
+
+def _file(store: Store, job: JobInfo, options: Options, layers: int, reason: str) -> None:
+    log = audit_log()
+    who = signed_in()
+    if who is None:  # a stale form from before a sign-out: refuse, never trust the page
+        log.warning(
+            "refused freeze request for %s from %s: not signed in", job.id, client_address()
+        )
+        st.error("Refused: sign in first.")
+        return
+    try:
+        etcd = etcd_client(live_etcd_endpoint(job, options.etcd))
+        request = file_freeze_request(store, etcd, job.id, layers, reason, who=f"{who} (dashboard)")
+    except OverrideError as exc:
+        log.warning("refused freeze request by %s for %s: %s", who, job.id, exc)
+        st.error(f"Refused: {exc}")
+        return
+    except EtcdUnavailable as exc:
+        st.error(f"The job's etcd does not answer: {exc}")
+        return
+    log.info(
+        "freeze request %s by %s for %s: layers=%d (%s)", request.id, who, job.id, layers, reason
+    )
+    # rerun the whole page, so the request list above shows it at once; the message survives
+    st.session_state[FLASH_KEY] = (
+        f"Request {request.id} filed: freeze blocks 0..{layers - 1} at the next decision point."
+    )
+    st.rerun()

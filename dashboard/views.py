@@ -1,0 +1,149 @@
+"""Table rows for the dashboard: pure functions of store data (no I/O, no Streamlit), so what a
+person reads in each table is unit-tested.
+
+Times come in as unix seconds (the store's row dicts) and leave as readable UTC strings; missing
+values leave as "" or "—", never as the text "None".
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import yaml
+
+from orchestrator.protocol import FreezeOutcome, read_freeze_request
+from orchestrator.spec import JobSpec
+
+Rows = Sequence[Mapping[str, Any]]
+REQUEST_EVENT = "freeze_requested"
+OUTCOME_EVENTS = {f"freeze_{o.value}": o.value for o in FreezeOutcome}
+FREEZE_REQUEST_KINDS = [REQUEST_EVENT, *OUTCOME_EVENTS]
+
+
+def fmt_time(t: float | datetime | None) -> str:
+    if t is None:
+        return ""
+    dt = t if isinstance(t, datetime) else datetime.fromtimestamp(t, UTC)
+    return dt.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def fmt_ago(t: float | None, now: float) -> str:
+    """'12 s ago', '3 min ago', '2 h ago'; '' when never."""
+    if t is None:
+        return ""
+    s = max(0.0, now - t)
+    if s < 90:
+        return f"{s:.0f} s ago"
+    if s < 90 * 60:
+        return f"{s / 60:.0f} min ago"
+    return f"{s / 3600:.1f} h ago"
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def exit_text(exit_code: int | None, sig: int | None) -> str:
+    """How a process ended, as a person says it: 'exit 1', 'SIGKILL (9)', '' while alive."""
+    if sig is not None:
+        return f"{signal_name(sig)} ({sig})"
+    if exit_code is not None:
+        return f"exit {exit_code}"
+    return ""
+
+
+def freeze_requests(events: Rows, pending_raw: str | None = None) -> list[dict[str, Any]]:
+    """Every manual freeze request of a job, newest first, with what became of it.
+
+    `events`: the job's freeze-request events (`FREEZE_REQUEST_KINDS`) as `Store.events`
+    returns them, newest first. `pending_raw`: the request waiting in etcd, which the controller
+    may not have audited yet (shown as pending until it has)."""
+    by_id: dict[str, dict[str, Any]] = {}
+    for e in sorted(events, key=lambda e: (e["time"], e.get("id", 0))):  # oldest first
+        request = (e.get("data") or {}).get("request") or {}
+        rid = request.get("id") or request.get("raw") or f"event {e.get('id')}"
+        row = by_id.setdefault(
+            rid,
+            {
+                "request": rid[:12],
+                "layers": request.get("layers", ""),
+                "who": request.get("who", ""),
+                "reason": request.get("reason", "unreadable request"),
+                "filed": fmt_time(request.get("time") or e["time"]),
+                "status": "pending",
+                "decided": "",
+                "step": "",
+                "outcome": "",
+            },
+        )
+        if e["kind"] in OUTCOME_EVENTS:
+            data = e.get("data") or {}
+            row["status"] = OUTCOME_EVENTS[e["kind"]]
+            row["decided"] = fmt_time(e["time"])
+            row["step"] = data.get("step", "")
+            row["outcome"] = e["message"]
+    if pending_raw:
+        request = read_freeze_request(pending_raw)
+        rid = getattr(request, "id", None) or pending_raw[:12]
+        if rid not in by_id:
+            by_id[rid] = {
+                "request": rid[:12],
+                "layers": getattr(request, "layers", ""),
+                "who": getattr(request, "who", ""),
+                "reason": getattr(request, "reason", "unreadable request"),
+                "filed": fmt_time(getattr(request, "time", None)),
+                "status": "pending",
+                "decided": "",
+                "step": "",
+                "outcome": "filed; the controller has not audited it yet",
+            }
+    return sorted(by_id.values(), key=lambda r: r["filed"], reverse=True)
+
+
+def worker_rows(workers: Rows, now: float) -> list[dict[str, Any]]:
+    """One row per rank of each generation (as `Store.workers` returns them), newest generation
+    first: where it runs, what it holds, whether its lease is held, and how it ended."""
+    rows = []
+    for w in sorted(workers, key=lambda w: (-w["generation"], w["rank"])):
+        stages = w.get("stages")
+        rows.append(
+            {
+                "generation": w["generation"],
+                "rank": w["rank"],
+                "state": w["state"],
+                "host": w.get("host") or w.get("node") or "",
+                "pid": "" if w.get("pid") is None else w["pid"],
+                "stage": ",".join(map(str, stages)) if stages else "",
+                "replica": "" if w.get("replica") is None else w["replica"],
+                "lease": w.get("lease") or "",
+                "last report": fmt_ago(w.get("last_report_at"), now),
+                "exit": exit_text(w.get("exit_code"), w.get("signal")),
+                "detail": w.get("detail") or "",
+                "log": w.get("log") or "",
+            }
+        )
+    return rows
+
+
+def event_rows(events: Rows) -> list[dict[str, Any]]:
+    """The event log as a table: the controller's own events say so instead of a blank rank."""
+    return [
+        {
+            "time": fmt_time(e["time"]),
+            "kind": e["kind"],
+            "from": "controller" if e.get("rank") is None else f"rank {e['rank']}",
+            "message": e["message"],
+        }
+        for e in events
+    ]
+
+
+def spec_yaml(spec: JobSpec) -> str:
+    """The job's spec as the YAML a user would write (every field, defaults included)."""
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)

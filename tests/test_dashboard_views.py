@@ -1,0 +1,202 @@
+"""What a person reads in the dashboard's tables: pure row builders of store data."""
+
+from __future__ import annotations
+
+import yaml
+
+from dashboard.views import (
+    FREEZE_REQUEST_KINDS,
+    event_rows,
+    exit_text,
+    fmt_ago,
+    freeze_requests,
+    spec_yaml,
+    worker_rows,
+)
+from orchestrator.protocol import FreezeRequest
+from orchestrator.spec import parse_spec
+
+T0 = 1_800_000_000.0
+
+
+def request(rid: str, layers: int, who: str = "alice (dashboard)", t: float = T0) -> dict:
+    return FreezeRequest(id=rid, layers=layers, who=who, reason=f"why {rid}", time=t).model_dump(
+        mode="json"
+    )
+
+
+def test_freeze_requests_follow_each_request_to_its_outcome() -> None:
+    a, b, c = request("a1", 2), request("b2", 3, t=T0 + 50), request("c3", 5, t=T0 + 90)
+    events = [  # newest first, as Store.events returns them
+        {
+            "id": 6,
+            "time": T0 + 95,
+            "kind": "freeze_requested",
+            "message": "",
+            "data": {"request": c},
+        },
+        {
+            "id": 5,
+            "time": T0 + 80,
+            "kind": "freeze_rejected",
+            "message": "request b2 by alice: layers=3 is below the current boundary 4",
+            "data": {"request": b, "step": 40, "outcome": "rejected", "boundary": 4},
+        },
+        {
+            "id": 4,
+            "time": T0 + 60,
+            "kind": "freeze_requested",
+            "message": "",
+            "data": {"request": b},
+        },
+        {
+            "id": 3,
+            "time": T0 + 30,
+            "kind": "freeze_applied",
+            "message": "request a1 by alice: moved boundary 0 -> 2",
+            "data": {"request": a, "step": 20, "outcome": "applied", "boundary": 2},
+        },
+        {
+            "id": 2,
+            "time": T0 + 1,
+            "kind": "freeze_requested",
+            "message": "",
+            "data": {"request": a},
+        },
+    ]
+    rows = freeze_requests(events)
+    assert [(r["request"], r["status"]) for r in rows] == [
+        ("c3", "pending"),
+        ("b2", "rejected"),
+        ("a1", "applied"),
+    ]
+    applied = rows[2]
+    assert applied["who"] == "alice (dashboard)" and applied["reason"] == "why a1"
+    assert applied["layers"] == 2 and applied["step"] == 20
+    assert applied["filed"] == "2027-01-15 08:00:00 UTC"
+    assert applied["decided"] == "2027-01-15 08:00:30 UTC"
+    assert "moved boundary" in applied["outcome"]
+    assert set(FREEZE_REQUEST_KINDS) == {
+        "freeze_requested",
+        "freeze_applied",
+        "freeze_superseded",
+        "freeze_rejected",
+    }
+
+
+def test_a_request_not_yet_audited_shows_as_pending() -> None:
+    pending = FreezeRequest(id="d4", layers=4, who="bob", reason="r", time=T0).model_dump_json()
+    rows = freeze_requests([], pending)
+    assert [(r["request"], r["status"], r["who"]) for r in rows] == [("d4", "pending", "bob")]
+    assert "not audited" in rows[0]["outcome"]
+    # once audited, it is listed once
+    audited = {
+        "id": 1,
+        "time": T0 + 2,
+        "kind": "freeze_requested",
+        "message": "",
+        "data": {"request": FreezeRequest.model_validate_json(pending).model_dump(mode="json")},
+    }
+    assert len(freeze_requests([audited], pending)) == 1
+    # text filed by hand that is no request
+    assert freeze_requests([], "{not json")[0]["reason"] == "unreadable request"
+
+
+def test_worker_rows_say_how_each_rank_ended() -> None:
+    base = {
+        "node": "n1:100",
+        "host": "n1",
+        "log": "/runs/jobs/j/logs/node-0.log",
+        "assigned_at": T0,
+        "started_at": T0 + 1,
+        "detail": None,
+    }
+    workers = [
+        {
+            **base,
+            "generation": 1,
+            "rank": 0,
+            "pid": 11,
+            "stages": [0],
+            "replica": 0,
+            "last_report_at": T0 + 10,
+            "lease": "released",
+            "state": "aborted",
+            "exit_code": None,
+            "signal": None,
+        },
+        {
+            **base,
+            "generation": 1,
+            "rank": 1,
+            "pid": 12,
+            "stages": [1],
+            "replica": 0,
+            "last_report_at": None,
+            "lease": "lapsed",
+            "state": "died",
+            "exit_code": None,
+            "signal": 9,
+            "detail": "killed",
+        },
+        {
+            **base,
+            "generation": 2,
+            "rank": 0,
+            "pid": 21,
+            "stages": [0, 1],
+            "replica": 0,
+            "last_report_at": T0 + 118,
+            "lease": "held",
+            "state": "running",
+            "exit_code": None,
+            "signal": None,
+        },
+        {
+            **base,
+            "generation": 2,
+            "rank": 1,
+            "pid": None,
+            "stages": None,
+            "replica": None,
+            "host": None,
+            "last_report_at": None,
+            "lease": "unknown",
+            "state": "assigned",
+            "exit_code": None,
+            "signal": None,
+            "log": None,
+        },
+    ]
+    rows = worker_rows(workers, now=T0 + 120)
+    assert [(r["generation"], r["rank"]) for r in rows] == [(2, 0), (2, 1), (1, 0), (1, 1)]
+    live, assigned, _, died = rows
+    assert live["last report"] == "2 s ago" and live["stage"] == "0,1" and live["lease"] == "held"
+    assert assigned["host"] == "n1:100"  # before Started: the node from the join request
+    assert assigned["pid"] == "" and assigned["stage"] == "" and assigned["log"] == ""
+    assert died["exit"] == "SIGKILL (9)" and died["lease"] == "lapsed"
+    assert all(v is not None and v != "None" for r in rows for v in r.values())
+
+
+def test_small_formatters() -> None:
+    assert exit_text(None, None) == "" and exit_text(1, None) == "exit 1"
+    assert exit_text(None, 15) == "SIGTERM (15)" and exit_text(None, 99) == "signal 99 (99)"
+    assert fmt_ago(None, T0) == "" and fmt_ago(T0 - 600, T0) == "10 min ago"
+    assert fmt_ago(T0 - 7200, T0) == "2.0 h ago"
+
+
+def test_event_rows_name_the_controller() -> None:
+    rows = event_rows(
+        [
+            {"time": T0, "kind": "job_created", "rank": None, "message": "m", "data": None},
+            {"time": T0, "kind": "worker_started", "rank": 1, "message": "m", "data": {}},
+        ]
+    )
+    assert [r["from"] for r in rows] == ["controller", "rank 1"]
+
+
+def test_spec_yaml_round_trips() -> None:
+    spec = parse_spec({"name": "x", "model": {"depth": 4}, "freeze": {"policy": "gradient"}})
+    text = spec_yaml(spec)
+    assert parse_spec(yaml.safe_load(text)) == spec
+    assert text.startswith("name: x")
