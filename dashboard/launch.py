@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.store import DB_ENV as ENV_DB
+
 APP_PATH = Path(__file__).resolve().parent / "app.py"
-ENV_DB = "PIPETRANSFORMER_DB"
 ENV_ETCD = "PIPETRANSFORMER_ETCD"
 DEFAULT_REFRESH_S = 5.0
 

@@ -44,11 +44,12 @@ from orchestrator.overrides import (
 from orchestrator.pretrained import resolve_init
 from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
-from orchestrator.spec import JobSpec, SpecError, load_spec
-from orchestrator.store import Store, UnknownJob, sqlite_url
+from orchestrator.spec import JobSpec, SpecError, load_spec, spec_from_text
+from orchestrator.store import DB_ENV, Store, UnknownJob, sqlite_url
 from orchestrator.summary import bought_line, cache_line, history_from_store, history_table
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
+SPEC_ENV = "PIPETRANSFORMER_SPEC"  # a controller pod's spec, as YAML text (see _read_spec)
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
@@ -61,17 +62,20 @@ class UsageError(Exception):
 
 
 def db_url(args: argparse.Namespace) -> str:
-    return args.db or sqlite_url(Path(args.workdir).resolve() / "store.db")
+    """--db, else $PIPETRANSFORMER_DB (from a Secret in a pod), else SQLite in --workdir."""
+    return (
+        args.db or os.environ.get(DB_ENV) or sqlite_url(Path(args.workdir).resolve() / "store.db")
+    )
 
 
 def open_store(args: argparse.Namespace, create: bool = False) -> Store:
     url = db_url(args)
-    if not create and url.startswith("sqlite") and not (Path(args.workdir) / "store.db").exists():
-        if not args.db:
-            raise UsageError(
-                f"no store at {Path(args.workdir).resolve() / 'store.db'}; "
-                "run a job first or pass the --workdir/--db that `run` used"
-            )
+    default = sqlite_url(Path(args.workdir).resolve() / "store.db")
+    if not create and url == default and not (Path(args.workdir) / "store.db").exists():
+        raise UsageError(
+            f"no store at {Path(args.workdir).resolve() / 'store.db'}; "
+            f"run a job first or pass the --workdir/--db (or ${DB_ENV}) that `run` used"
+        )
     return Store.open(url)
 
 
@@ -251,7 +255,18 @@ def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: 
     return 130 if ctrl.progress.outcome == "stopped" else 1  # 130: stopped on request (Ctrl-C)
 
 
-def _new_job(args: argparse.Namespace, spec_path: str, fresh: bool = True):
+def _read_spec(spec_path: str | None) -> JobSpec:
+    """The spec file, or (no path) the YAML text in $PIPETRANSFORMER_SPEC: how a pod gets it,
+    since the submitting machine's files are not in the pod."""
+    if spec_path:
+        return load_spec(spec_path)
+    text = os.environ.get(SPEC_ENV)
+    if not text:
+        raise UsageError(f"give a spec file, or its YAML text in ${SPEC_ENV}")
+    return spec_from_text(text, f"${SPEC_ENV}")
+
+
+def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True):
     """Validate a new job's spec and id before anything is created; then its store. With `fresh`
     (the job cannot exist yet) a fine-tuning spec's checkpoint is checked here too; a controller
     that may be continuing its job leaves that to `Controller.create`.
@@ -262,10 +277,10 @@ def _new_job(args: argparse.Namespace, spec_path: str, fresh: bool = True):
     against the data set)."""
     from orchestrator import admission  # here: this function is the only caller in the CLI
 
-    spec = load_spec(spec_path)  # rejects a bad spec before anything starts
+    spec = _read_spec(spec_path)  # rejects a bad spec before anything starts
     capacity = admission.host_memory_bytes() if fresh else None
     if problems := admission.admit(spec, capacity):
-        raise SpecError(problems, spec_path)
+        raise SpecError(problems, spec_path or f"${SPEC_ENV}")
     if fresh:
         spec = resolve_init(spec)
     job_id = check_job_id(args.job_id) if args.job_id else new_job_id(spec)
@@ -347,11 +362,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_readable(args: argparse.Namespace) -> None:
+    """The dashboard's store exists and has its schema. Read only: the dashboard may hold
+    read-only credentials, and migrations are `pipetransformer db upgrade`'s job."""
+    url = db_url(args)
+    if url == sqlite_url(Path(args.workdir).resolve() / "store.db"):
+        open_store(args).close()  # a local run's store: the same message as `status`
+        return
+    store = Store(url, read_only=True)
+    try:
+        if store.revision() is None:
+            raise UsageError(f"{store!r} has no schema yet: run `pipetransformer db upgrade`")
+    finally:
+        store.close()
+
+
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from dashboard.auth import AuthConfigError, bind_warning, load_credentials, oidc_configured
     from dashboard.launch import streamlit_command
 
-    open_store(args).close()  # fail here, clearly, if there is nothing to show
+    _check_readable(args)  # fail here, clearly, if there is nothing to show
     try:
         credentials = load_credentials()
     except AuthConfigError as exc:
@@ -381,6 +411,21 @@ def cmd_freeze(args: argparse.Namespace) -> int:
         f"freeze request {request.id} filed: blocks 0..{args.layers - 1} at the next decision "
         f"point of {job.id} (see `pipetransformer status {job.id}`)"
     )
+    return 0
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    """Schema migrations as their own step (a Kubernetes Job or init container runs this before
+    the controller, so no two controllers race to migrate)."""
+    url = db_url(args)
+    if args.action == "upgrade":
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)  # where the default SQLite goes
+        store = Store.open(url, migrate=True)
+        console.print(f"store {store!r} at revision {store.revision()}")
+    else:
+        store = Store(url, read_only=True)
+        console.print(f"store {store!r} at revision {store.revision() or 'none (empty)'}")
+    store.close()
     return 0
 
 
@@ -493,7 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--workdir", default="./runs", help="store, etcd data and checkpoints (default ./runs)"
         )
         p.add_argument(
-            "--db", help="SQLAlchemy URL of an external store (default: SQLite in --workdir)"
+            "--db",
+            help=f"SQLAlchemy URL of an external store (default: ${DB_ENV}, else SQLite in "
+            "--workdir)",
         )
         if etcd:
             p.add_argument("--etcd", help="HOST:PORT of an external etcd (default: embedded)")
@@ -535,8 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.set_defaults(fn=cmd_dashboard)
 
+    p = sub.add_parser("db", help="database schema: `upgrade` to the latest, `current` revision")
+    p.add_argument("action", choices=["upgrade", "current"])
+    common(p, etcd=False)
+    p.set_defaults(fn=cmd_db)
+
     p = sub.add_parser("controller", help="controller role (torchx launches)")
-    p.add_argument("spec")
+    p.add_argument("spec", nargs="?", help=f"job spec YAML (default: the YAML text in ${SPEC_ENV})")
     p.add_argument("--job-id")
     p.add_argument("--etcd-port", type=int, help="start an embedded etcd on this port")
     p.add_argument("--join-timeout", type=float, default=300.0)

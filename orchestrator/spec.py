@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.specfile import SpecFileError, read_spec_file
+from orchestrator.specfile import MAX_BYTES, SpecFileError, parse_yaml, read_spec_file
 
 DATASETS = ("digits", "synthetic", "synthetic-text")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
@@ -691,6 +691,18 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         return JobSpec.model_validate(data)
     except ValidationError as err:
         raise SpecError(_problems(err), source) from None
+
+
+def spec_from_text(text: str, source: str) -> JobSpec:
+    """Validate a spec's YAML text that did not come from a file (an environment variable, where
+    a container receives it); the same bounds and checks as `load_spec`."""
+    if len(text.encode()) > MAX_BYTES:
+        raise SpecError([("<file>", f"larger than {MAX_BYTES // 1024} KiB")], source)
+    try:
+        data = parse_yaml(text, source)
+    except SpecFileError as exc:
+        raise SpecError([("<file>", str(exc))], source) from None
+    return parse_spec(data, source)
 
 
 def load_spec(path: str | Path) -> JobSpec:

@@ -109,6 +109,9 @@ __all__ = [
 ]
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
+# The database URL when no --db is given (how containers pass it: from a Secret, never as an
+# argument, which any process listing would show)
+DB_ENV = "PIPETRANSFORMER_DB"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 # How long one Store call keeps retrying an unreachable database (Store(..., retry_s=...)).
 DEFAULT_RETRY_S = 30.0

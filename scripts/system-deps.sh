@@ -4,6 +4,9 @@
 #   postgresql: server binaries (initdb, postgres) for the PostgreSQL store tests; the test
 #               fixture (tests/fixtures_postgres.py) runs its own throwaway server, so no
 #               system cluster is created and no service is started here.
+#   kubectl:    renders k8s/ (its built-in kustomize) for tests/test_k8s_manifests.py; only
+#               from the apt sources already configured. Without it nothing is downloaded and
+#               those rendering tests skip, saying why.
 set -euo pipefail
 
 apt_updated=0
@@ -47,5 +50,27 @@ install_postgresql() {
   echo "[system-deps] installed: $("$bin/postgres" --version) in $bin"
 }
 
+kubectl_works() {
+  command -v kubectl >/dev/null 2>&1 && kubectl version --client >/dev/null 2>&1
+}
+
+install_kubectl() {
+  if kubectl_works; then
+    echo "[system-deps] kubectl already installed: $(kubectl version --client 2>/dev/null | head -n 1)"
+    return 0
+  fi
+  # Debian's own `kubernetes-client` (1.20, kustomize v2) is too old to render k8s/; `kubectl`
+  # comes from Kubernetes' apt repository (pkgs.k8s.io) where a machine has it configured.
+  echo "[system-deps] installing kubectl (apt-get)"
+  if apt_install kubectl 2>/dev/null && kubectl_works; then
+    echo "[system-deps] installed: $(kubectl version --client 2>/dev/null | head -n 1)"
+  else
+    echo "[system-deps] kubectl is not available from the configured apt sources; nothing was" \
+      "downloaded. tests/test_k8s_manifests.py will skip its kustomize renders: install" \
+      "kubectl >= 1.27 (https://kubernetes.io/docs/tasks/tools/) to run them." >&2
+  fi
+}
+
 install_chromium
 install_postgresql
+install_kubectl

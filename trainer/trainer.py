@@ -60,6 +60,19 @@ from trainer.train_state import TrainState
 log = logging.getLogger("pipetransformer.worker")
 
 
+# Where AutoCache keeps its memory-mapped files: a node-local directory (an emptyDir on
+# Kubernetes). Files shared across nodes over a network file system are not coherent, so on a
+# cluster it must not be the shared checkpoint volume, which is the default (one machine).
+ACTIVATION_CACHE_ENV = "PIPETRANSFORMER_ACTIVATION_CACHE"
+
+
+def activation_cache_dir(job_id: str, checkpoint_dir: str | Path) -> Path:
+    """$PIPETRANSFORMER_ACTIVATION_CACHE/<job>, else the job's directory's `cache`."""
+    if root := os.environ.get(ACTIVATION_CACHE_ENV):
+        return Path(root) / job_id
+    return Path(checkpoint_dir).parent / "cache"
+
+
 @dataclass(frozen=True)
 class Context:
     """What a rank knows about its job and generation for its whole life."""
@@ -135,7 +148,7 @@ class Trainer:
             return
         f = self.state.boundary
         if self.cache is None:
-            directory = Path(self.ctx.assignment.checkpoint_dir).parent / "cache"
+            directory = activation_cache_dir(self.ctx.job_id, self.ctx.assignment.checkpoint_dir)
             self.cache = ActivationCache.for_model(directory, self.spec.model, len(self.data.train))
         self.cache.set_boundary(f, prefix.fingerprints(f))
         batch = self.tspec.global_batch_size // self.layout.replicas
