@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from sqlalchemy.engine import make_url
 
 from orchestrator import forkserver, keys
 from orchestrator.controller import (
@@ -66,6 +67,12 @@ def db_url(args: argparse.Namespace) -> str:
     return (
         args.db or os.environ.get(DB_ENV) or sqlite_url(Path(args.workdir).resolve() / "store.db")
     )
+
+
+def shown_url(url: str) -> str:
+    """A store URL fit for output and logs: its password masked (a pod's URL comes from a
+    Secret, and pod logs are read by many)."""
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def open_store(args: argparse.Namespace, create: bool = False) -> Store:
@@ -231,7 +238,7 @@ def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: 
     table.add_row("held-out accuracy", acc)
     table.add_row("progress", f"epoch {job.epoch}, step {job.step}")
     table.add_row("wall time", f"{time.monotonic() - started:.1f}s")
-    table.add_row("store", db_url(args))
+    table.add_row("store", shown_url(db_url(args)))
     table.add_row("checkpoints", str(job_dir(job.workdir, job.id) / "checkpoints"))
     if ckpt:
         table.add_row("last committed", f"{ckpt.path} (step {ckpt.step})")
@@ -303,7 +310,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     with etcd_for(args, job_id) as etcd:
         ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
-        console.print(f"job [bold]{job_id}[/] — store {db_url(args)}, etcd {etcd.endpoint}")
+        store_url = shown_url(db_url(args))
+        console.print(f"job [bold]{job_id}[/] — store {store_url}, etcd {etcd.endpoint}")
         _train_generation(store, etcd, ctrl)
         return _summary(store, ctrl, args, started)
 

@@ -154,7 +154,8 @@ def train(
             join_timeout=join_timeout,
             image=image,
             python=python or "python",
-            resource=_trainer_resource(job, nproc_per_node, h, cpu, memMB),
+            # torchx's Kubernetes scheduler requests memMB minus its reserve: add it back
+            resource=_trainer_resource(job, nproc_per_node, h, cpu, memMB, K8S_RESERVED_MEM_MB),
             env=env or {},
             mounts=mounts or [],
             max_retries=K8S_RETRIES if max_retries < 0 else max_retries,
@@ -264,12 +265,12 @@ def _trainer_args(
 
 
 def _trainer_resource(
-    job: JobSpec, nproc_per_node: int, h: str | None, cpu: int, memMB: int
+    job: JobSpec, nproc_per_node: int, h: str | None, cpu: int, memMB: int, reserve: int = 0
 ) -> specs.Resource:
     return specs.resource(
         cpu=cpu or nproc_per_node * job.runtime.threads_per_worker,
         gpu=0,  # the CUDA data plane (issue 14) will request nvidia.com/gpu per process
-        memMB=memMB or TRAINER_MEM_MB_PER_PROC * nproc_per_node,
+        memMB=(memMB or TRAINER_MEM_MB_PER_PROC * nproc_per_node) + reserve,
         h=h,
     )
 

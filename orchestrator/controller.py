@@ -678,8 +678,9 @@ class Controller:
         last = self._latest_state(events)
         if last is not None:
             self.store.update_progress(self.job_id, self._current(last))
-        for key, _ in items:
-            self.etcd.delete(key)
+        # one request per batch of keys, not per report: at hundreds of workers the deletes
+        # were most of a drain (bench/control_plane_scale.py)
+        self.etcd.delete_many([key for key, _ in items])
         return events
 
     def _reject_report(self, key: str, raw: str, error: str) -> None:
@@ -830,6 +831,8 @@ class Controller:
                 self.aborted_at = None
             case Leaving():
                 self._leaving = e.generation  # its leases go next: a re-formation, not a loss
+                if pm := self._pms.get(e.generation):  # so no rank is taken for lost
+                    pm.leave(f"re-formed: rank(s) {e.ranks} asked to leave (step {e.step})")
                 self.roster.finished(e)
                 self._record_event(
                     "worker_leaving",

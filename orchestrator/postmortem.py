@@ -91,6 +91,15 @@ class PostMortem:
     world: int = 0  # ranks in the generation (members may be unknown: a restarted controller)
     ends: dict[int, RankEnd] = field(default_factory=dict)
     _exits: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
+    # why the generation re-formed on purpose (a rank asked to leave), when it did: then there
+    # is no cause to find, and its ranks' keys going away is no loss
+    re_formed: str | None = None
+
+    def leave(self, why: str) -> None:
+        """Every rank checkpointed and leaves together (a `leaving` report): all end as left."""
+        self.re_formed = why
+        for rank in sorted(set(self.members) | set(range(self.world))):
+            self.report(rank, "left", why)
 
     @classmethod
     def of(cls, generation: int, world: int, pids: list[int], nodes: list[str]) -> PostMortem:
@@ -167,7 +176,7 @@ class PostMortem:
     def complete(self) -> bool:
         """Every rank's end is known and at least one of them is a cause."""
         ranks = set(self.members) | set(range(self.world))
-        return bool(self.causes) and set(self.ends) >= ranks
+        return bool(self.causes or self.re_formed) and set(self.ends) >= ranks
 
     def deterministic_failure(self) -> str | None:
         """The error, if every one of the generation's ranks failed while starting with the
@@ -191,5 +200,5 @@ class PostMortem:
             its = "their" if len(lost) > 1 else "its"
             parts.append(f"rank{s} {ranks} only lost {its} peer")
         if not causes:
-            parts.append("the failed process is not identified yet")
+            parts.append(self.re_formed or "the failed process is not identified yet")
         return "; ".join(parts)

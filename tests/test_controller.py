@@ -599,6 +599,24 @@ def test_a_graceful_leave_ends_every_rank_as_left(ctrl, etcd, store) -> None:
     assert _rows(store, "node", "pid") == [("a:1", None), ("b:2", None)]  # no pids named
 
 
+def test_a_graceful_leave_is_a_re_formation_not_a_loss(ctrl, etcd, store) -> None:
+    # the leavers' keys go with their leases; the agents re-form without rank 1
+    _join(etcd, 2, ["a:1", "b:2"])
+    g = ctrl.answer_join().generation
+    leases = [_register(etcd, g, r, ttl=5) for r in (0, 1)]
+    ctrl.tick()
+    _report(etcd, g, 0, "leaving", ranks=[1], step=7)
+    ctrl.tick()
+    for lease in leases:
+        lease.revoke()
+    _join(etcd, 1, ["a:1"])
+    assert ctrl.answer_join().generation == g + 1
+    ctrl.tick()
+    assert _ends(store) == {}  # nobody lost, nobody died
+    first = store.generations("job-ft")[0]
+    assert first["reason"] == "re-formed: rank(s) [1] asked to leave (step 7)"
+
+
 def test_a_restarted_controller_keeps_the_worker_rows(ctrl, etcd, store) -> None:
     request = JoinRequest(id="r1", world=2, nodes=["a:1", "b:2"], pids=[100, 101])
     etcd.put(keys.join("job-ft"), request.model_dump_json())

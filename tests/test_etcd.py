@@ -82,6 +82,11 @@ def test_get_many_and_put_many(etcd: EtcdClient, etcd_prefix: str) -> None:
         "299",
     ]
     assert etcd.get_many([]) == []
+    # deleted in batches too: exactly the keys named (one absent), the rest untouched
+    gone = [k for k, _ in items[:290]] + [etcd_prefix + "missing"]
+    assert etcd.delete_many(gone) == 290
+    assert [k for k, _ in etcd.get_prefix(etcd_prefix)] == [k for k, _ in items[290:]]
+    assert etcd.delete_many([]) == 0
 
 
 # -- conditional writes ---------------------------------------------------------------------

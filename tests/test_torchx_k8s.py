@@ -131,6 +131,8 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         assert args[args.index("--etcd") + 1] == "etcd:2379"
         assert task["minAvailable"] == (1 if i < 2 else 0)
         assert env(c)[ACTIVATION_CACHE_ENV] == CACHE_DIR  # node-local, not the shared volume
+        # 1 GiB per worker process requested, whatever torchx keeps back for the node
+        assert int(c["resources"]["requests"]["memory"].removesuffix("M")) >= 1024
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         volumes = {v["name"]: v for v in task["template"]["spec"]["volumes"]}
         assert "emptyDir" in volumes[mounts[CACHE_DIR]]

@@ -1,0 +1,274 @@
+"""A rehearsal of the Kubernetes deployment on one machine (tests/rehearsal.py): etcd,
+PostgreSQL, the migration Job and the torchx component's controller and trainer pods, each a
+process tree in network, PID, UTS, IPC and mount namespaces of its own on one bridge, started
+with the command, arguments, environment and volumes Kubernetes would give it. A small elastic
+job trains to completion in PostgreSQL while one trainer pod is lost (its link cut, every
+process SIGKILLed) and then recreated, as Volcano recreates a lost pod.
+
+What tests/test_torchx_k8s.py checks on the generated YAML, this checks by running it: the pods
+find etcd and PostgreSQL by their Service names, get the store's URL from the Secret, share
+checkpoints through the volume, reach each other by the names they advertise, and nothing
+works only because everything is on one loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.components import train
+from orchestrator.manifest import verify_checkpoint
+from orchestrator.store import Store
+from tests import rehearsal
+from tests.fixtures_run import STEPS_PER_EPOCH, write_spec
+
+pytestmark = pytest.mark.slow
+
+JOB = "rehearsal"
+# The lone survivor trains while the recreated pod starts (Python and torch, twice: 5 to 25 s
+# on this shared 2-core machine) and must not finish before it joins. TINY_SPEC's model is so
+# small that its steps are overhead (80 a second alone, idle: a whole job while a pod starts;
+# the new pod joined at step 427 of 552 once); this one's are compute (16 a second alone, 20 on
+# two pods, idle), which a busy machine slows down about as much as a pod's start. Measured:
+# the new pod joined at steps 62 to 72 of 276 (load averages 15 to 40); idle, expect ~150.
+MODEL = {"depth": 4, "dim": 128, "heads": 4, "mlp_ratio": 2.0}
+EPOCHS = 12  # 276 steps
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+RUNTIME = {"nodes": 2, "min_nodes": 1, "lease_ttl_s": 3}
+BUDGET_S = 120  # what the test should take here (printed, not asserted: the machine is shared)
+QUIET_EVENTS = {"checkpoint_committed", "checkpoint_pruned", "cache_decided"}
+
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
+    print("connected")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+WHO = "import socket; f = socket.getfqdn(); print(socket.gethostname(), f, socket.gethostbyname(f))"
+RESOLVE = "import socket, sys; print(socket.gethostbyname(sys.argv[1]))"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    if reason := rehearsal.missing():
+        pytest.skip(f"the Kubernetes rehearsal cannot run here: {reason}")
+    rehearsal.require_services()
+    with rehearsal.Cluster(tmp_path / "cluster") as c:
+        yield c
+
+
+def _workers(store: Store) -> dict[int, dict[str, Any]]:
+    """rank -> `worker_started` data of the newest generation's workers."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in reversed(store.events(JOB, limit=1000)):  # oldest first: newer ones win
+        if e["kind"] == "worker_started":
+            out[e["rank"]] = e["data"]
+    return out
+
+
+def _running_world(store: Store) -> tuple[int, int] | None:
+    """(generation number, world size) of the generation training now, if one is."""
+    gens = store.generations(JOB)
+    if gens and gens[-1]["state"] == "running":
+        return gens[-1]["number"], gens[-1]["world_size"]
+    if store.get_job(JOB).state == "completed":
+        raise AssertionError(
+            f"the job completed before this phase (generations {gens}): raise EPOCHS so that "
+            "the lone survivor cannot finish before the recreated pod joins"
+        )
+    return None
+
+
+def _alive(pod: rehearsal.Pod) -> bool:
+    if pod.poll() is not None:
+        raise AssertionError(f"pod {pod.name} exited {pod.poll()}\n{pod.tail()}")
+    return True
+
+
+def _timeline(store: Store, since: float) -> str:
+    """The job's events, oldest first, in seconds since `since` (unix time)."""
+    return "\n".join(
+        f"  {e['time'] - since:6.1f}s {e['kind']}: {e['message'][:110]}"
+        for e in reversed(store.events(JOB, limit=1000))
+        if e["kind"] not in QUIET_EVENTS
+    )
+
+
+def _run_in(cluster: rehearsal.Cluster, pod: rehearsal.Pod, code: str, *args: str) -> str:
+    done = cluster.exec_in(pod, sys.executable, "-c", code, *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _check_pods_match_torchx(app: Any, pods: dict[str, rehearsal.PodSpec]) -> None:
+    """The pods run here are the containers torchx's Kubernetes scheduler would submit: same
+    command, the same env entries (plus the image's and the Secret's), same volume mounts; the
+    store's URL only in the controller's, from the Secret."""
+    try:
+        rendered = rehearsal.rendered_containers(app)
+    except ImportError:
+        print("(no kubernetes client: pods not compared with torchx's Volcano Job)")
+        return
+    assert set(rendered) == set(pods)
+    for task, container in rendered.items():
+        pod = pods[task]
+        assert container["command"] == pod.command, task
+        for var in container["env"]:
+            assert pod.env[var["name"]] == var["value"], (task, var["name"])
+        assert {m["mountPath"] for m in container["volumeMounts"]} == set(pod.mounts), task
+    assert rendered["controller-0"]["envFrom"] == [{"secretRef": {"name": "pipetransformer-db"}}]
+    assert "PIPETRANSFORMER_DB" in pods["controller-0"].env
+    assert "envFrom" not in rendered["trainer-0"]
+    assert "PIPETRANSFORMER_DB" not in pods["trainer-0"].env
+
+
+def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
+    cluster: rehearsal.Cluster, tmp_path: Path
+) -> None:
+    t0, unix0 = time.monotonic(), time.time()
+
+    def mark(what: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {what}", flush=True)
+
+    spec = write_spec(
+        tmp_path / "spec.yaml", model=MODEL, training={"epochs": EPOCHS}, runtime=RUNTIME
+    )
+    with rehearsal.explained(cluster):
+        # -- the services of k8s/base: etcd, PostgreSQL (its init script run), the migrations
+        etcd = cluster.start_etcd()
+        pg, owner_url, ro_url = cluster.start_postgres()
+        cluster.wait_etcd(etcd, 30)
+        cluster.wait_postgres(pg, owner_url, 30)
+        mark(f"etcd at {etcd.ip}, postgres at {pg.ip} (bridge {cluster.bridge})")
+        upgrade = cluster.start(rehearsal.db_upgrade_pod(cluster), "dbup")
+        assert upgrade.wait(timeout=90) == 0, upgrade.tail()
+        mark("db upgrade Job done")
+
+        # -- the job's pods, from the component in container mode
+        app = train(
+            spec=str(spec),
+            image="rehearsal",
+            etcd="etcd:2379",
+            nnodes=2,
+            nproc_per_node=1,
+            job_id=JOB,
+        )
+        pods = rehearsal.role_pods(cluster, app, JOB)
+        _check_pods_match_torchx(app, pods)
+        for pod_spec in pods.values():  # `python` in a pod is the image's: this venv's
+            found = shutil.which(pod_spec.command[0], path=pod_spec.env["PATH"])
+            assert found == str(rehearsal.VENV_BIN / "python"), found
+        controller = cluster.start(pods["controller-0"], "ctl")
+        trainers = {
+            pods[task].name: cluster.start(pods[task], f"tr{i}")
+            for i, task in enumerate(("trainer-0", "trainer-1"))
+        }
+        store = Store(cluster.from_root(owner_url), read_only=True)
+        try:
+            checkpoint = rehearsal.wait_for(
+                "a committed checkpoint",
+                lambda: _alive(controller) and store.latest_checkpoint(JOB),
+                120,
+                cluster.explain,
+            )
+            mark(f"checkpoint committed at step {checkpoint.step}")
+            workers = rehearsal.wait_for("the workers", lambda: _workers(store), 30)
+            assert {w["host"] for w in workers.values()} == set(trainers), workers
+
+            # -- each pod is its own host: what torchrun advertises (its FQDN) resolves to the
+            # pod's address there and in its peer; its 127.0.0.1 has no etcd, the Service has
+            victim = trainers[workers[0]["host"]]  # rank 0's pod: the workers' TCPStore host
+            (survivor,) = (p for p in trainers.values() if p is not victim)
+            for pod, peer in ((victim, survivor), (survivor, victim)):
+                who = _run_in(cluster, pod, WHO).split()
+                assert who == [pod.name, pod.spec.fqdn, pod.ip], who
+                assert _run_in(cluster, peer, RESOLVE, pod.spec.fqdn) == pod.ip
+            assert _run_in(cluster, survivor, CONNECT, "127.0.0.1", "2379") == (
+                "ConnectionRefusedError"
+            )
+            assert _run_in(cluster, survivor, CONNECT, "etcd", "2379") == "connected"
+
+            # -- lose rank 0's pod: its link cut first (no FIN, no RST), then every process
+            cluster.kill(victim, silent=True)
+            mark(f"lost pod {victim.name} ({victim.ip}, rank 0)")
+            shrunk = rehearsal.wait_for(
+                "a generation of one",
+                lambda: (w := _running_world(store)) and w[1] == 1 and w,
+                90,
+                cluster.explain,
+            )
+            mark(f"generation {shrunk[0]} trains on 1 worker")
+
+            # -- Volcano recreates it: the same pod, in a new network namespace and address
+            again = rehearsal.renew_empty_dirs(cluster, victim.spec)
+            replacement = cluster.start(again, f"{victim.netns.rsplit('-', 1)[1]}b")
+            mark(f"recreated pod {replacement.name} at {replacement.ip}")
+            widened = rehearsal.wait_for(
+                "the job to widen again",
+                lambda: (w := _running_world(store)) and w[1] == 2 and w[0] > shrunk[0] and w,
+                90,
+                cluster.explain,
+            )
+            mark(f"generation {widened[0]} trains on 2 workers from step {store.get_job(JOB).step}")
+
+            code = controller.wait(timeout=150)
+            mark(f"controller pod exited {code}")
+            assert code == 0, controller.tail()
+            for pod in (survivor, replacement):
+                assert pod.wait(timeout=60) == 0, pod.tail()
+            mark("trainer pods exited 0")
+
+            # -- what the store says, read from the root namespace through the bridge
+            job = store.get_job(JOB)
+            assert job.state == "completed" and job.step == TOTAL, job.message
+            steps = [m["step"] for m in store.metrics(JOB)]
+            assert steps == list(range(1, TOTAL + 1)), "every step recorded exactly once"
+            gens = store.generations(JOB)
+            worlds = [g["world_size"] for g in gens]
+            assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
+            assert gens[-1]["state"] == "completed", gens
+            kinds = [e["kind"] for e in reversed(store.events(JOB, limit=1000))]
+            assert "generation_aborted" in kinds and "worker_lost" in kinds, kinds
+            assert "job_shrank" in kinds and "job_widened" in kinds and "worker_joined" in kinds
+            started = [e for e in store.events(JOB, limit=1000) if e["kind"] == "worker_started"]
+            assert {e["data"]["host"] for e in started} == set(trainers)
+            # the checkpoints are on the shared volume, where the store says they are in a pod
+            volume = cluster.volume("pipetransformer-workdir")
+            committed = store.checkpoints(JOB)
+            assert committed and committed[0].step == TOTAL
+            for c in committed:
+                assert c.path.startswith("/workdir/"), c.path
+                host_path = volume / Path(c.path).relative_to("/workdir")
+                assert verify_checkpoint(host_path, c.checksum) == c.size_bytes
+        finally:
+            with contextlib.suppress(Exception):
+                print("events:\n" + _timeline(store, unix0))
+            store.close()
+        # the dashboard's role reads what the owner's migrations created (the init's grants)
+        with Store(cluster.from_root(ro_url), read_only=True) as ro:
+            assert ro.get_job(JOB).state == "completed"
+        # no pod's log shows a Secret's value (the store's password)
+        for password in cluster.secrets["postgres-credentials"].values():
+            for pod in cluster.pods:
+                assert password not in pod.log.read_text(errors="replace"), pod.name
+
+    wall = time.monotonic() - t0
+    print(f"\nrehearsal wall time {wall:.1f}s (budget {BUDGET_S}s) on {socket.gethostname()}")
+    for g in gens:
+        reason = f" ({g['reason'][:100]})" if g.get("reason") else ""
+        print(f"generation {g['number']}: {g['world_size']} workers, {g['state']}{reason}")
+    for pod in cluster.pods:
+        peak = cluster.cgroups.peaks.get(pod.netns)
+        if peak is not None:
+            print(
+                f"pod {pod.name} ({pod.netns}): CPU {cluster.cgroups.cpu.get(pod.netns, 0):.1f}s, "
+                f"memory peak {peak / 2**20:.0f} MiB (container limit {pod.spec.memory_limit_mb} MB)"
+            )
