@@ -50,7 +50,6 @@ from orchestrator.store import DB_ENV, Store, UnknownJob, sqlite_url
 from orchestrator.summary import bought_line, cache_line, history_from_store, history_table
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
-SPEC_ENV = "PIPETRANSFORMER_SPEC"  # a controller pod's spec, as YAML text (see _read_spec)
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
@@ -267,10 +266,10 @@ def _read_spec(spec_path: str | None) -> JobSpec:
     since the submitting machine's files are not in the pod."""
     if spec_path:
         return load_spec(spec_path)
-    text = os.environ.get(SPEC_ENV)
+    text = os.environ.get(keys.SPEC_ENV)
     if not text:
-        raise UsageError(f"give a spec file, or its YAML text in ${SPEC_ENV}")
-    return spec_from_text(text, f"${SPEC_ENV}")
+        raise UsageError(f"give a spec file, or its YAML text in ${keys.SPEC_ENV}")
+    return spec_from_text(text, f"${keys.SPEC_ENV}")
 
 
 def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True):
@@ -287,7 +286,7 @@ def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True
     spec = _read_spec(spec_path)  # rejects a bad spec before anything starts
     capacity = admission.host_memory_bytes() if fresh else None
     if problems := admission.admit(spec, capacity):
-        raise SpecError(problems, spec_path or f"${SPEC_ENV}")
+        raise SpecError(problems, spec_path or f"${keys.SPEC_ENV}")
     if fresh:
         spec = resolve_init(spec)
     job_id = check_job_id(args.job_id) if args.job_id else new_job_id(spec)
@@ -596,7 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_db)
 
     p = sub.add_parser("controller", help="controller role (torchx launches)")
-    p.add_argument("spec", nargs="?", help=f"job spec YAML (default: the YAML text in ${SPEC_ENV})")
+    p.add_argument(
+        "spec", nargs="?", help=f"job spec YAML (default: the YAML text in ${keys.SPEC_ENV})"
+    )
     p.add_argument("--job-id")
     p.add_argument("--etcd-port", type=int, help="start an embedded etcd on this port")
     p.add_argument("--join-timeout", type=float, default=300.0)

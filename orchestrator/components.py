@@ -45,6 +45,7 @@ from torchx.specs.finder import ComponentValidationException
 from torchx.specs.overlays import JOIN, set_overlay
 
 from orchestrator.etcd_server import free_port
+from orchestrator.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
 from orchestrator.spec import JobSpec, SpecError, load_spec
 
 CONTROLLER_ROLE = "controller"
@@ -54,8 +55,6 @@ TRAINER_MEM_MB_PER_PROC = 1024
 # torchx's Kubernetes scheduler requests memMB minus this reserve (it leaves room for the node's
 # own daemons), so the controller asks for that much more to get CONTROLLER_MEM_MB
 K8S_RESERVED_MEM_MB = 1024
-SPEC_ENV = "PIPETRANSFORMER_SPEC"  # the controller pod's spec, as YAML text (`controller` reads it)
-ACTIVATION_CACHE_ENV = "PIPETRANSFORMER_ACTIVATION_CACHE"  # AutoCache's node-local directory
 CACHE_DIR = "/cache"  # a node-local emptyDir in each trainer pod
 POD_WORKDIR = "/workdir"  # where the checkpoint volume is mounted in every pod
 IMAGE_UID = 10001  # the non-root user of the project's image (Dockerfile)
@@ -132,7 +131,6 @@ def train(
             PIPETRANSFORMER_DB, the controller's environment (empty: SQLite on the checkpoint
             volume, for trials)
         workdir_pvc: container mode: the ReadWriteMany PVC mounted at workdir in every pod
-            (a store URL Secret's key is PIPETRANSFORMER_DB; see k8s/README.md)
         grace_period_s: container mode: seconds a pod gets after SIGTERM (a leaving trainer
             checkpoints in that time)
         trainer_overlay: container mode: a YAML file merged into every trainer pod (torchx's
@@ -193,7 +191,7 @@ def train(
         roles=[
             specs.Role(
                 name=CONTROLLER_ROLE,
-                image=image or os.getcwd(),  # local_cwd runs a role in its image's directory
+                image=os.getcwd(),  # local_cwd runs a role in its image's directory
                 entrypoint=cli[0],
                 args=[*cli[1:], *controller_args],
                 num_replicas=1,
@@ -204,7 +202,7 @@ def train(
             ),
             specs.Role(
                 name=TRAINER_ROLE,
-                image=image or os.getcwd(),
+                image=os.getcwd(),
                 entrypoint=cli[0],
                 args=[*cli[1:], *trainer_args],
                 num_replicas=nnodes,

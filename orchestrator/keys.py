@@ -28,6 +28,13 @@ ROOT = "/pipetransformer"
 # Set by a node's fork server in every worker it forks: the pid of the worker's torchrun agent,
 # which names the worker's node ("host:agent-pid"; host names alone repeat on one machine).
 AGENT_PID_ENV = "PIPETRANSFORMER_AGENT_PID"
+# A controller pod's job spec as YAML text (the submitting machine's files are not in the pod):
+# set by the torchx component in container mode, read by `pipetransformer controller` without SPEC.
+SPEC_ENV = "PIPETRANSFORMER_SPEC"
+# Where AutoCache keeps its memory-mapped files: a node-local directory (an emptyDir on
+# Kubernetes). Files shared across nodes over a network file system are not coherent, so on a
+# cluster it must not be the shared checkpoint volume, which is the default (one machine).
+ACTIVATION_CACHE_ENV = "PIPETRANSFORMER_ACTIVATION_CACHE"
 
 
 def job(job_id: str) -> str:

@@ -11,12 +11,11 @@ import pytest
 import yaml
 from alembic.script import ScriptDirectory
 
+from orchestrator.keys import SPEC_ENV
 from orchestrator.store import DB_ENV, Store, alembic_config, sqlite_url
 from tests.fixtures_run import REPO, cli
 
 HEAD_REVISION = ScriptDirectory.from_config(alembic_config()).get_current_head()
-
-SPEC_ENV = "PIPETRANSFORMER_SPEC"
 
 
 def env_cli(*args: str, env: dict[str, str]) -> tuple[int, str]:

@@ -19,14 +19,13 @@ import pytest
 import yaml
 
 from orchestrator.components import (
-    ACTIVATION_CACHE_ENV,
     CACHE_DIR,
     CONTROLLER_MEM_MB,
-    SPEC_ENV,
     TORCHX_SHM_VOLUME,
     ComponentArgError,
     train,
 )
+from orchestrator.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
 from orchestrator.spec import load_spec, spec_from_text
 
 pytest.importorskip("kubernetes", reason="the kubernetes client (test extra) is not installed")

@@ -60,15 +60,9 @@ from trainer.train_state import TrainState
 log = logging.getLogger("pipetransformer.worker")
 
 
-# Where AutoCache keeps its memory-mapped files: a node-local directory (an emptyDir on
-# Kubernetes). Files shared across nodes over a network file system are not coherent, so on a
-# cluster it must not be the shared checkpoint volume, which is the default (one machine).
-ACTIVATION_CACHE_ENV = "PIPETRANSFORMER_ACTIVATION_CACHE"
-
-
 def activation_cache_dir(job_id: str, checkpoint_dir: str | Path) -> Path:
     """$PIPETRANSFORMER_ACTIVATION_CACHE/<job>, else the job's directory's `cache`."""
-    if root := os.environ.get(ACTIVATION_CACHE_ENV):
+    if root := os.environ.get(keys.ACTIVATION_CACHE_ENV):
         return Path(root) / job_id
     return Path(checkpoint_dir).parent / "cache"
 
