@@ -58,7 +58,7 @@ def header(store: Store, job: JobInfo) -> None:
         f"updated {views.fmt_time(job.updated_at)}{source}"
     )
     layout = store.current_layout(job.id)
-    recent = store.metrics(job.id)[-THROUGHPUT_WINDOW:]
+    recent = store.metrics(job.id, last=THROUGHPUT_WINDOW)
     rates = [m["samples_per_s"] for m in recent if m["samples_per_s"] is not None]
     row = st.container(horizontal=True, gap="medium")
     values = [

@@ -82,11 +82,6 @@ def options_from(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
     )
 
 
-def db_url_from(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str | None:
-    """The database URL from `--db URL` in the script's own arguments, else $PIPETRANSFORMER_DB."""
-    return options_from(argv, environ).db
-
-
 def script_args(script: Path = APP_PATH) -> list[str]:
     """`sys.argv[1:]` when `script` is the program being run (`streamlit run` sets argv[0] to
     it); otherwise none: in-process runners such as AppTest leave their own argv in place."""

@@ -61,11 +61,14 @@ class UsageError(Exception):
 # -- shared plumbing ---------------------------------------------------------------------------
 
 
+def local_store_url(args: argparse.Namespace) -> str:
+    """The default store: SQLite in --workdir."""
+    return sqlite_url(Path(args.workdir).resolve() / "store.db")
+
+
 def db_url(args: argparse.Namespace) -> str:
     """--db, else $PIPETRANSFORMER_DB (from a Secret in a pod), else SQLite in --workdir."""
-    return (
-        args.db or os.environ.get(DB_ENV) or sqlite_url(Path(args.workdir).resolve() / "store.db")
-    )
+    return args.db or os.environ.get(DB_ENV) or local_store_url(args)
 
 
 def shown_url(url: str) -> str:
@@ -76,8 +79,11 @@ def shown_url(url: str) -> str:
 
 def open_store(args: argparse.Namespace, create: bool = False) -> Store:
     url = db_url(args)
-    default = sqlite_url(Path(args.workdir).resolve() / "store.db")
-    if not create and url == default and not (Path(args.workdir) / "store.db").exists():
+    if (
+        not create
+        and url == local_store_url(args)
+        and not (Path(args.workdir) / "store.db").exists()
+    ):
         raise UsageError(
             f"no store at {Path(args.workdir).resolve() / 'store.db'}; "
             f"run a job first or pass the --workdir/--db (or ${DB_ENV}) that `run` used"
@@ -373,7 +379,7 @@ def _check_readable(args: argparse.Namespace) -> None:
     """The dashboard's store exists and has its schema. Read only: the dashboard may hold
     read-only credentials, and migrations are `pipetransformer db upgrade`'s job."""
     url = db_url(args)
-    if url == sqlite_url(Path(args.workdir).resolve() / "store.db"):
+    if url == local_store_url(args):
         open_store(args).close()  # a local run's store: the same message as `status`
         return
     store = Store(url, read_only=True)

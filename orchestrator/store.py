@@ -1006,14 +1006,21 @@ class Store:
 
         return self._write("add_metrics", tx)
 
-    def metrics(self, job_id: str) -> list[dict[str, Any]]:
+    def metrics(self, job_id: str, last: int | None = None) -> list[dict[str, Any]]:
         """Training metrics ordered by step; `time` in unix seconds; `grad_norms` the per-block
         gradient norms (None where a norm was not finite), or None (not reported, or a row
-        stored before revision 0005)."""
+        stored before revision 0005). `last`: only the newest that many steps (a display that
+        needs the latest rate need not read a long job's every row)."""
+        if last is not None and last < 1:
+            raise ValueError(f"last must be >= 1 (or None for every row), got {last}")
 
         def tx(s: Session) -> list[dict[str, Any]]:
             self._job(s, job_id)
-            rows = s.scalars(select(Metric).where(Metric.job_id == job_id).order_by(Metric.step))
+            q = select(Metric).where(Metric.job_id == job_id)
+            if last is None:
+                rows = list(s.scalars(q.order_by(Metric.step)))
+            else:
+                rows = list(s.scalars(q.order_by(Metric.step.desc()).limit(last)))[::-1]
             return [
                 {
                     "step": m.step,

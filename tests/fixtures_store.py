@@ -76,6 +76,18 @@ def two_stage_layout(version: int = 1, freeze_boundary: int = 0) -> Layout:
     )
 
 
+def packed_layout(version: int, freeze_boundary: int = 5) -> Layout:
+    """The active blocks on one pipeline rank, the two ranks as replicas (1x2)."""
+    return Layout(
+        version=version,
+        num_blocks=6,
+        freeze_boundary=freeze_boundary,
+        stages=[StageLayout(index=0, start=freeze_boundary, end=6, ranks=[0, 1])],
+        replicas=2,
+        microbatches=4,
+    )
+
+
 def populate(store: Store, job_id: str = POPULATED_JOB_ID) -> None:
     """Fill in one finished job through the Store API, the way the controller would."""
     epochs, steps_per_epoch = 4, 10

@@ -15,7 +15,6 @@ from dashboard.launch import (
     ENV_DB,
     ENV_ETCD,
     Options,
-    db_url_from,
     options_from,
     script_args,
     streamlit_command,
@@ -220,16 +219,15 @@ def test_streamlit_command() -> None:
     assert options_from(app_args, environ={}) == Options(
         db="sqlite:////tmp/x.db", etcd="10.0.0.5:2379", refresh_s=2.0
     )
-    assert db_url_from(app_args, environ={}) == "sqlite:////tmp/x.db"
     plain = streamlit_command("sqlite://")
     assert "--etcd" not in plain
     assert options_from(plain[plain.index("--") + 1 :], environ={}).refresh_s == DEFAULT_REFRESH_S
 
 
 def test_db_url_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert db_url_from(["--db", "sqlite://"], {ENV_DB: "postgresql://h/db"}) == "sqlite://"
-    assert db_url_from([], {ENV_DB: "postgresql://h/db"}) == "postgresql://h/db"
-    assert db_url_from(["-q", "--durations=5", "--d", "x"], {}) is None
+    assert options_from(["--db", "sqlite://"], {ENV_DB: "postgresql://h/db"}).db == "sqlite://"
+    assert options_from([], {ENV_DB: "postgresql://h/db"}).db == "postgresql://h/db"
+    assert options_from(["-q", "--durations=5", "--d", "x"], {}).db is None
     assert options_from([], {ENV_ETCD: "h:2379"}).etcd == "h:2379"
     assert options_from(["--refresh", "0"], {}).refresh_s == DEFAULT_REFRESH_S  # never a busy loop
     monkeypatch.setattr(sys, "argv", [str(APP_PATH), "--db", "sqlite://"])

@@ -36,7 +36,7 @@ from dashboard.timeline import (
     timeline,
 )
 from orchestrator.state import Layout, StageLayout
-from tests.fixtures_store import two_stage_layout
+from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 1_700_000_000.0
 
@@ -61,17 +61,6 @@ def notes(fig: go.Figure) -> list[str]:
 # Generation 1 (2 ranks) trains 2 stages x 1 replica, freezes 2 blocks at step 8 (v2), and is
 # aborted after step 15 when rank 1 dies. Generation 2 recovers on 2 ranks and re-plans to
 # 1 stage x 2 replicas (v3); the user stops it after step 30; generation 3 resumes it.
-
-
-def one_stage_two_replicas(version: int, freeze_boundary: int) -> Layout:
-    return Layout(
-        version=version,
-        num_blocks=6,
-        freeze_boundary=freeze_boundary,
-        stages=[StageLayout(index=0, start=freeze_boundary, end=6, ranks=[0, 1])],
-        replicas=2,
-        microbatches=4,
-    )
 
 
 def step_time(step: int) -> float:
@@ -108,7 +97,7 @@ EVALS = [
 LAYOUTS = [
     (two_stage_layout(1, 0), "initial", at(T0 + 1)),
     (two_stage_layout(2, 2), "autofreeze: blocks 0-1 converged", at(T0 + 12.5)),
-    (one_stage_two_replicas(3, 2), "re-planned for 2 ranks", at(T0 + 31)),
+    (packed_layout(3, 2), "re-planned for 2 ranks", at(T0 + 31)),
 ]
 GENERATIONS = [
     {
@@ -553,7 +542,7 @@ def test_layout_two_stages_unfrozen() -> None:
 
 
 def test_layout_title_is_short() -> None:
-    fig = layout_figure(one_stage_two_replicas(2, 5))
+    fig = layout_figure(packed_layout(2, 5))
     assert fig.layout.title.text == "Layout v2 · 1 stage x 2 replicas · 5/6 frozen · m=4 gpipe"
     assert len(layout_figure(two_stage_layout(7, 2)).layout.title.text) <= 60
 

@@ -580,6 +580,11 @@ def test_metrics_round_trip_and_idempotence(store: Store) -> None:
     assert rows[2]["loss"] == 1.0  # the first write of step 3 stands
     assert rows[0] == metric(1) | {"grad_norms": None}  # none reported
     assert store.add_metrics("j", []) == 0
+    # the newest few, still in step order; the same rows as the tail of the whole list
+    assert store.metrics("j", last=2) == rows[-2:]
+    assert store.metrics("j", last=99) == rows
+    with pytest.raises(ValueError, match="last must be >= 1"):
+        store.metrics("j", last=0)
 
 
 def test_metrics_non_finite_loss_stored_as_null(store: Store) -> None:

@@ -10,7 +10,6 @@ import pytest
 from rich.console import Console
 
 from orchestrator.spec import JobSpec
-from orchestrator.state import Layout, StageLayout
 from orchestrator.store import Store
 from orchestrator.summary import (
     bought_line,
@@ -21,7 +20,7 @@ from orchestrator.summary import (
     short_reason,
     what_it_bought,
 )
-from tests.fixtures_store import two_stage_layout
+from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 10_000.0  # small: unix-sized times would leave step gaps only ~1e-7 s precise
 REASON_V2 = (
@@ -32,18 +31,6 @@ REASON_V3 = (
     "autofreeze (decision 8: converged prefix 6 (gradient norm <= 0.2 x its peak), clipped to "
     "5: froze blocks 2..4); F=5: autopipe 1x2 [5-5] m=4 b=8 F=5 bottleneck=1.2ms (stage 0)"
 )
-
-
-def packed_layout(version: int, freeze_boundary: int = 5) -> Layout:
-    """The active blocks on one pipeline rank, the two ranks as replicas (1x2)."""
-    return Layout(
-        version=version,
-        num_blocks=6,
-        freeze_boundary=freeze_boundary,
-        stages=[StageLayout(index=0, start=freeze_boundary, end=6, ranks=[0, 1])],
-        replicas=2,
-        microbatches=4,
-    )
 
 
 # Steps 1-10 under v1 (0.1 s and 640 samples/s a step, step 5 a slow outlier), 11-20 under v2
