@@ -41,6 +41,22 @@ def pin_threads(n: int = 1) -> None:
         pass  # already set once in this process (torch allows it only before parallel work)
 
 
+def pick_device(choice: str, threads: int = 1):  # -> tuple[torch.device, str]
+    """The device for `--device auto|cpu|cuda` (auto: CUDA when present) and a name for it in
+    titles; on the CPU the threads are pinned. Exits with a clear message for `cuda` without
+    CUDA."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if choice == "cuda" and not cuda:
+        raise SystemExit("--device cuda: no CUDA device is available here")
+    device = torch.device(("cuda" if cuda else "cpu") if choice == "auto" else choice)
+    if device.type == "cpu":
+        pin_threads(threads)
+        return device, f"CPU, {threads} thread(s)"
+    return device, torch.cuda.get_device_name(device)
+
+
 def out_dir() -> Path:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     return OUT_DIR

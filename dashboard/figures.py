@@ -2,9 +2,10 @@
 
 Inputs are what `orchestrator.store.Store` returns: a `Layout`, the `(Layout, reason, created_at)`
 history of `Store.layouts`, and the row dicts of `Store.metrics` / `Store.evaluations` (`time`
-in unix seconds). Every series chart takes `x` ("step" or "time", see `dashboard.timeline`) and
-an optional `Timeline` to draw layout versions and generation starts behind its curves. Figures
-are sized for a page about 800 px wide: short titles, legends horizontal below, small margins.
+in unix seconds; `mfu` a fraction; `peak_memory_mib` per rank in MiB, or None). Every series
+chart takes `x` ("step" or "time", see `dashboard.timeline`) and an optional `Timeline` to draw
+layout versions and generation starts behind its curves. Figures are sized for a page about
+800 px wide: short titles, legends horizontal below, small margins.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ SERIES: dict[str, tuple[str, str | None]] = {
     "samples_per_s": ("samples/s", None),
     "accuracy": ("accuracy", ".0%"),
     "lr": ("learning rate", ".1e"),
+    "mfu": ("MFU", ".0%"),
 }
+MIB_PER_GIB = 1024
 
 
 def stage_color(index: int) -> str:
@@ -241,6 +244,81 @@ def throughput_figure(
         y_format=".1f",
     )
     fig.update_yaxes(rangemode="tozero")
+    return _finish(fig, timeline, x)
+
+
+def has_values(rows: Rows, key: str) -> bool:
+    """Whether any row has `key` (a job whose workers measured MFU or peak memory; never on the
+    CPU): the dashboard draws those charts only then."""
+    return any(r.get(key) is not None for r in rows)
+
+
+def mfu_figure(
+    metrics: Rows,
+    *,
+    x: XAxis = "step",
+    smoothing: float = 0.0,
+    timeline: Timeline | None = None,
+) -> go.Figure:
+    """Model FLOPs utilisation per step, in percent (the rows hold fractions): the model's
+    FLOPs per second over the devices' dense peak. Jumpy like throughput, so smoothed over a
+    faint raw line. y from zero; steps without a value (the CPU, older workers) are gaps."""
+    fig = _base("Model FLOPs utilisation", axis_title(x), "MFU")
+    fig.update_yaxes(tickformat=".0%", rangemode="tozero")
+    if not has_values(metrics, "mfu"):
+        return _empty(fig)
+    _series(
+        fig,
+        metrics,
+        "mfu",
+        name="MFU",
+        color=STAGE_COLORS[4],
+        x=x,
+        smoothing=smoothing,
+        y_format=".1%",
+    )
+    return _finish(fig, timeline, x)
+
+
+def peak_memory_figure(
+    metrics: Rows, *, x: XAxis = "step", timeline: Timeline | None = None
+) -> go.Figure:
+    """Peak GPU memory allocated per rank (GiB), one line per rank, at the steps that carry it
+    (control points). A rank missing from a row (a smaller world, a rank that did not say) is
+    a gap in its line. y from zero."""
+    check_axis(x)
+    fig = _base("Peak GPU memory", axis_title(x), "GiB")
+    fig.update_yaxes(rangemode="tozero")
+    rows = [r for r in metrics if r.get("peak_memory_mib")]
+    if not rows:
+        return _empty(fig)
+    xs = axis_values(rows, x)
+    ranks = max(len(r["peak_memory_mib"]) for r in rows)
+    for rank in range(ranks):
+        ys: list[float | None] = []
+        for r in rows:
+            peaks = r["peak_memory_mib"]
+            mib = peaks[rank] if rank < len(peaks) else None
+            ok = mib is not None and math.isfinite(mib)
+            ys.append(mib / MIB_PER_GIB if ok else None)
+        if all(y is None for y in ys):
+            continue
+        fig.add_trace(
+            go.Scatter(
+                name=rank_label(rank),
+                x=xs,
+                y=ys,
+                mode="lines+markers",
+                marker={"size": 4},
+                line={"color": stage_color(rank), "width": 1.5},
+                customdata=_hover_rows(rows),
+                hovertemplate="step %{customdata[0]} · epoch %{customdata[1]}<br>"
+                + rank_label(rank)
+                + " %{y:.2f} GiB<extra></extra>",
+            )
+        )
+    if not fig.data:
+        return _empty(fig)
     return _finish(fig, timeline, x)
 
 

@@ -26,7 +26,7 @@ STATE_ICONS = {
     "failed": "❌",
     "interrupted": "⏸️",
 }
-THROUGHPUT_WINDOW = 20  # steps averaged for the header's samples/s
+THROUGHPUT_WINDOW = 20  # steps averaged for the header's samples/s and MFU
 CHART = {"displaylogo": False}  # plotly's mode bar without its logo link
 
 
@@ -60,6 +60,7 @@ def header(store: Store, job: JobInfo) -> None:
     layout = store.current_layout(job.id)
     recent = store.metrics(job.id, last=THROUGHPUT_WINDOW)
     rates = [m["samples_per_s"] for m in recent if m["samples_per_s"] is not None]
+    peak = store.latest_peak_memory(job.id)
     row = st.container(horizontal=True, gap="medium")
     values = [
         ("State", job.state),
@@ -72,6 +73,8 @@ def header(store: Store, job: JobInfo) -> None:
             "—" if layout is None else f"v{layout.version} {layout.num_stages}x{layout.replicas}",
         ),
         ("Samples/s", f"{sum(rates) / len(rates):,.0f}" if rates else "—"),
+        # MFU and peak GPU memory where the workers measured them (not on the CPU)
+        *views.device_use(recent, None if peak is None else peak["peak_memory_mib"]),
     ]
     for label, value in values:
         row.metric(label, value, width="content", border=True)
@@ -94,6 +97,16 @@ def training_view(store: Store, job: JobInfo, opts: ChartOptions) -> None:
     with right:
         _chart(figures.throughput_figure(metrics, smoothing=opts.smoothing, **kw), "throughput")
         _chart(figures.lr_figure(metrics, **kw), "lr")
+    # device use: only where the workers measured it (a GPU run; never on the CPU)
+    mfu, peaks = figures.has_values(metrics, "mfu"), figures.has_values(metrics, "peak_memory_mib")
+    if mfu or peaks:
+        left, right = st.columns(2)
+        if mfu:
+            with left:
+                _chart(figures.mfu_figure(metrics, smoothing=opts.smoothing, **kw), "mfu")
+        if peaks:
+            with right if mfu else left:
+                _chart(figures.peak_memory_figure(metrics, **kw), "peak_memory")
     st.caption(
         "Shaded bands: layout versions (shape and frozen blocks); dotted lines: new generations; "
         "red dashed: recoveries after an aborted generation."

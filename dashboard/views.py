@@ -16,6 +16,7 @@ import yaml
 
 from orchestrator.protocol import FreezeOutcome, read_freeze_request
 from orchestrator.spec import JobSpec
+from orchestrator.summary import mfu_text, peak_memory_text
 
 Rows = Sequence[Mapping[str, Any]]
 REQUEST_EVENT = "freeze_requested"
@@ -142,6 +143,22 @@ def event_rows(events: Rows) -> list[dict[str, Any]]:
         }
         for e in events
     ]
+
+
+def device_use(
+    recent: Rows, peak_memory_mib: Sequence[float | None] | None
+) -> list[tuple[str, str]]:
+    """The header's device metrics, each only where known (never on the CPU): MFU, the mean of
+    the known values over `recent` (the newest metric rows, the window the header's samples/s
+    averages), and the largest rank's peak GPU memory from the newest per-rank list
+    (`Store.latest_peak_memory`)."""
+    out: list[tuple[str, str]] = []
+    known = [m["mfu"] for m in recent if m.get("mfu") is not None]
+    if (mfu := mfu_text(sum(known) / len(known) if known else None)) is not None:
+        out.append(("MFU", mfu))
+    if (peak := peak_memory_text(peak_memory_mib)) is not None:
+        out.append(("Peak GPU memory", peak))
+    return out
 
 
 def spec_yaml(spec: JobSpec) -> str:

@@ -4,9 +4,8 @@
 `admit(spec, capacity_bytes)` compares it with a capacity and returns (field, message) problems
 in `SpecError`'s format, naming the fields to change, what the job needs and what there is. Both
 are pure and deterministic (no torch); `host_memory_bytes()` is the one function that looks at
-the machine. Workers train on the CPU today, so `pipetransformer run` passes this machine's
-memory shared by all workers; a device's memory per worker can be passed instead
-(`per_worker=True`) once workers run on accelerators.
+the machine. `pipetransformer run` passes this machine's memory shared by all workers; a
+device's memory per worker can be passed instead (`per_worker=True`).
 
 The model (trainer/models.py), float32 throughout
 -------------------------------------------------
@@ -19,8 +18,9 @@ d = model.dim, H = int(d x mlp_ratio), h = heads, k = num_classes, t = tokens be
   (positions); bert V d (tokens) + d (CLS) + (L+1) d (positions) + 2d (LayerNorm). Head:
   2d + dk + k. Exact: tests/test_admission.py counts the real modules.
 * Per parameter of a worker's stages: 16 bytes (weight, gradient, AdamW's two moments) + 12
-  (the checkpoint snapshot of weights and moments, kept between checkpoints). Every worker first
-  builds the whole model (4 bytes a parameter) and then keeps its stages.
+  (the checkpoint snapshot of weights and moments, kept between checkpoints). A worker builds
+  only its own units (meta device, then materialised), initialising one unit at a time on the
+  CPU (4 bytes a parameter of the largest unit).
 * Activations one micro-batch leaves for backward, per block: 4 b t (8d + 2H + h + 4) (the
   block input, both LayerNorm outputs and statistics, qkv, the attention output and logsumexp,
   the residual sum, the MLP's hidden layer before and after GELU). With dropout > 0 attention
@@ -39,8 +39,10 @@ d = model.dim, H = int(d x mlp_ratio), h = heads, k = num_classes, t = tokens be
   512 MiB a node (torchrun agent and fork server) and 256 MiB for the controller and etcd;
   AutoCache's RAM tier (at most 256 MiB) on the first stage unless freeze.cache is off.
 
-A worker's peak: process + data + max(its state and activations, the whole model while
-building, the data while loading). `pipetransformer run` needs every worker's peak at once
+A worker's peak: process + data + max(its state and activations, one unit while initialising,
+the data while loading). On a GPU (`runtime.device: cuda`) the state and activations live in
+device memory and bf16 autocast keeps float32 weights: these host-memory figures over-state a
+GPU worker's host need, which is why `run` checks GPUs by count (`gpu_shortfall`), not size. `pipetransformer run` needs every worker's peak at once
 (replicas x the pipeline ranks) plus the processes around them.
 
 Stages get the initial layout's block ranges (`trainer.planner.initial_ranges`: `parallel.stages x
@@ -192,7 +194,7 @@ class WorkerEstimate:
     params: int
     state_bytes: int  # weights, gradients, AdamW moments and the checkpoint snapshot
     activation_bytes: int
-    build_bytes: int  # the whole model, built before a worker keeps its stages
+    build_bytes: int  # one unit's seed-derived initial weights, made on the CPU before copying
     data_bytes: int  # the data set it holds
     load_bytes: int  # extra while generating and splitting the data set
     other_bytes: int  # the process itself and AutoCache's RAM tier
@@ -277,7 +279,7 @@ def estimate(spec: JobSpec) -> Estimate:
                 params=params,
                 state_bytes=params * (STATE_BYTES + SNAPSHOT_BYTES),
                 activation_bytes=sum(s.activation_bytes for s in mine),
-                build_bytes=total * F32,
+                build_bytes=max(block_params(m), embed_params(m), head_params(m)) * F32,
                 data_bytes=held,
                 load_bytes=(LOAD_FACTOR - 1) * held,
                 other_bytes=WORKER_BYTES + (cache if any(s.index == 0 for s in mine) else 0),
@@ -332,7 +334,7 @@ def _what_to_change(spec: JobSpec, est: Estimate, worker: WorkerEstimate) -> tup
             fields.append(f"model.num_classes ({m.num_classes})")
         how = f"mostly parameters (the model has {_count(est.params)} parameters"
         if worker.build_bytes >= worker.state_bytes:
-            how += ", and every worker builds it whole before keeping its stages"
+            how += ", and a worker initialises its largest unit whole on the CPU"
         else:
             how += f", {_count(worker.params)} on one worker at 28 bytes each with AdamW"
         more = " or raise parallel.stages" if worker.state_bytes > worker.build_bytes else ""

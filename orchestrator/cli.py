@@ -45,9 +45,23 @@ from orchestrator.overrides import (
 from orchestrator.pretrained import resolve_init
 from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
-from orchestrator.spec import JobSpec, SpecError, load_spec, spec_from_text
+from orchestrator.spec import (
+    JobSpec,
+    SpecError,
+    gpu_shortfall,
+    load_spec,
+    local_device_type,
+    spec_from_text,
+)
 from orchestrator.store import DB_ENV, Store, UnknownJob, sqlite_url
-from orchestrator.summary import bought_line, cache_line, history_from_store, history_table
+from orchestrator.summary import (
+    bought_line,
+    cache_line,
+    history_from_store,
+    history_table,
+    mfu_text,
+    peak_memory_text,
+)
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -138,6 +152,18 @@ def _agent_command(ctrl: Controller, etcd: str, rdzv_id: str) -> Callable[[str |
     )
 
 
+def node_gpus(node: int, per_node: int, visible: str | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES for simulated node `node` of `per_node` workers: its slice of this
+    machine's visible GPUs (of $CUDA_VISIBLE_DEVICES when set), so that worker k of each node,
+    on cuda:k, has a GPU of its own."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    import torch
+
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
+    ids = ids or [str(i) for i in range(torch.cuda.device_count())]
+    return ",".join(ids[node * per_node : (node + 1) * per_node])
+
+
 class Agents:
     """The local torchrun agents of one launch, one per node, each with the node's fork server
     (workers start without importing torch again). Each runs in its own session (a terminal
@@ -145,15 +171,20 @@ class Agents:
     it), and logs to its own file."""
 
     def __init__(
-        self, command: Callable[[str | None], list[str]], logs: list[Path], env: dict[str, str]
+        self,
+        command: Callable[[str | None], list[str]],
+        logs: list[Path],
+        env: dict[str, str],
+        node_env: list[dict[str, str]] | None = None,
     ):
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
         self.servers: list[subprocess.Popen] = []
-        for path in logs:
+        for k, path in enumerate(logs):
+            env_k = env | (node_env[k] if node_env else {})
             name = None
             if forkserver.available():
-                server, name = forkserver.start(env, path, new_session=True)
+                server, name = forkserver.start(env_k, path, new_session=True)
                 self.servers.append(server)
             with open(path, "ab") as log:
                 self.procs.append(
@@ -161,7 +192,7 @@ class Agents:
                         tied_to_parent(command(name)),
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env=env,
+                        env=env_k,
                         start_new_session=True,
                     )
                 )
@@ -202,7 +233,8 @@ def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
             )
         console.print(f"workers: {len(logs)} x {' '.join(command(None)[2:9])} ... (log: {logs[0]})")
         with ProgressView(console, ctrl.layout) as view:
-            agents = Agents(command, logs, worker_env(ctrl.spec.runtime.threads_per_worker))
+            env = worker_env(ctrl.spec.runtime.threads_per_worker)
+            agents = Agents(command, logs, env, _node_devices(ctrl.spec, len(logs)))
             interrupts = 0
 
             def on_sigint(signum: int, frame: object) -> None:
@@ -278,6 +310,47 @@ def _read_spec(spec_path: str | None) -> JobSpec:
     return spec_from_text(text, f"${keys.SPEC_ENV}")
 
 
+def _node_devices(spec: JobSpec, nodes: int) -> list[dict[str, str]]:
+    """Per local node, the CUDA_VISIBLE_DEVICES its workers get. All nodes of `run` share this
+    machine: on CUDA each gets its own slice of the GPUs (worker k of a node computes on its
+    cuda:k); when `runtime.device: auto` comes out as the CPU for the machine as a whole, the GPUs
+    are hidden, so that no node decides otherwise on its own."""
+    import torch
+
+    per_node = spec.parallel.world_size // spec.runtime.nodes
+    gpus = torch.cuda.device_count()
+    if not gpus:
+        return [{} for _ in range(nodes)]
+    if local_device_type(spec.runtime.device, per_node * nodes, gpus) == "cpu":
+        return [{"CUDA_VISIBLE_DEVICES": ""} for _ in range(nodes)]
+    return [{"CUDA_VISIBLE_DEVICES": node_gpus(k, per_node)} for k in range(nodes)]
+
+
+def _gpu_memory(spec: JobSpec) -> int | None:
+    """The smallest GPU's memory when this machine's workers will compute on CUDA, else None."""
+    import torch
+
+    per_node = spec.parallel.world_size // spec.runtime.nodes
+    gpus = torch.cuda.device_count()
+    if (
+        not gpus
+        or local_device_type(spec.runtime.device, per_node * spec.runtime.nodes, gpus) != "cuda"
+    ):
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
+
+
+def _gpu_shortfall(spec: JobSpec) -> str | None:
+    """Why this machine cannot give each of a node's workers its own GPU when the spec asks for
+    CUDA (`run` puts every node on this machine)."""
+    import torch
+
+    per_node = spec.parallel.world_size // spec.runtime.nodes
+    return gpu_shortfall(
+        spec.runtime.device, per_node * spec.runtime.nodes, torch.cuda.device_count()
+    )
+
+
 def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True):
     """Validate a new job's spec and id before anything is created; then its store. With `fresh`
     (the job cannot exist yet) a fine-tuning spec's checkpoint is checked here too; a controller
@@ -287,11 +360,18 @@ def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True
     on this machine, so they must fit its memory together; the controller role's workers run on
     other pods whose memory it does not know, so it checks only what needs no machine (the batch
     against the data set)."""
-    from orchestrator import admission  # here: this function is the only caller in the CLI
+    from orchestrator import admission  # imported where used: only `run` paths need it
 
     spec = _read_spec(spec_path)  # rejects a bad spec before anything starts
-    capacity = admission.host_memory_bytes() if fresh else None
-    if problems := admission.admit(spec, capacity):
+    capacity, gpu = (admission.host_memory_bytes(), None) if fresh else (None, None)
+    if fresh and (gpu := _gpu_memory(spec)) is not None:
+        capacity = gpu  # each worker on a GPU of its own: checked against the smallest
+    problems = admission.admit(
+        spec, capacity, per_worker=gpu is not None, where="each GPU" if gpu else "this machine"
+    )
+    if fresh and (shortfall := _gpu_shortfall(spec)):
+        problems.append(("runtime.device", shortfall))
+    if problems:
         raise SpecError(problems, spec_path or f"${keys.SPEC_ENV}")
     if fresh:
         spec = resolve_init(spec)
@@ -365,6 +445,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         if key == "accuracy" and value is not None:
             value = f"{value:.2%}"
         table.add_row(key, "-" if value is None else escape(str(value)))
+    # device use, where the workers measured it (never on the CPU: no rows then)
+    if (mfu := mfu_text(status.get("mfu"))) is not None:
+        table.add_row("mfu", mfu)
+    if (peak := peak_memory_text(status.get("peak_memory_mib"))) is not None:
+        table.add_row("peak memory", peak)
     layout = store.current_layout(job_id)
     if layout:
         table.add_row("layout", layout.describe())
@@ -500,6 +585,13 @@ def cmd_workers(args: argparse.Namespace) -> int:
         time.sleep(0.5)
     rdzv_id = json.loads(raw)["rdzv_id"]
     spec = JobSpec.model_validate_json(client.get(keys.spec(args.job_id)) or "{}")
+    import torch  # here: only this role needs to count GPUs
+
+    if problem := gpu_shortfall(
+        spec.runtime.device, args.nproc_per_node, torch.cuda.device_count()
+    ):
+        # before torchrun: one clear line in the pod's log, not a traceback per worker
+        raise UsageError(problem)
     env = worker_env(1)
     server, name = None, None
     if forkserver.available():  # this node's workers are forked from it, torch imported once

@@ -85,6 +85,7 @@ def train(
     h: str | None = None,
     cpu: int = 0,
     memMB: int = 0,
+    gpu: int = -1,
     env: dict[str, str] | None = None,
     mounts: list[str] | None = None,
     max_retries: int = -1,
@@ -124,6 +125,9 @@ def train(
         h: a registered named resource for the trainer (takes precedence over cpu and memMB)
         cpu: cpus per trainer replica (default: nproc_per_node x runtime.threads_per_worker)
         memMB: memory in MB per trainer replica (default: 1024 per worker process)
+        gpu: GPUs per trainer replica (default: nproc_per_node when the spec's runtime.device
+            is cuda, else 0); locally add -cfg auto_set_cuda_visible_devices=True so that each
+            trainer sees its own
         env: extra environment variables for both roles (e.g. ENV1=v1,ENV2=v2)
         mounts: extra mounts for both roles (type=<bind|volume>,src=...,dst=...[,readonly])
         max_retries: scheduler retries per role (default: 0 locally, 3 in container mode)
@@ -153,7 +157,9 @@ def train(
             image=image,
             python=python or "python",
             # torchx's Kubernetes scheduler requests memMB minus its reserve: add it back
-            resource=_trainer_resource(job, nproc_per_node, h, cpu, memMB, K8S_RESERVED_MEM_MB),
+            resource=_trainer_resource(
+                job, nproc_per_node, h, cpu, memMB, K8S_RESERVED_MEM_MB, gpu
+            ),
             env=env or {},
             mounts=mounts or [],
             max_retries=K8S_RETRIES if max_retries < 0 else max_retries,
@@ -206,7 +212,7 @@ def train(
                 entrypoint=cli[0],
                 args=[*cli[1:], *trainer_args],
                 num_replicas=nnodes,
-                resource=_trainer_resource(job, nproc_per_node, h, cpu, memMB),
+                resource=_trainer_resource(job, nproc_per_node, h, cpu, memMB, gpu=gpu),
                 env=dict(role_env),
                 mounts=list(role_mounts),
                 max_retries=retries,
@@ -262,12 +268,32 @@ def _trainer_args(
     ]
 
 
+def trainer_gpus(job: JobSpec, nproc_per_node: int, gpu: int = -1) -> int:
+    """GPUs per trainer replica: `gpu` when given (>= 0), else one per worker process when the
+    spec computes on CUDA (`runtime.device: cuda`; `auto` requests none and runs where it lands)."""
+    if gpu >= 0:
+        return gpu
+    return nproc_per_node if job.runtime.device == "cuda" else 0
+
+
 def _trainer_resource(
-    job: JobSpec, nproc_per_node: int, h: str | None, cpu: int, memMB: int, reserve: int = 0
+    job: JobSpec,
+    nproc_per_node: int,
+    h: str | None,
+    cpu: int,
+    memMB: int,
+    reserve: int = 0,
+    gpu: int = -1,
 ) -> specs.Resource:
+    gpus = trainer_gpus(job, nproc_per_node, gpu)
+    if job.runtime.device == "cuda" and gpus < nproc_per_node:
+        raise ComponentArgError(
+            f"gpu={gpus}: runtime.device is 'cuda' and each trainer runs {nproc_per_node} "
+            f"worker(s), one per GPU; request at least {nproc_per_node} (or leave gpu unset)"
+        )
     return specs.resource(
         cpu=cpu or nproc_per_node * job.runtime.threads_per_worker,
-        gpu=0,  # the CUDA data plane (issue 14) will request nvidia.com/gpu per process
+        gpu=gpus,  # torchx's Kubernetes scheduler requests nvidia.com/gpu
         memMB=(memMB or TRAINER_MEM_MB_PER_PROC * nproc_per_node) + reserve,
         h=h,
     )

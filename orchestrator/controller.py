@@ -126,6 +126,10 @@ class Progress:
     total_steps: int | None = None
     loss: float | None = None
     samples_per_s: float | None = None
+    mfu: float | None = None  # the latest step's model FLOPs utilisation (a fraction)
+    # the latest per-rank peak GPU memory (MiB, index = rank): kept until the next one, since
+    # only steps at control points carry it
+    peak_memory_mib: list[float | None] | None = None
     accuracy: float | None = None
     outcome: str | None = None  # done / stopped / failed, from the workers
     error: str | None = None
@@ -780,6 +784,9 @@ class Controller:
         match e:
             case Metrics():
                 p.step, p.epoch, p.loss, p.samples_per_s = e.step, e.epoch, e.loss, e.samples_per_s
+                p.mfu = e.mfu
+                if e.peak_memory_mib is not None:
+                    p.peak_memory_mib = e.peak_memory_mib
             case Started():
                 p.total_steps = e.total_steps
                 self.roster.started(e)

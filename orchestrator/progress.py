@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orchestrator.controller import Progress as JobProgress
 from orchestrator.state import Layout
+from orchestrator.summary import mfu_text, peak_memory_text
 
 
 def _fmt(p: JobProgress, layout: Layout) -> str:
@@ -19,6 +20,10 @@ def _fmt(p: JobProgress, layout: Layout) -> str:
         parts.append(f"loss {p.loss:.4f}")
     if p.samples_per_s is not None:
         parts.append(f"{p.samples_per_s:,.0f} samples/s")
+    if (mfu := mfu_text(p.mfu)) is not None:  # unknown on the CPU: the line stays as it was
+        parts.append(f"MFU {mfu}")
+    if (peak := peak_memory_text(p.peak_memory_mib)) is not None:
+        parts.append(f"peak {peak}")
     if p.accuracy is not None:
         parts.append(f"held-out acc {p.accuracy:.1%}")
     parts.append(f"layout {layout.short}")

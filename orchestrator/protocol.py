@@ -213,6 +213,12 @@ class Metrics(_Event):
     # one gradient L2 norm per transformer block (after the cross-replica all-reduce, before
     # clipping; 0 for frozen blocks); None where not finite. Absent from older workers' reports.
     grad_norms: list[float | None] | None = None
+    # model FLOPs per second over the devices' dense peak (trainer/flops.py), a fraction; None
+    # where the peak is unknown (the CPU, unless PIPETRANSFORMER_PEAK_TFLOPS says it)
+    mfu: float | None = None
+    # peak GPU memory allocated per rank (MiB; index = rank) since the layout was built, sent at
+    # control points (runtime.control_every_steps) and None between them and on the CPU
+    peak_memory_mib: list[float | None] | None = None
 
 
 class Evaluated(_Event):

@@ -253,6 +253,13 @@ class TrainingSpec(_Strict):
     target_accuracy: Annotated[Number, Field(gt=0, le=1)] | None = Field(
         None, description="stop once held-out accuracy reaches this fraction"
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="'bf16': blocks compute under bfloat16 autocast while weights, gradients, "
+        "optimizer state, checkpoints and the activations between stages stay float32 (no "
+        "master-weight copies, no loss scaling, and a checkpoint resumes under either); "
+        "'fp32': float32 throughout",
+    )
 
     @model_validator(mode="after")
     def _decay_below_one(self) -> TrainingSpec:
@@ -344,6 +351,12 @@ class ParallelSpec(_Strict):
     )
     recompute: bool | list[bool] = Field(
         False, description="activation recomputation, for all stages or per stage"
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer block (in place: parameter names, hence "
+        "checkpoints, are unchanged); the first steps after a start or re-layout pay for "
+        "compilation",
     )
 
     @model_validator(mode="after")
@@ -452,6 +465,12 @@ class RuntimeSpec(_Strict):
     controller plans a layout for that world and training resumes from the last committed
     checkpoint. A node that comes back joins at the next rendezvous and the job widens again."""
 
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where workers compute: 'cuda' (worker k of a node on cuda:k; NCCL for the "
+        "pipeline and replica groups, gloo for control), 'cpu' (gloo), or 'auto': CUDA when "
+        "the node has a GPU for each of its workers, else the CPU",
+    )
     threads_per_worker: Annotated[PositiveInt, Field(le=MAX_THREADS)] = 1
     control_every_steps: Annotated[PositiveInt, Field(le=MAX_CONTROL_EVERY)] = Field(
         10, description="steps between reads of the etcd control key (stop)"
@@ -717,3 +736,31 @@ def load_spec(path: str | Path) -> JobSpec:
     except SpecFileError as exc:
         raise SpecError([("<file>", str(exc))], str(path)) from None
     return parse_spec(data, str(path))
+
+
+def gpu_shortfall(setting: str, workers_per_node: int, gpus: int) -> str | None:
+    """Why `runtime.device: <setting>` cannot give each of a node's `workers_per_node` workers
+    its own GPU when the node has `gpus` (None if it can, or if the setting does not ask for
+    CUDA)."""
+    if setting != "cuda":
+        return None
+    if gpus == 0:
+        return (
+            "runtime.device is 'cuda' but this node has no CUDA device (or this torch is a "
+            "CPU build); use 'cpu' or 'auto'"
+        )
+    if workers_per_node > gpus:
+        return (
+            f"runtime.device is 'cuda' and each node runs {workers_per_node} worker(s), one per "
+            f"GPU, but this node has {gpus} GPU(s): lower parallel.stages x parallel.replicas / "
+            "runtime.nodes (workers per node), raise runtime.nodes, or use 'cpu'"
+        )
+    return None
+
+
+def local_device_type(setting: str, workers: int, gpus: int) -> str:
+    """ "cuda" or "cpu": what `runtime.device: <setting>` means for `workers` workers sharing
+    `gpus` GPUs (a node, or every simulated node of one machine)."""
+    if setting == "cuda" or (setting == "auto" and gpus and workers <= gpus):
+        return "cuda"
+    return "cpu"

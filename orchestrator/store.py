@@ -65,7 +65,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 import migrations
-from orchestrator.spec import JobSpec
+from orchestrator.spec import MAX_CONTROL_EVERY, JobSpec
 from orchestrator.state import Layout, TrainingState
 from orchestrator.tables import (
     CHECKPOINT_STATES,
@@ -321,11 +321,20 @@ class _MetricRow(BaseModel):
     lr: float = Field(ge=0, allow_inf_nan=False)
     time: float = Field(allow_inf_nan=False)
     grad_norms: list[float | None] | None = None  # one per block
+    mfu: float | None = None  # model FLOPs utilisation, a fraction
+    peak_memory_mib: list[float | None] | None = None  # one per rank (index = rank)
 
     @field_validator("loss", "samples_per_s")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         return _finite_or_none(value)
+
+    @field_validator("mfu")
+    @classmethod
+    def _utilisation(cls, value: float | None) -> float | None:
+        # unknown rather than wrong: a negative or non-finite utilisation is stored as NULL
+        value = _finite_or_none(value)
+        return value if value is not None and value >= 0 else None
 
     @field_validator("grad_norms")
     @classmethod
@@ -336,6 +345,18 @@ class _MetricRow(BaseModel):
             if n is not None and n < 0:  # NaN compares False: it becomes null below
                 raise ValueError(f"grad_norms[{i}] is a norm and cannot be negative, got {n}")
         return [_finite_or_none(n) for n in value]
+
+    @field_validator("peak_memory_mib")
+    @classmethod
+    def _peaks(cls, value: list[float | None] | None) -> list[float | None] | None:
+        if value is None:
+            return None
+        for i, m in enumerate(value):
+            if m is not None and m < 0:  # NaN compares False: it becomes null below
+                raise ValueError(
+                    f"peak_memory_mib[{i}] is an amount of memory and cannot be negative, got {m}"
+                )
+        return [_finite_or_none(m) for m in value]
 
 
 _metric_rows = TypeAdapter(list[_MetricRow])
@@ -472,6 +493,31 @@ def _ranks(ranks: Sequence[int]) -> list[int]:
 
 def _from_unix(t: float) -> datetime:
     return datetime.fromtimestamp(t, UTC)
+
+
+# How far back (in metric rows) `latest_peak_memory` looks: workers send peaks at every control
+# point, at most MAX_CONTROL_EVERY steps apart, so a job still reporting them has one in there;
+# the bound keeps a long CPU job (no peaks at all) from scanning every row it ever stored.
+PEAK_LOOKBACK_STEPS = MAX_CONTROL_EVERY
+
+
+def _latest_peak(s: Session, job_id: str) -> dict[str, Any] | None:
+    newest = (
+        select(Metric.step, Metric.peak_memory_mib)
+        .where(Metric.job_id == job_id)
+        .order_by(Metric.step.desc())
+        .limit(PEAK_LOOKBACK_STEPS)
+        .subquery()
+    )
+    row = s.execute(
+        select(newest.c.step, newest.c.peak_memory_mib)
+        .where(newest.c.peak_memory_mib.is_not(None))
+        .order_by(newest.c.step.desc())
+        .limit(1)
+    ).first()
+    if row is None:
+        return None
+    return {"step": row.step, "peak_memory_mib": json.loads(row.peak_memory_mib)}
 
 
 def _unix(dt: datetime) -> float:
@@ -961,7 +1007,11 @@ class Store:
         number of rows inserted. Non-finite loss/samples_per_s are stored as NULL.
 
         A row may carry `grad_norms`: one gradient norm per block (>= 0; a non-finite one is
-        stored as null in the list), or None."""
+        stored as null in the list), or None; `mfu`: model FLOPs utilisation as a fraction
+        (stored as NULL unless finite and >= 0), or None; `peak_memory_mib`: peak GPU memory
+        allocated per rank in MiB (index = rank; >= 0, a non-finite one null in the list), or
+        None. A negative norm or memory raises ValueError naming the row and field, and nothing
+        of the batch is stored."""
         try:
             parsed = _metric_rows.validate_python(list(rows))
         except ValidationError as err:
@@ -994,12 +1044,21 @@ class Store:
                     "lr": r.lr,
                     "time": _from_unix(r.time),
                     "grad_norms": None if r.grad_norms is None else json.dumps(r.grad_norms),
+                    "mfu": r.mfu,
+                    "peak_memory_mib": None
+                    if r.peak_memory_mib is None
+                    else json.dumps(r.peak_memory_mib),
                 }
                 for step, r in sorted(by_step.items())
                 if step not in existing
             ]
             ours = len(existing & tried)  # landed by a try whose acknowledgement was lost
             tried.update(row["step"] for row in new)
+            # The ORM leaves None columns out of a row's INSERT and batches runs of rows with
+            # the same columns: peak memory on every control_every_steps-th step only would
+            # split a drain into a statement per step or so. Rows with the same missing columns
+            # together (stable: step order within each) keep it to one per kind of row.
+            new.sort(key=lambda row: tuple(v is None for v in row.values()))
             if new:
                 s.execute(insert(Metric), new)
             return len(new) + ours
@@ -1009,7 +1068,9 @@ class Store:
     def metrics(self, job_id: str, last: int | None = None) -> list[dict[str, Any]]:
         """Training metrics ordered by step; `time` in unix seconds; `grad_norms` the per-block
         gradient norms (None where a norm was not finite), or None (not reported, or a row
-        stored before revision 0005). `last`: only the newest that many steps (a display that
+        stored before revision 0005); `mfu` (a fraction) and `peak_memory_mib` (per rank, MiB;
+        only on steps at control points) or None where unknown (the CPU, an older worker, a row
+        stored before revision 0006). `last`: only the newest that many steps (a display that
         needs the latest rate need not read a long job's every row)."""
         if last is not None and last < 1:
             raise ValueError(f"last must be >= 1 (or None for every row), got {last}")
@@ -1030,6 +1091,10 @@ class Store:
                     "lr": m.lr,
                     "time": _unix(m.time),
                     "grad_norms": None if m.grad_norms is None else json.loads(m.grad_norms),
+                    "mfu": m.mfu,
+                    "peak_memory_mib": None
+                    if m.peak_memory_mib is None
+                    else json.loads(m.peak_memory_mib),
                 }
                 for m in rows
             ]
@@ -1438,12 +1503,28 @@ class Store:
 
         return self._read("workers", tx)
 
+    def latest_peak_memory(self, job_id: str) -> dict[str, Any] | None:
+        """The newest per-rank peak GPU memory a step carried: `{"step", "peak_memory_mib"}`
+        (MiB, index = rank), or None where none of the newest `PEAK_LOOKBACK_STEPS` rows has one
+        (a CPU job, an older worker). Workers send it only at control points, so the newest
+        row rarely has it."""
+
+        def tx(s: Session) -> dict[str, Any] | None:
+            self._job(s, job_id)
+            return _latest_peak(s, job_id)
+
+        return self._read("latest_peak_memory", tx)
+
     # ---- summary
 
     def status(self, job_id: str) -> dict[str, Any]:
-        """A JSON-serialisable summary of one job (for the CLI and the dashboard header)."""
+        """A JSON-serialisable summary of one job (for the CLI and the dashboard header).
+        `mfu`: the newest step's model FLOPs utilisation (a fraction), `peak_memory_mib`: the
+        newest per-rank peak GPU memory in MiB (`latest_peak_memory`); None where unknown."""
 
-        def tx(s: Session) -> tuple[JobInfo, str | None, Checkpoint | None, Metric | None]:
+        def tx(
+            s: Session,
+        ) -> tuple[JobInfo, str | None, Checkpoint | None, Metric | None, dict[str, Any] | None]:
             row = self._job(s, job_id)
             layout_json = s.scalar(select(_current_layout_json(job_id)))
             job = JobInfo._from_row(row, layout_json)  # its boundary is that layout's
@@ -1456,9 +1537,9 @@ class Store:
             last = s.scalar(
                 select(Metric).where(Metric.job_id == job_id).order_by(Metric.step.desc()).limit(1)
             )
-            return job, layout_json, ckpt, last
+            return job, layout_json, ckpt, last, _latest_peak(s, job_id)
 
-        job, layout_json, ckpt, last = self._read("status", tx)
+        job, layout_json, ckpt, last, peak = self._read("status", tx)
         return {
             "id": job.id,
             "name": job.name,
@@ -1483,7 +1564,10 @@ class Store:
                 "samples_per_s": last.samples_per_s,
                 "lr": last.lr,
                 "time": _unix(last.time),
+                "mfu": last.mfu,
             },
+            "mfu": None if last is None else last.mfu,
+            "peak_memory_mib": None if peak is None else peak["peak_memory_mib"],
             "workdir": job.workdir,
             "created_at": job.created_at.isoformat(),
             "updated_at": job.updated_at.isoformat(),

@@ -183,6 +183,12 @@ class Metric(Base):
     # JSON list: one gradient norm per block, null where not finite (revision 0005; NULL on
     # rows written before it)
     grad_norms: Mapped[str | None] = mapped_column(Text)
+    # model FLOPs utilisation, a fraction; NULL where unknown (the CPU, older workers, rows
+    # written before revision 0006)
+    mfu: Mapped[float | None] = mapped_column(Float)
+    # JSON list: peak GPU memory allocated per rank in MiB (index = rank, null where a rank did
+    # not say); NULL on steps between control points, on the CPU and before revision 0006
+    peak_memory_mib: Mapped[str | None] = mapped_column(Text)
 
 
 class Evaluation(Base):

@@ -24,10 +24,19 @@ from trainer.cache import (
     ActivationCache,
     CachePolicy,
     FrozenPrefix,
+    choose_memory,
     decide_cache,
     measure_prefix_costs,
 )
-from trainer.models import build_model, num_tokens, stage_input_dtype, stage_input_shape
+from trainer.models import (
+    StageModule,
+    build_model,
+    build_stage,
+    empty_unit,
+    num_tokens,
+    stage_input_dtype,
+    stage_input_shape,
+)
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)
 pytestmark = pytest.mark.numerics
@@ -305,6 +314,119 @@ def test_a_cache_decides_for_its_own_directory_and_ram_share(tmp_path: Path) -> 
     assert decision.as_dict()["directory"] == str(tmp_path / "node-cache")
     # the scratch cache it measured with is removed afterwards
     assert not list((tmp_path / "node-cache").glob("cache-measure-*"))
+
+
+# -- precision, memory tiers, devices ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_are_float32_and_served_exactly_under_either_precision(
+    family: str, precision: str, tmp_path: Path
+) -> None:
+    spec = FAMILIES[family]
+    model = build_model(spec, seed=5).train()
+    prefix = FrozenPrefix.of(model, precision=precision)  # type: ignore[arg-type]
+    x = _inputs(spec)
+    boundary = 3
+    out = prefix.compute(x[:16], boundary)
+    assert prefix.precision == precision and out.dtype == torch.float32 and not out.requires_grad
+    # the same numbers as the model's own stage forward under that precision (eval, no_grad):
+    # the cached and the uncached path agree with what training would compute
+    blocks = {i: model.blocks[str(i)] for i in range(boundary)}
+    stage = StageModule(spec, 0, boundary, model.embed, blocks, precision=prefix.precision)
+    stage.eval()
+    with torch.no_grad():
+        assert torch.equal(out, stage(x[:16]))
+    model.train()
+    fp32 = FrozenPrefix.of(model).compute(x[:16], boundary)
+    if precision == "bf16":
+        assert not torch.equal(out, fp32)  # autocast ran: bfloat16 products round differently
+        assert torch.allclose(out, fp32, rtol=0.1, atol=0.1)
+        # rows made under one precision never serve the other: every level's key differs
+        fps, fps32 = prefix.fingerprints(boundary), FrozenPrefix.of(model).fingerprints(boundary)
+        assert all(a != b for a, b in zip(fps, fps32, strict=True))
+    else:
+        assert torch.equal(out, fp32)
+    batches = list(torch.randperm(N, generator=torch.Generator().manual_seed(7)).split(16))
+    with _cache(spec, tmp_path, rows_in_ram=N // 3) as cache:  # both tiers serve
+        cache.set_boundary(boundary, prefix.fingerprints(boundary))
+        for _ in range(2):  # computed and stored, then every row a hit; the same batches
+            for idx in batches:
+                served = cache.get_or_compute(idx, x[idx], prefix)
+                assert served.dtype == torch.float32
+                assert torch.equal(served, prefix.compute(x[idx], boundary))
+        s = cache.stats()
+        assert s.computed == N and s.hits == N and s.hits_ram and s.hits_disk
+    assert model.training and all(b.training for b in model.blocks.values())
+
+
+def test_choose_memory() -> None:
+    gib = 1 << 30
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # no CUDA needed to name one
+    assert choose_memory(cpu, gib, None) == "host"
+    assert choose_memory(cpu, gib, 100 * gib) == "host"  # the CPU never pins nor "devices"
+    assert choose_memory(cuda, gib, 2 * gib) == "device"  # fits in half the free memory
+    assert choose_memory("cuda:1", gib, 3 * gib) == "device"
+    assert choose_memory(cuda, gib + 1, 2 * gib) == "pinned"  # more than half
+    assert choose_memory(cuda, gib, None) == "pinned"  # free memory unknown
+
+
+def test_memory_argument_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="memory must be one of 'host', 'pinned', 'device'"):
+        ActivationCache(tmp_path, N, 4, 8, memory="gpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="memory='device' needs the device"):
+        ActivationCache(tmp_path, N, 4, 8, memory="device")
+    default = ActivationCache(tmp_path, N, 4, 8)
+    assert default.memory == "host" and default.device is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.parametrize("memory", ["pinned", "device"])
+def test_pinned_and_device_memory_need_cuda(memory: str, tmp_path: Path) -> None:
+    for device in ("cuda", None) if memory == "pinned" else ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match=rf"memory='{memory}' needs CUDA.*memory='host'"):
+            ActivationCache(tmp_path, N, 4, 8, memory=memory, device=device)  # type: ignore
+
+
+def test_device_memory_on_the_cpu_is_the_host_tier(tmp_path: Path) -> None:
+    spec = VIT
+    prefix = FrozenPrefix.of(build_model(spec, seed=0))
+    x = _inputs(spec)
+    cache = _cache(spec, tmp_path, rows_in_ram=N // 2, memory="device", device="cpu")
+    assert cache.memory == "host" and cache.tier_device == torch.device("cpu")
+    cache.set_boundary(2, prefix.fingerprints(2))
+    out = cache.get_or_compute(torch.arange(N), x, prefix)
+    assert out.device.type == "cpu" and torch.equal(out, prefix.compute(x, 2))
+    hits, values = cache.lookup(torch.arange(N))
+    assert hits.all() and values.device.type == "cpu" and torch.equal(values, out)
+    assert cache.stats().hits_ram == N // 2 and cache.stats().hits_disk == N // 2
+
+
+def test_prefix_of_meta_modules_reports_where_they_are_materialised() -> None:
+    # the trainer builds modules on the meta device and materialises them afterwards: a prefix
+    # made before that must follow the modules, not remember "meta"
+    spec = VIT
+    boundary = 3
+    with torch.device("meta"):
+        embed = empty_unit(spec, "embed")
+        blocks = {i: empty_unit(spec, f"blocks.{i}") for i in range(boundary)}
+        stage = StageModule(spec, 0, boundary, embed, blocks)
+    prefix = FrozenPrefix.of(stage)
+    assert prefix.device.type == "meta"
+    with pytest.raises(RuntimeError, match="meta device"):
+        prefix.fingerprints(boundary)  # no weights yet: nothing to fingerprint
+    reference = build_stage(spec, seed=3, start=0, end=boundary)
+    stage.to_empty(device="cpu")
+    stage.load_state_dict(reference.state_dict())
+    assert prefix.device == torch.device("cpu")
+    x = _inputs(spec, 16)
+    expected = FrozenPrefix.of(reference)
+    assert torch.equal(prefix.compute(x, boundary), expected.compute(x, boundary))
+    assert prefix.fingerprints(boundary) == expected.fingerprints(boundary)
+    # an embedding without parameters: the device is the lowest block's
+    bare = FrozenPrefix(torch.nn.Identity(), {1: blocks[1], 0: blocks[0]})
+    assert bare.device == torch.device("cpu")
 
 
 # -- two processes of one node sharing the cache directory ------------------------------------

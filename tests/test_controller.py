@@ -566,6 +566,30 @@ def test_worker_rows_follow_a_generation_from_assignment_to_its_end(ctrl, etcd, 
     ]
 
 
+def test_metrics_bring_mfu_and_peak_memory_to_the_store_and_the_progress(ctrl, etcd, store) -> None:
+    _join(etcd, 2, ["a:1", "b:2"])
+    g = ctrl.answer_join().generation
+    _metrics(etcd, g, 1, 1, mfu=0.41, peak_memory_mib=[12288.0, 9216.5])  # a control point
+    _metrics(etcd, g, 1, 2, mfu=0.43)  # between control points: no peaks
+    ctrl.drain()
+    assert [(m["mfu"], m["peak_memory_mib"]) for m in store.metrics("job-ft")] == [
+        (0.41, [12288.0, 9216.5]),
+        (0.43, None),
+    ]
+    p = ctrl.progress
+    assert (p.step, p.mfu, p.peak_memory_mib) == (2, 0.43, [12288.0, 9216.5])  # peaks kept
+
+    _metrics(etcd, g, 1, 3, peak_memory_mib=[13000.0, None])  # no MFU (e.g. an unknown peak)
+    _metrics(etcd, g, 1, 4)  # a worker that reports neither
+    ctrl.drain()
+    assert [(m["mfu"], m["peak_memory_mib"]) for m in store.metrics("job-ft")][2:] == [
+        (None, [13000.0, None]),
+        (None, None),
+    ]
+    assert (p.step, p.mfu, p.peak_memory_mib) == (4, None, [13000.0, None])
+    assert store.status("job-ft")["peak_memory_mib"] == [13000.0, None]
+
+
 def test_a_failed_rank_keeps_its_error_and_gets_its_exit_status(ctrl, etcd, store) -> None:
     request = JoinRequest(id="r1", world=2, nodes=["a:1", "b:2"], pids=[100, 101])
     etcd.put(keys.join("job-ft"), request.model_dump_json())

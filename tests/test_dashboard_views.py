@@ -6,6 +6,7 @@ import yaml
 
 from dashboard.views import (
     FREEZE_REQUEST_KINDS,
+    device_use,
     event_rows,
     exit_text,
     fmt_ago,
@@ -200,3 +201,16 @@ def test_spec_yaml_round_trips() -> None:
     text = spec_yaml(spec)
     assert parse_spec(yaml.safe_load(text)) == spec
     assert text.startswith("name: x")
+
+
+def test_device_use_in_the_header_only_when_known() -> None:
+    cpu = [{"step": s, "samples_per_s": 10.0, "mfu": None} for s in range(3)]
+    assert device_use(cpu, None) == []  # a CPU run: the header is as it was
+    assert device_use([{"step": 1}], [None, None]) == []  # older rows; no rank said
+    gpu = [{"step": 1, "mfu": 0.40}, {"step": 2, "mfu": None}, {"step": 3, "mfu": 0.424}]
+    assert device_use(gpu, [11000.0, 12595.2]) == [
+        ("MFU", "41.2 %"),  # over the recent window, like the header's samples/s
+        ("Peak GPU memory", "12.3 GiB (rank 1)"),
+    ]
+    assert device_use(cpu, [2048.0]) == [("Peak GPU memory", "2.0 GiB (rank 0)")]
+    assert device_use(gpu, None) == [("MFU", "41.2 %")]

@@ -17,10 +17,13 @@ from dashboard.figures import (
     compare_figure,
     freeze_figure,
     grad_norm_figure,
+    has_values,
     layout_figure,
     layout_history_figure,
     loss_figure,
     lr_figure,
+    mfu_figure,
+    peak_memory_figure,
     smooth,
     stage_color,
     throughput_figure,
@@ -77,6 +80,11 @@ def norms(step: int) -> list[float | None]:
     return out
 
 
+def peaks(step: int) -> list[float | None] | None:
+    # MiB per rank, at control points only (every 5th step), as a GPU worker reports them
+    return [1024.0 * step, 2048.0 * step] if step % 5 == 0 else None
+
+
 METRICS = [
     {
         "step": s,
@@ -86,6 +94,8 @@ METRICS = [
         "lr": 1e-3,
         "time": step_time(s),
         "grad_norms": norms(s),
+        "mfu": 0.3 + 0.01 * (s % 5),
+        "peak_memory_mib": peaks(s),
     }
     for s in range(1, 36)
 ]
@@ -350,6 +360,64 @@ def test_throughput_figure_smoothed() -> None:
     assert all(0 < v < 4000 for v in smoothed.y[1:4])
 
 
+# ---- device use: MFU and peak GPU memory (GPU runs only) ----------------------------------------
+
+
+def test_has_values_tells_a_gpu_run_from_a_cpu_run() -> None:
+    assert has_values(METRICS, "mfu") and has_values(METRICS, "peak_memory_mib")
+    assert not has_values(SMALL, "mfu") and not has_values(SMALL, "peak_memory_mib")
+    assert not has_values([dict(SMALL[0], mfu=None)], "mfu") and not has_values([], "mfu")
+
+
+def test_mfu_figure_in_percent() -> None:
+    rows = [dict(r, mfu=v) for r, v in zip(SMALL, [0.4, 0.42, None, 0.41, 0.4, 0.43], strict=True)]
+    fig = mfu_figure(rows)
+    assert len(fig.data) == 1
+    assert list(fig.data[0].x) == [1, 2, 3, 4, 5, 6]
+    assert list(fig.data[0].y) == [0.4, 0.42, None, 0.41, 0.4, 0.43]  # fractions, a gap
+    assert fig.layout.yaxis.tickformat == ".0%" and fig.layout.yaxis.rangemode == "tozero"
+    assert (fig.layout.title.text, fig.layout.yaxis.title.text) == (
+        "Model FLOPs utilisation",
+        "MFU",
+    )
+    assert "%{y:.1%}" in fig.data[0].hovertemplate
+    raw, smoothed = mfu_figure(rows, smoothing=0.5).data
+    assert raw.opacity < 1 and smoothed.connectgaps
+    assert smoothed.y[2] is None and 0.4 <= smoothed.y[3] <= 0.42
+
+
+def test_mfu_figure_of_a_cpu_run_is_empty() -> None:
+    fig = mfu_figure(SMALL)  # rows without mfu: nothing measured
+    assert len(fig.data) == 0 and notes(fig) == [EMPTY_TEXT]
+
+
+def test_peak_memory_figure_one_line_per_rank_in_gib() -> None:
+    fig = peak_memory_figure(METRICS)
+    assert [t.name for t in fig.data] == ["rank 0", "rank 1"]
+    r0, r1 = fig.data
+    # only the steps that carried peaks (control points), MiB -> GiB
+    assert list(r0.x) == list(r1.x) == [5, 10, 15, 20, 25, 30, 35]
+    assert list(r0.y) == [float(s) for s in (5, 10, 15, 20, 25, 30, 35)]
+    assert list(r1.y) == [2.0 * s for s in (5, 10, 15, 20, 25, 30, 35)]
+    assert r0.line.color != r1.line.color
+    assert fig.layout.yaxis.title.text == "GiB" and fig.layout.yaxis.rangemode == "tozero"
+    assert "GiB" in r0.hovertemplate and r0.customdata[0] == [5, 0]
+
+
+def test_peak_memory_figure_keeps_gaps_for_ranks_that_did_not_say() -> None:
+    rows = [
+        dict(SMALL[0], peak_memory_mib=[1024.0, None, 3072.0]),
+        dict(SMALL[1], peak_memory_mib=None),  # between control points: skipped
+        dict(SMALL[2], peak_memory_mib=[2048.0]),  # a smaller world
+        dict(SMALL[3], peak_memory_mib=[None, None, float("nan")]),
+    ]
+    fig = peak_memory_figure(rows)
+    assert [t.name for t in fig.data] == ["rank 0", "rank 2"]  # rank 1 never said
+    assert [list(t.x) for t in fig.data] == [[1, 3, 4], [1, 3, 4]]
+    assert [list(t.y) for t in fig.data] == [[1.0, 2.0, None], [3.0, None, None]]
+    assert notes(peak_memory_figure([dict(SMALL[0], peak_memory_mib=[None])])) == [EMPTY_TEXT]
+
+
 def test_accuracy_figure_with_target() -> None:
     fig = accuracy_figure(SMALL_EVALS, target=0.9)
     assert len(fig.data) == 1
@@ -375,7 +443,9 @@ def time_builders() -> list:
         lambda x, tl: accuracy_figure(EVALS, 0.9, x=x, timeline=tl),
         lambda x, tl: lr_figure(METRICS, x=x, timeline=tl),
         lambda x, tl: freeze_figure(LAYOUTS, METRICS, x=x, timeline=tl),
-        lambda x, tl: grad_norm_figure(METRICS, LAYOUTS, x=x),
+        lambda x, tl: mfu_figure(METRICS, x=x, smoothing=0.6, timeline=tl),
+        lambda x, tl: peak_memory_figure(METRICS, x=x, timeline=tl),
+        lambda x, tl: grad_norm_figure(METRICS, LAYOUTS, x=x),  # no timeline: the last
     ]
 
 
@@ -410,7 +480,7 @@ def test_every_figure_fits_800_px() -> None:
         assert fig.layout.height <= 600
 
 
-@pytest.mark.parametrize("build", time_builders()[:5])
+@pytest.mark.parametrize("build", time_builders()[:-1])
 def test_series_figures_draw_the_timeline(build) -> None:
     step = build("step", TIMELINE)
     assert len(rects(step)) == 3 and len(lines(step)) == 2
@@ -427,7 +497,10 @@ def test_loss_figure_on_the_time_axis() -> None:
     assert loss.customdata[0] == [1, 0]  # step and epoch stay in the hover
 
 
-@pytest.mark.parametrize("build", [loss_figure, lr_figure, freeze_figure, grad_norm_figure])
+@pytest.mark.parametrize(
+    "build",
+    [loss_figure, lr_figure, freeze_figure, grad_norm_figure, mfu_figure, peak_memory_figure],
+)
 def test_unknown_axis_is_refused(build) -> None:
     with pytest.raises(ValueError, match="x must be"):
         build(METRICS if build is not freeze_figure else LAYOUTS, x="epoch")
@@ -638,6 +711,8 @@ def test_compare_figure_smooths_each_job() -> None:
         lr_figure,
         freeze_figure,
         grad_norm_figure,
+        mfu_figure,
+        peak_memory_figure,
         layout_history_figure,
         lambda rows: compare_figure({}, "loss", title="Loss"),
         lambda rows: compare_figure({"a": rows}, "loss", x="time", title="Loss"),

@@ -195,7 +195,9 @@ def test_small_bert_learns_synthetic_text() -> None:
     model = build_model(spec, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(4):
+    # 6 epochs: the task has a sudden transition whose epoch depends on the initial draw (4
+    # epochs reached it for seeds 1-3 but not 0 under per-unit seeding; 6 did for seeds 0-3)
+    for _ in range(6):
         order = torch.randperm(len(data.train), generator=gen)
         for idx in order.split(64):
             loss = nn.functional.cross_entropy(

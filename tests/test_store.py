@@ -105,7 +105,7 @@ def tables(url: str) -> set[str]:
 
 
 def test_head_is_the_newest_revision() -> None:
-    assert HEAD == "0005"
+    assert HEAD == "0006"
 
 
 def test_upgrade_empty_database_to_head(db_url: str, store_backend: str) -> None:
@@ -263,7 +263,7 @@ def test_0005_adds_grad_norms_and_the_workers_table(db_url: str) -> None:
         assert "workers" not in tables(db_url)
 
         s.migrate()
-        assert s.revision() == HEAD == "0005"
+        assert s.revision() == HEAD
         assert "grad_norms" in columns(db_url, "metrics") and "workers" in tables(db_url)
         assert [(m["step"], m["loss"], m["grad_norms"]) for m in s.metrics("old")] == [
             (1, 0.5, None)  # an old row reads back without norms
@@ -286,6 +286,51 @@ def test_0005_adds_grad_norms_and_the_workers_table(db_url: str) -> None:
         s.migrate()  # and up again: the dropped norms are gone, the rows are not
         assert [m["grad_norms"] for m in s.metrics("old")] == [None, None]
         assert s.workers("old") == []
+    command.check(alembic_config(url=db_url))
+
+
+def test_0006_adds_mfu_and_peak_memory(db_url: str) -> None:
+    # At 0005: a metrics row with its gradient norms (written by hand: today's Store reads and
+    # writes the new columns); upgrading keeps it, with both new columns NULL.
+    with Store.open(db_url, migrate=False) as s:
+        s.migrate("0005")
+        s.create_job("old", spec(), "/w")
+        with s._engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO metrics "
+                    "(job_id, step, epoch, loss, samples_per_s, lr, time, grad_norms) "
+                    "VALUES ('old', 1, 0, 0.5, 10.0, 0.001, :t, '[0.5, null]')"
+                ),
+                {"t": store_module._from_unix(1_700_000_001.0)},
+            )
+        assert "mfu" not in columns(db_url, "metrics")
+
+        s.migrate()
+        assert s.revision() == HEAD == "0006"
+        assert {"mfu", "peak_memory_mib"} <= columns(db_url, "metrics")
+        assert [
+            (m["step"], m["loss"], m["grad_norms"], m["mfu"], m["peak_memory_mib"])
+            for m in s.metrics("old")
+        ] == [(1, 0.5, [0.5, None], None, None)]  # an old row: nothing measured
+        assert (s.status("old")["mfu"], s.status("old")["peak_memory_mib"]) == (None, None)
+        s.add_metrics("old", [metric(2) | {"mfu": 0.41, "peak_memory_mib": [1024.0, 2048.0]}])
+        assert [(m["mfu"], m["peak_memory_mib"]) for m in s.metrics("old")] == [
+            (None, None),
+            (0.41, [1024.0, 2048.0]),
+        ]
+
+        # Downgrade drops both columns; the rows and their norms stay.
+        command.downgrade(alembic_config(url=db_url), "0005")
+        assert s.revision() == "0005"
+        assert not {"mfu", "peak_memory_mib"} & columns(db_url, "metrics")
+        with s._engine.connect() as conn:
+            assert conn.execute(
+                text("SELECT step, grad_norms FROM metrics ORDER BY step")
+            ).all() == [(1, "[0.5, null]"), (2, None)]
+
+        s.migrate()  # and up again: the dropped values are gone, the rows are not
+        assert [(m["mfu"], m["peak_memory_mib"]) for m in s.metrics("old")] == [(None, None)] * 2
     command.check(alembic_config(url=db_url))
 
 
@@ -578,7 +623,8 @@ def test_metrics_round_trip_and_idempotence(store: Store) -> None:
     rows = store.metrics("j")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[2]["loss"] == 1.0  # the first write of step 3 stands
-    assert rows[0] == metric(1) | {"grad_norms": None}  # none reported
+    # none reported
+    assert rows[0] == metric(1) | {"grad_norms": None, "mfu": None, "peak_memory_mib": None}
     assert store.add_metrics("j", []) == 0
     # the newest few, still in step order; the same rows as the tail of the whole list
     assert store.metrics("j", last=2) == rows[-2:]
@@ -630,6 +676,96 @@ def test_bad_grad_norms_name_the_field_and_write_nothing(
     with pytest.raises(ValueError, match=problem):
         store.add_metrics("j", [metric(1), metric(2) | {"grad_norms": norms}])
     assert store.metrics("j") == []
+
+
+def test_metrics_carry_mfu_and_per_rank_peak_memory(store: Store) -> None:
+    store.create_job("j", spec(), "/w")
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        metric(1) | {"mfu": 0.412, "peak_memory_mib": [12288.0, 11000.5, None]},
+        metric(2) | {"mfu": 0.0, "peak_memory_mib": None},  # between control points
+        metric(3) | {"mfu": nan, "peak_memory_mib": [nan, inf, 0.0]},  # not finite: null
+        metric(4) | {"mfu": -0.1},  # not a utilisation: unknown rather than wrong
+        metric(5) | {"mfu": inf, "peak_memory_mib": []},
+        metric(6),  # an older worker (or the CPU): neither
+    ]
+    assert store.add_metrics("j", rows) == 6
+    assert [(r["mfu"], r["peak_memory_mib"]) for r in store.metrics("j")] == [
+        (0.412, [12288.0, 11000.5, None]),
+        (0.0, None),
+        (None, [None, None, 0.0]),
+        (None, None),
+        (None, []),
+        (None, None),
+    ]
+    assert json.loads(json.dumps(store.metrics("j"))) == store.metrics("j")  # strict JSON
+
+
+@pytest.mark.parametrize(
+    "update, problem",
+    [
+        (
+            {"peak_memory_mib": [1.0, -2.0]},
+            r"rows\[1\]\.peak_memory_mib: .*peak_memory_mib\[1\] .*negative",
+        ),
+        ({"peak_memory_mib": ["lots"]}, r"rows\[1\]\.peak_memory_mib\.0"),
+        ({"peak_memory_mib": 512.0}, r"rows\[1\]\.peak_memory_mib"),
+        ({"mfu": "high"}, r"rows\[1\]\.mfu"),
+        ({"mfu": [0.4]}, r"rows\[1\]\.mfu"),
+    ],
+)
+def test_bad_mfu_or_peak_memory_names_the_field_and_writes_nothing(
+    store: Store, update: dict, problem: str
+) -> None:
+    store.create_job("j", spec(), "/w")
+    with pytest.raises(ValueError, match=problem):
+        store.add_metrics("j", [metric(1), metric(2) | update])
+    assert store.metrics("j") == []
+
+
+def test_latest_peak_memory_is_the_newest_step_that_carried_one(store: Store) -> None:
+    store.create_job("j", spec(), "/w")
+    assert store.latest_peak_memory("j") is None  # no metrics yet
+    store.add_metrics("j", [metric(s) for s in (1, 2)])  # the CPU: never any
+    assert store.latest_peak_memory("j") is None
+    status = store.status("j")
+    assert (status["mfu"], status["peak_memory_mib"], status["last_metrics"]["mfu"]) == (
+        None,
+        None,
+        None,
+    )
+    store.add_metrics(
+        "j",
+        [
+            metric(3) | {"mfu": 0.3, "peak_memory_mib": [100.0, 200.0]},
+            metric(4) | {"mfu": 0.35, "peak_memory_mib": [150.0, None]},  # a control point
+            metric(5) | {"mfu": 0.4},  # between control points: no peaks
+        ],
+    )
+    assert store.latest_peak_memory("j") == {"step": 4, "peak_memory_mib": [150.0, None]}
+    status = store.status("j")
+    assert json.loads(json.dumps(status)) == status
+    assert (status["mfu"], status["peak_memory_mib"], status["last_metrics"]["mfu"]) == (
+        0.4,  # the newest step's
+        [150.0, None],  # the newest list, from an earlier step
+        0.4,
+    )
+    with pytest.raises(UnknownJob):
+        store.latest_peak_memory("nope")
+
+
+def test_latest_peak_memory_looks_back_a_bounded_number_of_rows(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A job that stopped reporting peaks long ago (or never did) is not scanned row by row.
+    monkeypatch.setattr(store_module, "PEAK_LOOKBACK_STEPS", 3)
+    store.create_job("j", spec(), "/w")
+    store.add_metrics("j", [metric(1) | {"peak_memory_mib": [1.0]}])
+    store.add_metrics("j", [metric(s) for s in (2, 3)])
+    assert store.latest_peak_memory("j") == {"step": 1, "peak_memory_mib": [1.0]}
+    store.add_metrics("j", [metric(4)])
+    assert store.latest_peak_memory("j") is None
+    assert store.status("j")["peak_memory_mib"] is None
 
 
 def test_bad_metrics_batch_writes_nothing(store: Store) -> None:

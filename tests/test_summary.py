@@ -1,22 +1,31 @@
 """The end-of-run summary's layout history (orchestrator/summary.py): when each layout version
 took effect, samples/s before and after, and what the re-layouts bought, on hand-built data and
-on a hand-built SQLite store."""
+on a hand-built SQLite store; and how device use (MFU, peak GPU memory) reads in the progress
+lines and `pipetransformer status`."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from orchestrator.cli import main
+from orchestrator.controller import Progress
+from orchestrator.progress import _fmt
 from orchestrator.spec import JobSpec
-from orchestrator.store import Store
+from orchestrator.store import Store, sqlite_url
 from orchestrator.summary import (
     bought_line,
     effective_steps,
     history_from_store,
     history_table,
+    largest_peak,
     layout_history,
+    mfu_text,
+    peak_memory_text,
     short_reason,
     what_it_bought,
 )
@@ -258,3 +267,80 @@ def test_the_cache_line_says_what_autocache_decided_at_the_newest_boundary() -> 
     assert "on 2 of 2 rank(s)" in line and "recompute 2.00 ms vs cache 0.50 ms" in line
     line = cache_line([decided(0, 3, False, 1.0)])
     assert line is not None and "recomputed the frozen blocks" in line
+
+
+# ---- device use: MFU and peak GPU memory in the progress lines and `pipetransformer status`
+
+
+def test_mfu_and_peak_memory_texts() -> None:
+    assert mfu_text(0.412) == "41.2 %"
+    assert mfu_text(0.0) == "0.0 %"
+    assert mfu_text(None) is None and mfu_text(float("nan")) is None
+    assert largest_peak([12.0, None, 30.0, 30.0]) == (2, 30.0)  # a tie: the lowest rank
+    assert largest_peak([None, None]) is None and largest_peak([]) is None
+    assert largest_peak(None) is None
+    assert peak_memory_text([1024.0, 12595.2, None]) == "12.3 GiB (rank 1)"
+    assert peak_memory_text([512.0]) == "0.5 GiB (rank 0)"
+    assert peak_memory_text([None]) is None and peak_memory_text(None) is None
+
+
+def test_progress_lines_show_mfu_and_peak_memory_only_when_known() -> None:
+    layout = two_stage_layout(1, 0)
+    cpu = Progress(step=5, epoch=0, total_steps=10, loss=0.5, samples_per_s=1234.0)
+    # exactly the line a CPU run printed before workers measured anything
+    assert (
+        _fmt(cpu, layout)
+        == f"epoch 0  step 5/10  loss 0.5000  1,234 samples/s  layout {layout.short}"
+    )
+    gpu = Progress(
+        step=5,
+        epoch=0,
+        total_steps=10,
+        loss=0.5,
+        samples_per_s=1234.0,
+        mfu=0.412,
+        peak_memory_mib=[11000.0, 9000.0, 12595.2, None],
+    )
+    assert _fmt(gpu, layout) == (
+        "epoch 0  step 5/10  loss 0.5000  1,234 samples/s  MFU 41.2 %  "
+        f"peak 12.3 GiB (rank 2)  layout {layout.short}"
+    )
+    line = _fmt(Progress(step=5, epoch=0, peak_memory_mib=[2048.0]), layout)  # no MFU known
+    assert "MFU" not in line and "peak 2.0 GiB (rank 0)" in line
+
+
+def _status(url: str, *args: str, capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["status", "--db", url, *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_status_shows_mfu_and_peak_memory_only_when_known(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = sqlite_url(tmp_path / "store.db")
+    with Store.open(url) as store:
+        for job in ("cpu", "gpu"):
+            store.create_job(job, JobSpec(name=job), str(tmp_path))
+        row = {"epoch": 0, "loss": 1.0, "samples_per_s": 10.0, "lr": 1e-3}
+        store.add_metrics("cpu", [row | {"step": 1, "time": T0 + 1}])
+        store.add_metrics(
+            "gpu",
+            [
+                row | {"step": 1, "time": T0 + 1, "mfu": 0.4, "peak_memory_mib": [1024.0, 3174.4]},
+                row | {"step": 2, "time": T0 + 2, "mfu": 0.412},  # between control points
+            ],
+        )
+
+    out = _status(url, "gpu", capsys=capsys)
+    assert "41.2 %" in out and "3.1 GiB (rank 1)" in out
+    assert [line.split()[0] for line in out.splitlines() if "%" in line or "GiB" in line] == [
+        "mfu",
+        "peak",
+    ]
+    status = json.loads(_status(url, "gpu", "--json", capsys=capsys))
+    assert (status["mfu"], status["peak_memory_mib"]) == (0.412, [1024.0, 3174.4])
+
+    out = _status(url, "cpu", capsys=capsys)
+    assert "mfu" not in out and "peak" not in out and "GiB" not in out
+    status = json.loads(_status(url, "cpu", "--json", capsys=capsys))
+    assert (status["mfu"], status["peak_memory_mib"]) == (None, None)

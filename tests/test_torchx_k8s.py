@@ -209,6 +209,10 @@ def test_torchx_kubernetes_dryrun_of_every_example(example: Path) -> None:
     job = yaml.safe_load(request)
     assert job["kind"] == "Job" and job["spec"]["queue"] == QUEUE
     assert {t["name"].rsplit("-", 1)[0] for t in job["spec"]["tasks"]} == {"controller", "trainer"}
+    gpus = {
+        container(t)["resources"]["limits"].get("nvidia.com/gpu") for t in tasks(job, "trainer")
+    }
+    assert gpus == ({str(nproc)} if spec.runtime.device == "cuda" else {None}), gpus
 
 
 def test_trainer_overlay_places_trainers_on_gpu_nodes(tmp_path: Path) -> None:
@@ -231,3 +235,35 @@ def test_trainer_overlay_places_trainers_on_gpu_nodes(tmp_path: Path) -> None:
     bad.write_text("metadata: {}\nspec: {}\n")
     with pytest.raises(ComponentArgError, match="one key, `spec`"):
         train(spec=spec, image=IMAGE, etcd="etcd:2379", trainer_overlay=str(bad))
+
+
+def test_cuda_trainers_request_one_gpu_per_worker(tmp_path: Path) -> None:
+    spec = yaml.safe_load((REPO / "examples" / "vit-digits.yaml").read_text())
+    spec["parallel"].update({"stages": 2, "replicas": 2})
+    spec["runtime"] = {**spec.get("runtime", {}), "device": "cuda", "nodes": 2}
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    overlay = REPO / "k8s" / "overlays" / "gpu" / "pod-overlay.yaml"
+    app = train(
+        spec=str(path),
+        image=IMAGE,
+        etcd="etcd:2379",
+        nnodes=2,
+        nproc_per_node=2,
+        trainer_overlay=str(overlay),
+    )
+    job = volcano_job(app)
+    for task in tasks(job, "trainer"):
+        res = container(task)["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == "2", res
+    (ctl,) = tasks(job, "controller")
+    assert "nvidia.com/gpu" not in container(ctl)["resources"].get("limits", {})
+    schemas = pytest.importorskip("tests.k8s_schemas", reason="schema helpers not present")
+    schemas.validate_object(job)
+    # a CPU (or auto) spec requests none unless asked; asking for fewer GPUs than workers fails
+    cpu = volcano_job(train(spec=str(REPO / "examples" / "vit-digits.yaml"), image=IMAGE,
+                            etcd="etcd:2379"))  # fmt: skip
+    for task in tasks(cpu, "trainer"):
+        assert "nvidia.com/gpu" not in container(task)["resources"].get("limits", {})
+    with pytest.raises(ComponentArgError, match="gpu=1"):
+        train(spec=str(path), image=IMAGE, etcd="etcd:2379", nnodes=2, nproc_per_node=2, gpu=1)

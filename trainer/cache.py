@@ -6,16 +6,28 @@ recomputing them every epoch. Frozen layers then stop costing forward time as we
 
 Pieces:
 
-- `FrozenPrefix` runs the frozen part forward-only (eval mode, no autograd) and fingerprints its
-  weights. The worker must run its frozen blocks through it on the cached *and* the uncached path,
-  so that both give the same numbers (eval mode: no dropout).
+- `FrozenPrefix` runs the frozen part forward-only (eval mode, no autograd, under the model's
+  `autocast(device, precision)`) and fingerprints its weights and precision. Its output is float32
+  under either precision (bf16 autocast computes the matrix products in bfloat16; the residual
+  stream and the cached rows stay float32). The worker must run its frozen blocks through it on
+  the cached *and* the uncached path, so that both give the same numbers (eval mode: no dropout;
+  the same precision). Its device is read from the modules' parameters at each call, so a prefix
+  built on meta-device modules follows them to where `to_empty` materialises them.
 - `ActivationCache` stores one row `[tokens, dim]` per training sample (keyed by the sample's index
-  in the train split) for the current boundary F: a RAM tier (a preallocated tensor holding rows
-  0 .. ram_rows-1, bounded by `ram_bytes`) over preallocated memory-mapped files on a node-local
-  path (one file of rows and one of present flags per boundary), which the processes of a node
-  share. `get_or_compute` serves a batch: hits from the cache, misses advanced incrementally from
-  the previous boundary's cached rows when they exist (running only blocks [F_old, F)), otherwise
-  computed from the inputs; misses are stored.
+  in the train split) for the current boundary F: a memory tier (a preallocated tensor holding
+  rows 0 .. ram_rows-1, bounded by `ram_bytes`) over preallocated memory-mapped files on a
+  node-local path (one file of rows and one of present flags per boundary), which the processes
+  of a node share. `get_or_compute` serves a batch: hits from the cache, misses advanced
+  incrementally from the previous boundary's cached rows when they exist (running only blocks
+  [F_old, F)), otherwise computed from the inputs; misses are stored.
+- The memory tier (`memory=`, picked by `choose_memory`) lives in pageable host memory (`host`,
+  the default and the only choice without CUDA), in pinned host memory (`pinned`: rows are
+  gathered into fresh pinned staging tensors and copied to the GPU with `non_blocking=True`; the
+  caching host allocator records the copy's stream, so a staging block is reused only after its
+  copy) or on the GPU itself (`device`: a hit is a gather on the device, no host copy; files are
+  still written through from the host). The bookkeeping (which rows are present) is on the host
+  in every mode. Files are always host memory; their rows reach a GPU through pinned staging in
+  the `pinned` and `device` modes.
 - `CachePolicy` / `decide_cache` / `measure_prefix_costs`: the cache is used only where it is
   cheaper than recomputation, measured on the machine, and never with data augmentation.
 
@@ -31,14 +43,16 @@ recomputing it):
   augmented view forever: with augmentation the cache must be off (`CachePolicy` enforces it; the
   job spec exposes `cache: off | auto | on`, and augmentation forces `off`).
 - Rows are keyed by the boundary F and a fingerprint of the frozen weights (embedding + blocks
-  [0, F), see `FrozenPrefix.fingerprints`), the data shape and the boot id of the machine. A job
-  resumed from a checkpoint whose frozen weights differ (e.g. it froze again at another step) gets
-  a fresh level instead of stale rows; a machine that rebooted (rows possibly torn by the crash)
-  never reuses its files.
-- Bit-exactness: on CPU (same dtype, eval mode, no_grad) the prefix's output for a sample does not
-  depend on which other samples share its batch, so the cached row is bit-identical to
-  recomputing it in any batch (tests/test_cache.py checks this for both model families). On GPUs,
-  kernels may pick batch-size-dependent algorithms; there it is equal within float rounding.
+  [0, F), see `FrozenPrefix.fingerprints`) and of the precision, the data shape and the boot id
+  of the machine. A job resumed from a checkpoint whose frozen weights differ (e.g. it froze again
+  at another step) or that runs in another precision gets a fresh level instead of stale rows; a
+  machine that rebooted (rows possibly torn by the crash) never reuses its files.
+- Bit-exactness: a hit returns the stored bits in every memory mode. On CPU (same dtype, eval
+  mode, no_grad) recomputing a batch gives the same bits, so a cached row equals recomputing it
+  (tests/test_cache.py checks this for both model families and both precisions; across batch
+  sizes, float results can differ in the last bits, see the tests). On GPUs, kernels may pick
+  batch-size-dependent algorithms; there it is equal within float rounding (bf16: within bfloat16
+  rounding; tests/test_cuda_cache.py).
 - Incremental advance is exact by construction: blocks [F_old, F_new) applied to the cached
   output of [0, F_old) perform the same operations on the same values as computing [0, F_new).
 
@@ -57,9 +71,9 @@ Concurrency (several processes of one node, e.g. the first-stage ranks of severa
 - `set_boundary` must be called with the same arguments by every process at the same step (the
   freeze decision is broadcast). It removes files of older levels; processes that still map them
   keep valid mappings (POSIX unlink semantics).
-- Process crash mid-store: the flag is not set, the row is simply recomputed. The RAM tier is
-  per process; in the default `shared=True` mode every row is also written through to the files,
-  so other processes (and this one after a restart) see it.
+- Process crash mid-store: the flag is not set, the row is simply recomputed. The memory tier is
+  per process (host or device memory); in the default `shared=True` mode every row is also
+  written through to the files, so other processes (and this one after a restart) see it.
 """
 
 from __future__ import annotations
@@ -85,12 +99,14 @@ import torch
 from torch import nn
 
 from orchestrator.spec import ModelSpec
+from trainer.models import Precision, autocast, num_tokens
 from trainer.profile import synchronize
 
 CacheMode = Literal["off", "auto", "on"]
 Indices = torch.Tensor | np.ndarray | Sequence[int]
 
 _FILE_PREFIX = "prefix-F"
+DEFAULT_RAM_BYTES = 256 << 20  # the memory tier's default budget per process
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,23 +126,47 @@ class FrozenPrefix:
     """Forward-only runner over a model's embedding and its blocks (`blocks.<i>`).
 
     Runs in eval mode (no dropout; each module's train/eval flag is restored afterwards) under
-    `torch.no_grad()`, so outputs carry no autograd history and are deterministic. Only blocks
-    below the boundary asked for are touched. Inputs are moved to the embedding's device."""
+    `torch.no_grad()` and `autocast(device, precision)` (trainer.models: bfloat16 matrix products
+    for `bf16`, as `StageModule` runs them), so outputs carry no autograd history, are
+    deterministic and are float32 under either precision. Only blocks below the boundary asked
+    for are touched. Inputs are moved to `device`: where the embedding's parameters are now (read
+    at each call, not at construction: modules built on the meta device and materialised later
+    with `to_empty(device=...)` report their real device)."""
 
-    def __init__(self, embed: nn.Module, blocks: Mapping[int, nn.Module] | Mapping[str, nn.Module]):
+    def __init__(
+        self,
+        embed: nn.Module,
+        blocks: Mapping[int, nn.Module] | Mapping[str, nn.Module],
+        *,
+        precision: Precision = "fp32",
+    ):
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16 (got {precision!r})")
         self.embed = embed
         self.blocks = {int(k): m for k, m in blocks.items()}
-        first = next(iter(embed.parameters()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self.precision: Precision = precision
         self._digests: dict[tuple, str] = {}
 
     @classmethod
-    def of(cls, model: nn.Module) -> FrozenPrefix:
+    def of(cls, model: nn.Module, *, precision: Precision | None = None) -> FrozenPrefix:
         """From a module with `.embed` and `.blocks` (e.g. `build_model(...)` or the first
-        `StageModule` holding the frozen blocks)."""
+        `StageModule` holding the frozen blocks). `precision` defaults to the module's own
+        (`StageModule.precision`), else fp32."""
         if getattr(model, "embed", None) is None:
             raise ValueError("the frozen prefix needs the embedding (the model's first stage)")
-        return cls(model.embed, model.blocks)
+        if precision is None:
+            precision = getattr(model, "precision", "fp32")
+        return cls(model.embed, model.blocks, precision=precision)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the embedding's first parameter (of the lowest block's when the
+        embedding has none; the CPU when neither has any)."""
+        for module in (self.embed, *(self.blocks[i] for i in sorted(self.blocks))):
+            first = next(iter(module.parameters()), None)
+            if first is not None:
+                return first.device
+        return torch.device("cpu")
 
     def _check(self, start: int, end: int) -> None:
         missing = [i for i in range(start, end) if i not in self.blocks]
@@ -134,46 +174,56 @@ class FrozenPrefix:
             raise ValueError(f"frozen prefix does not hold blocks {missing}")
 
     @contextmanager
-    def _frozen(self, modules: list[nn.Module]) -> Iterator[None]:
+    def _frozen(self, modules: list[nn.Module], device: torch.device) -> Iterator[None]:
         modes = [m.training for m in modules]
         for m in modules:
             m.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), autocast(device, self.precision):
                 yield
         finally:
             for m, mode in zip(modules, modes, strict=True):
                 m.train(mode)
 
     def compute(self, inputs: torch.Tensor, boundary: int) -> torch.Tensor:
-        """Embedding + blocks [0, boundary) on `inputs` (a batch)."""
+        """Embedding + blocks [0, boundary) on `inputs` (a batch); float32."""
         self._check(0, boundary)
         blocks = [self.blocks[i] for i in range(boundary)]
-        with self._frozen([self.embed, *blocks]):
-            x = self.embed(inputs.to(self.device))
+        device = self.device
+        with self._frozen([self.embed, *blocks], device):
+            x = self.embed(inputs.to(device))
             for block in blocks:
                 x = block(x)
-        return x
+        return x.float()
 
     def run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Blocks [start, end) on hidden states `x` (a batch)."""
+        """Blocks [start, end) on hidden states `x` (a batch); float32."""
         self._check(start, end)
         blocks = [self.blocks[i] for i in range(start, end)]
-        with self._frozen(blocks):
-            x = x.to(self.device)
+        device = self.device
+        with self._frozen(blocks, device):
+            x = x.to(device)
             for block in blocks:
                 x = block(x)
-        return x
+        return x.float()
 
     def _digest(self, name: str, module: nn.Module) -> str:
         tensors = list(module.state_dict(keep_vars=True).items())
+        meta = [k for k, t in tensors if t.is_meta]
+        if meta:
+            raise RuntimeError(
+                f"{name}.{meta[0]} is on the meta device: materialise the module (to_empty + "
+                "load its weights) before fingerprinting it"
+            )
         # in-place updates bump a tensor's version counter, so an unchanged key means unchanged
-        # values: frozen blocks are hashed once
-        memo = (name, tuple((k, t.data_ptr(), t._version) for k, t in tensors))
+        # values: frozen blocks are hashed once (the device is part of the key: pointers of
+        # different devices may coincide)
+        memo = (name, tuple((k, str(t.device), t.data_ptr(), t._version) for k, t in tensors))
         if memo not in self._digests:
             h = hashlib.blake2b(digest_size=16)
             h.update(f"{name}:{type(module).__name__}".encode())
             for key, t in tensors:
+                # the bytes on the CPU: the same weights give the same digest on any device
                 t = t.detach().to("cpu").contiguous().reshape(-1)
                 h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
                 h.update(t.view(torch.uint8).numpy().tobytes())
@@ -181,12 +231,18 @@ class FrozenPrefix:
         return self._digests[memo]
 
     def fingerprints(self, boundary: int) -> list[str]:
-        """Chained fingerprints of the frozen weights: element k identifies embedding + blocks
-        [0, k), for k = 0 .. boundary. A cache level at boundary k is valid for these weights iff
-        its key was made with element k, so any older level whose fingerprint still matches can
-        serve as the source of an incremental advance."""
+        """Chained fingerprints of the frozen weights and the compute precision: element k
+        identifies embedding + blocks [0, k), for k = 0 .. boundary. A cache level at boundary k
+        is valid for these weights iff its key was made with element k, so any older level whose
+        fingerprint still matches can serve as the source of an incremental advance. Rows made
+        under bf16 differ from fp32 ones by far more than rounding, so the precision is part of
+        the chain (fp32 chains are unchanged from before precision existed); the device is not
+        (CPU and GPU rows agree within float rounding, and the digest hashes CPU bytes)."""
         self._check(0, boundary)
-        chain = [self._digest("embed", self.embed)]
+        head = self._digest("embed", self.embed)
+        if self.precision != "fp32":
+            head = hashlib.blake2b(f"{head}:{self.precision}".encode(), digest_size=16).hexdigest()
+        chain = [head]
         for i in range(boundary):
             h = hashlib.blake2b(digest_size=16)
             h.update(chain[-1].encode())
@@ -283,19 +339,71 @@ class _Level:
 _EMPTY, _SOURCE, _CURRENT = 0, 1, 2
 
 
+MemoryTier = Literal["host", "pinned", "device"]
+_MEMORY_TIERS = ("host", "pinned", "device")
+
+
+def choose_memory(
+    device: torch.device | str, ram_bytes: int, free_device_bytes: int | None
+) -> MemoryTier:
+    """Where the memory tier of a cache serving `device` should live (`ActivationCache`'s
+    `memory`): `host` on the CPU (and any non-CUDA device); on CUDA, `device` when the tier
+    (`ram_bytes`: pass the size it will really take, at most num_samples x row bytes) fits in
+    half of `free_device_bytes` (e.g. `torch.cuda.mem_get_info(device)[0]`), leaving the other
+    half to training, else `pinned` (also when the free memory is unknown)."""
+    if torch.device(device).type != "cuda":
+        return "host"
+    if free_device_bytes is not None and 0 <= ram_bytes <= free_device_bytes // 2:
+        return "device"
+    return "pinned"
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`. A host-to-CUDA copy is asynchronous when `t` is pinned (a fresh staging
+    tensor that nobody writes to afterwards: the caching host allocator records the copy's stream
+    and recycles the block only once the copy is done); any other copy is synchronous."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu" and t.is_pinned():
+        return t.to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _index(positions: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Row positions (int64) as an index tensor on `device`; to CUDA via pinned memory and an
+    asynchronous copy, so the host does not wait for the device's queued work."""
+    t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 class ActivationCache:
     """Frozen-prefix outputs per training sample, for the current boundary F.
 
-    Rows are `[tokens, dim]` tensors of `dtype` (the prefix's output dtype; stored bit for bit,
-    never converted). Sample `i` lives in row `i`:
+    Rows are `[tokens, dim]` tensors of `dtype` (the prefix's output dtype, float32 under either
+    precision; stored bit for bit, never converted). Sample `i` lives in row `i`:
 
-    - RAM tier: rows `0 .. ram_rows-1` in a tensor of this process, `ram_rows = ram_bytes //
-      row_bytes` (allocated lazily; `bytes_ram` counts rows held).
+    - Memory tier: rows `0 .. ram_rows-1` in a tensor of this process, `ram_rows = ram_bytes //
+      row_bytes` (allocated lazily; `bytes_ram` counts rows held; its hits count as `hits_ram`).
+      `memory` says where it lives:
+      - `host` (default): pageable CPU memory; rows served to a GPU are copied synchronously.
+      - `pinned`: page-locked CPU memory (needs CUDA). Rows are gathered into fresh pinned
+        staging tensors and copied to a CUDA `device` with `non_blocking=True`. The caching host
+        allocator rounds a pinned block up to a power of two (unless `pinned_max_round_threshold`
+        is set in `PYTORCH_CUDA_ALLOC_CONF`), so the tier may pin up to twice `ram_bytes`.
+      - `device`: on `device` (a CUDA device): a hit is an `index_select` there, with no host
+        copy; stored rows already on the device are written without a round trip. With
+        `memory="device"` and a CPU `device` the tier is simply `host`.
+      `choose_memory` picks one. `device` (where rows are served; required for `device`) is also
+      `get_or_compute`'s default output device.
     - Files under `directory` (node-local): rows `0 .. capacity-1`, where `capacity` is every
       sample unless `disk_bytes` caps the files; samples beyond `capacity` are never cached.
-      With `shared=True` (default) every row is written through to the files, so the node's other
-      processes see it; with `shared=False` (one process per node) RAM rows stay in RAM only and
-      the files hold just the rows that spill beyond the RAM budget.
+      With `shared=True` (default) every row is written through to the files (copied to the host
+      once per stored row in every memory mode), so the node's other processes see it; with
+      `shared=False` (one process per node) memory-tier rows stay there only and the files hold
+      just the rows that spill beyond the budget. Rows read from the files go through pinned
+      staging to a CUDA device in the `pinned` and `device` modes.
 
     Batched API: `lookup` / `store` for the current level, `get_or_compute` for a training batch
     (hit, advance from the previous level, or compute), `advance` to move a whole level eagerly.
@@ -310,15 +418,18 @@ class ActivationCache:
         tokens: int,
         dim: int,
         *,
-        ram_bytes: int = 256 << 20,
+        ram_bytes: int = DEFAULT_RAM_BYTES,
         disk_bytes: int | None = None,
         dtype: torch.dtype = torch.float32,
         shared: bool = True,
+        memory: MemoryTier = "host",
+        device: torch.device | str | None = None,
     ):
         if num_samples <= 0 or tokens <= 0 or dim <= 0:
             raise ValueError("num_samples, tokens and dim must be positive")
         if ram_bytes < 0 or (disk_bytes is not None and disk_bytes < 0):
             raise ValueError("ram_bytes and disk_bytes must be >= 0")
+        self.memory, self.device = self._memory_tier(memory, device)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.num_samples, self.tokens, self.dim, self.dtype = num_samples, tokens, dim, dtype
@@ -348,13 +459,59 @@ class ActivationCache:
             ("hits_ram", "hits_disk", "misses", "advanced", "computed", "stored"), 0
         )
 
+    @staticmethod
+    def _memory_tier(
+        memory: str, device: torch.device | str | None
+    ) -> tuple[MemoryTier, torch.device | None]:
+        """The effective memory mode and served device (validated)."""
+        allowed = ", ".join(repr(m) for m in _MEMORY_TIERS)
+        if memory not in _MEMORY_TIERS:
+            raise ValueError(f"memory must be one of {allowed} (got {memory!r})")
+        dev = torch.device(device) if device is not None else None
+        if memory == "device":
+            if dev is None:
+                raise ValueError("memory='device' needs the device the rows are served to")
+            if dev.type == "cpu":
+                return "host", dev  # a memory tier "on the CPU device" is the host tier
+            if dev.type != "cuda":
+                raise ValueError(
+                    f"memory='device' supports CUDA devices (got {dev}); use memory='host'"
+                )
+        if memory in ("pinned", "device") and not torch.cuda.is_available():
+            raise ValueError(
+                f"memory={memory!r} needs CUDA (pinned host memory and device memory are for "
+                f"GPU copies) and this machine has none: use memory='host' (allowed: {allowed})"
+            )
+        if dev is not None and dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return memory, dev  # type: ignore[return-value]
+
+    @property
+    def tier_device(self) -> torch.device:
+        """Where the memory tier's rows (and `lookup`'s values) live."""
+        if self.memory == "device":
+            assert self.device is not None
+            return self.device
+        return torch.device("cpu")
+
+    def _host_empty(self, n: int, pin: bool | None = None) -> torch.Tensor:
+        """A fresh host tensor for `n` rows, pinned (staging for copies to CUDA) by default in the
+        `pinned` and `device` modes."""
+        pin = self.memory != "host" if pin is None else pin
+        return torch.empty((n, self.tokens, self.dim), dtype=self.dtype, pin_memory=pin)
+
+    def _tier_empty(self, n: int) -> torch.Tensor:
+        """A fresh tensor for `n` rows where `lookup` returns them (`tier_device`)."""
+        if self.memory == "device":
+            dev = self.tier_device
+            return torch.empty((n, self.tokens, self.dim), dtype=self.dtype, device=dev)
+        return self._host_empty(n)
+
     @classmethod
     def for_model(
         cls, directory: str | Path, spec: ModelSpec, num_samples: int, **kwargs
     ) -> ActivationCache:
         """A cache shaped for `spec`'s hidden states (`num_tokens(spec)` x `spec.dim`)."""
-        from trainer.models import num_tokens
-
         return cls(directory, num_samples, num_tokens(spec), spec.dim, **kwargs)
 
     # -- levels -----------------------------------------------------------------------------
@@ -455,7 +612,11 @@ class ActivationCache:
 
     def _ram_tensor(self) -> torch.Tensor:
         if self._ram is None:
-            self._ram = torch.empty((self.ram_rows, self.tokens, self.dim), dtype=self.dtype)
+            shape = (self.ram_rows, self.tokens, self.dim)
+            if self.memory == "device":
+                self._ram = torch.empty(shape, dtype=self.dtype, device=self.tier_device)
+            else:
+                self._ram = torch.empty(shape, dtype=self.dtype, pin_memory=self.memory == "pinned")
         return self._ram
 
     def _masks(
@@ -479,43 +640,55 @@ class ActivationCache:
     def _read(
         self, idx: np.ndarray, level: _Level | None, state: int, promote: bool
     ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-        """(hit mask, which hits came from RAM, rows for the hits in order) at one level."""
-        n = idx.size
+        """(hit mask, which hits came from RAM, rows for the hits in order) at one level; the rows
+        are fresh tensors on `tier_device` (pinned host memory in the `pinned` mode)."""
         ram_hit, disk_hit = self._masks(idx, level, state)
-        if n and ram_hit.all():  # the common case with a big RAM tier: one gather, no files
-            out = torch.empty((n, self.tokens, self.dim), dtype=self.dtype)
-            torch.index_select(self._ram_tensor(), 0, torch.from_numpy(idx), out=out)
-            return ram_hit, ram_hit, out
+        dev = self.tier_device
+        on_device = self.memory == "device"
         hits = ram_hit | disk_hit
-        n_hits = int(hits.sum())
-        out = torch.empty((n_hits, self.tokens, self.dim), dtype=self.dtype)
-        if not n_hits:
-            return hits, ram_hit[hits], out
         from_ram = ram_hit[hits]
-        if from_ram.any():
-            pos = torch.from_numpy(np.flatnonzero(from_ram))
-            rows = torch.from_numpy(idx[ram_hit])
-            out.index_copy_(0, pos, self._ram_tensor().index_select(0, rows))
-        if disk_hit.any():
-            assert level is not None
-            out_raw = out.view(n_hits, -1).view(torch.uint8).numpy()
-            rows_np = idx[disk_hit]
-            if not from_ram.any():  # all from the files: gather straight into the output
-                np.take(level.rows, rows_np, axis=0, out=out_raw, mode="clip")
-            else:
-                out_raw[~from_ram] = np.take(level.rows, rows_np, axis=0)
-            if promote and self.ram_rows:
-                up = rows_np < self.ram_rows  # written by another process: keep a RAM copy
-                if up.any():
-                    ram_idx = rows_np[up]
-                    src = out[torch.from_numpy(np.flatnonzero(~from_ram)[up])]
-                    self._ram_tensor()[torch.from_numpy(ram_idx)] = src
-                    self._ram_state[ram_idx] = state
+        n_hits = int(hits.sum())
+
+        def gather(rows: np.ndarray) -> torch.Tensor:  # memory-tier rows, one gather
+            if on_device:
+                return self._ram_tensor().index_select(0, _index(rows, dev))
+            out = self._host_empty(rows.size)
+            torch.index_select(self._ram_tensor(), 0, torch.from_numpy(rows), out=out)
+            return out
+
+        if not disk_hit.any():  # the common case with a big RAM tier: no files
+            return hits, from_ram, gather(idx[ram_hit]) if n_hits else self._tier_empty(0)
+        assert level is not None
+        # the files' rows land in host memory first: pinned where an asynchronous copy to the
+        # device follows, or where they are the output of the `pinned` mode
+        rows_np = idx[disk_hit]
+        n_disk = rows_np.size
+        staged = self._host_empty(
+            n_disk, pin=on_device or (self.memory == "pinned" and n_disk == n_hits)
+        )
+        raw = staged.view(n_disk, -1).view(torch.uint8).numpy()
+        np.take(level.rows, rows_np, axis=0, out=raw, mode="clip")
+        staged = _on(staged, dev)
+        if n_disk == n_hits:
+            out = staged
+        else:
+            out = self._tier_empty(n_hits)
+            out.index_copy_(0, _index(np.flatnonzero(from_ram), dev), gather(idx[ram_hit]))
+            out.index_copy_(0, _index(np.flatnonzero(~from_ram), dev), staged)
+        if promote and self.ram_rows:
+            up = rows_np < self.ram_rows  # written by another process: keep a RAM copy
+            if up.any():
+                ram_idx = rows_np[up]
+                src = staged if up.all() else staged[_index(np.flatnonzero(up), dev)]
+                self._ram_tensor().index_copy_(0, _index(ram_idx, dev), src)
+                self._ram_state[ram_idx] = state
         return hits, from_ram, out
 
     def lookup(self, indices: Indices) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of the current level for `indices`: `(hits, values)`, `hits` a bool tensor over
-        the indices, `values` `[hits.sum(), tokens, dim]` (CPU) in the order of the hits."""
+        """Rows of the current level for `indices`: `(hits, values)`, `hits` a bool tensor (CPU)
+        over the indices, `values` `[hits.sum(), tokens, dim]` in the order of the hits, on
+        `tier_device`: the CUDA device for `memory="device"`, else the CPU (pinned memory for
+        `memory="pinned"`, ready for an asynchronous copy)."""
         if self.boundary is None:
             raise RuntimeError("set_boundary() first")
         idx = self._indices(indices)
@@ -527,8 +700,10 @@ class ActivationCache:
         return torch.from_numpy(hits), out
 
     def store(self, indices: Indices, outputs: torch.Tensor) -> None:
-        """Write the prefix outputs `[len(indices), tokens, dim]` of `indices` at the current
-        level (rows beyond `capacity` are skipped). The row is written before its present flag."""
+        """Write the prefix outputs `[len(indices), tokens, dim]` (on any device) of `indices` at
+        the current level (rows beyond `capacity` are skipped). The row is written before its
+        present flag. A device tier takes rows on its device without a host copy; rows for the
+        files are copied to the host once."""
         if self.boundary is None:
             raise RuntimeError("set_boundary() first")
         idx = self._indices(indices)
@@ -538,20 +713,34 @@ class ActivationCache:
                 f"expected outputs of shape {list(want)} and dtype {self.dtype}, "
                 f"got {list(outputs.shape)} {outputs.dtype}"
             )
-        out = outputs.detach().to("cpu").contiguous()
+        outputs = outputs.detach()
+        if self.memory != "device":
+            outputs = outputs.to("cpu")  # once: both tiers are on the host
         keep = idx < self.capacity
         ram_sel = keep & (idx < self.ram_rows)
+        disk_sel = keep & (idx >= self._disk_from) & (self._level is not None)
+
+        def pick(mask: np.ndarray) -> torch.Tensor:
+            if mask.all():
+                return outputs
+            return outputs[_index(np.flatnonzero(mask), outputs.device)]
+
         if ram_sel.any():
             rows = idx[ram_sel]
-            self._ram_tensor()[torch.from_numpy(rows)] = out[torch.from_numpy(ram_sel)]
+            ram = self._ram_tensor()
+            ram.index_copy_(0, _index(rows, ram.device), pick(ram_sel).to(ram.device))
             self._ram_state[rows] = _CURRENT
-        disk_sel = keep & (idx >= self._disk_from)
-        if disk_sel.any() and self._level is not None:
-            rows = idx[disk_sel]
-            raw = out.view(idx.size, -1).view(torch.uint8).numpy()
-            self._level.rows[rows] = raw[disk_sel]
-            self._level.present[rows] = 1  # after the row: a set flag means a complete row
+        if disk_sel.any():
+            self._write_files(idx[disk_sel], pick(disk_sel).to("cpu"))
         self._counts["stored"] += int(keep.sum())
+
+    def _write_files(self, rows: np.ndarray, values: torch.Tensor) -> None:
+        """Rows (host tensor, aligned with `rows`) into the current level's files, each before
+        its present flag."""
+        assert self._level is not None
+        raw = values.contiguous().view(rows.size, -1).view(torch.uint8).numpy()
+        self._level.rows[rows] = raw
+        self._level.present[rows] = 1  # after the row: a set flag means a complete row
 
     def get_or_compute(
         self,
@@ -563,9 +752,11 @@ class ActivationCache:
         """The prefix output at the current boundary for a batch: cached rows where present,
         rows of the source level advanced through blocks [source, F) where those are present,
         the rest computed from `inputs` (aligned with `indices`); new rows are stored. Returns
-        `[len(indices), tokens, dim]` on `device` (default: `inputs`' device), equal to
-        `prefix.compute(inputs, F)`. Pass the pipeline's device when the inputs stay on the CPU
-        (only the misses' inputs are then moved, by the prefix)."""
+        `[len(indices), tokens, dim]` on `device` (default: the cache's `device` when it was
+        given, else `inputs`' device), equal to `prefix.compute(inputs, F)`. Pass the pipeline's
+        device when the inputs stay on the CPU (only the misses' inputs are then moved, by the
+        prefix). Cached rows reach a CUDA device asynchronously from pinned staging in the
+        `pinned` mode, and by a gather on the device in the `device` mode."""
         if self.boundary is None:
             raise RuntimeError("set_boundary() first")
         idx = self._indices(indices)
@@ -573,28 +764,35 @@ class ActivationCache:
             raise ValueError(f"{len(inputs)} inputs for {idx.size} indices")
         hits_t, values = self.lookup(idx)
         hits = hits_t.numpy()
-        device = torch.device(device) if device is not None else inputs.device
+        if device is not None:
+            device = torch.device(device)
+        else:
+            device = self.device if self.device is not None else inputs.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if hits.all():
-            return values.to(device)
+            return _on(values, device)
         out = torch.empty((idx.size, self.tokens, self.dim), dtype=self.dtype, device=device)
         if hits.any():
-            out[torch.from_numpy(np.flatnonzero(hits)).to(device)] = values.to(device)
+            out[_index(np.flatnonzero(hits), device)] = _on(values, device)
         miss_pos = np.flatnonzero(~hits)
         miss_idx = idx[miss_pos]
         todo = np.ones(miss_pos.size, dtype=bool)
         if self._source_boundary is not None:
             src_hit, _, src_rows = self._read(miss_idx, self._source, _SOURCE, promote=False)
             if src_hit.any():
-                adv = prefix.run_blocks(src_rows, self._source_boundary, self.boundary)
+                # to the output's device first (asynchronously from pinned staging); the prefix
+                # moves them on if it lives elsewhere
+                adv = prefix.run_blocks(_on(src_rows, device), self._source_boundary, self.boundary)
                 self.store(miss_idx[src_hit], adv)
-                out[torch.from_numpy(miss_pos[src_hit]).to(device)] = adv.to(device)
+                out[_index(miss_pos[src_hit], device)] = adv.to(device)
                 self._counts["advanced"] += int(src_hit.sum())
                 todo = ~src_hit
         if todo.any():
-            pos = torch.from_numpy(miss_pos[todo])
-            fresh = prefix.compute(inputs[pos.to(inputs.device)], self.boundary)
+            pos = miss_pos[todo]
+            fresh = prefix.compute(inputs[_index(pos, inputs.device)], self.boundary)
             self.store(miss_idx[todo], fresh)
-            out[pos.to(device)] = fresh.to(device)
+            out[_index(pos, device)] = fresh.to(device)
             self._counts["computed"] += int(todo.sum())
         return out
 
@@ -636,7 +834,8 @@ class ActivationCache:
         self, policy: CachePolicy, prefix: PrefixRunner, inputs: torch.Tensor, boundary: int
     ) -> CacheDecision:
         """`decide_cache` for this cache: its disk tier measured where its files live (the
-        node-local cache directory, not /tmp), lookups expected at its own RAM fraction."""
+        node-local cache directory, not /tmp), lookups expected at its own RAM fraction, served
+        from its own memory tier."""
         return decide_cache(
             policy,
             prefix,
@@ -644,6 +843,8 @@ class ActivationCache:
             boundary,
             directory=self.directory,
             ram_fraction=self.ram_fraction,
+            memory=self.memory,
+            device=self.device,
         )
 
     def stats(self) -> CacheStats:
@@ -755,6 +956,8 @@ def measure_prefix_costs(
     directory: str | Path | None = None,
     repeats: int = 7,
     pool_batches: int = 8,
+    memory: MemoryTier = "host",
+    device: torch.device | str | None = None,
 ) -> PrefixCosts:
     """Time, side by side (interleaved repeats, medians), the prefix work of one training batch
     (`inputs`, whose length is the batch size) at `boundary`: recomputation vs a cache hit from
@@ -762,7 +965,9 @@ def measure_prefix_costs(
 
     A scratch cache of `pool_batches` x batch rows (the outputs of `inputs`, tiled) is made in a
     temporary folder under `directory` (the real cache's file system: that is what is measured)
-    and removed afterwards; each repeat reads a random batch of its rows."""
+    and removed afterwards; each repeat reads a random batch of its rows. `memory` and `device`
+    are the real cache's (`ActivationCache`), so the memory tier measured is the one it uses;
+    rows are served to `device` (default: the inputs' device)."""
     with torch.no_grad():
         out = prefix.compute(inputs, boundary)
     b = len(inputs)
@@ -776,7 +981,7 @@ def measure_prefix_costs(
     scratch = tempfile.mkdtemp(prefix="cache-measure-", dir=directory)
     rng = np.random.default_rng(0)
     try:
-        kw = dict(dtype=out.dtype, shared=False)
+        kw = dict(dtype=out.dtype, shared=False, memory=memory, device=device)
         ram = ActivationCache(Path(scratch) / "ram", pool, tokens, dim, ram_bytes=1 << 62, **kw)
         disk = ActivationCache(Path(scratch) / "disk", pool, tokens, dim, ram_bytes=0, **kw)
         for c in (ram, disk):
@@ -852,17 +1057,28 @@ def decide_cache(
     directory: str | Path | None = None,
     ram_fraction: float = 1.0,
     repeats: int = 7,
+    memory: MemoryTier = "host",
+    device: torch.device | str | None = None,
 ) -> CacheDecision:
     """Whether the first stage's rank should serve blocks [0, boundary) from the cache for
     batches like `inputs`. `off`/augmentation: no (nothing measured); `on`: yes; `auto`: measure
     (`measure_prefix_costs`) and compare recomputation with the expected lookup time at
-    `ram_fraction` (`ActivationCache.ram_fraction`), the file part read cold."""
+    `ram_fraction` (`ActivationCache.ram_fraction`), the file part read cold, with the cache's
+    `memory` tier serving `device`."""
     if not policy.enabled:
         why = "data augmentation makes cached outputs invalid" if policy.augmentation else "off"
         return CacheDecision(False, f"cache off: {why}")
     if policy.mode == "on":
         return CacheDecision(True, "cache on (spec)")
-    costs = measure_prefix_costs(prefix, inputs, boundary, directory=directory, repeats=repeats)
+    costs = measure_prefix_costs(
+        prefix,
+        inputs,
+        boundary,
+        directory=directory,
+        repeats=repeats,
+        memory=memory,
+        device=device,
+    )
     lookup = costs.lookup_s(ram_fraction)
     use = policy.should_use_cache(costs.compute_s, lookup)
     reason = (

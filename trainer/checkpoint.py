@@ -295,7 +295,14 @@ class _SnapshotStager:
                 buf = self._buffers.get((part, key))
                 if buf is None or buf.numel() != size or buf.dtype != members[0][1].dtype:
                     buf = torch.empty(size, dtype=members[0][1].dtype)
-                torch.cat([v.detach().reshape(-1) for _, v in members], out=buf)
+                flat = [v.detach().reshape(-1) for _, v in members]
+                device = next((t.device for t in flat if t.device.type != "cpu"), None)
+                if device is None:
+                    torch.cat(flat, out=buf)
+                else:
+                    # one concatenation on the GPU (AdamW keeps its `step` counts on the CPU,
+                    # beside moments on the GPU), then one copy to host memory
+                    buf.copy_(torch.cat([t.to(device) for t in flat]))
                 buffers[part, key] = packed[part][key] = buf
         self._buffers = buffers  # units of an earlier layout are dropped
         return packed

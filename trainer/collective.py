@@ -32,3 +32,24 @@ def flag_from(src: int, flag: bool) -> bool:
     value = torch.tensor([1.0 if flag else 0.0])
     dist.broadcast(value, src=src)
     return bool(value.item())
+
+
+def once_per_node(rank: int, node: str, work: Callable[[], None]) -> None:
+    """Run `work` on one rank of each node (the lowest), over the control group; every rank
+    raises what its node's runner raised (as a RuntimeError with the same message). For checks of
+    node-shared files (a checkpoint's hash) that would otherwise run once per rank."""
+    nodes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, node)
+    leader = {}
+    for r, n in enumerate(nodes):
+        leader.setdefault(n, r)
+    error: str | None = None
+    if leader[node] == rank:
+        try:
+            work()
+        except Exception as exc:  # reported to the node's other ranks, then raised here
+            error = f"{type(exc).__name__}: {exc}"
+    errors: list[str | None] = [None] * len(nodes)
+    dist.all_gather_object(errors, error)
+    if mine := errors[leader[node]]:
+        raise RuntimeError(mine)

@@ -6,6 +6,10 @@ groups."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,6 +124,18 @@ class ClassifierHead(nn.Module):
         return self.fc(self.norm(x[:, 0]))
 
 
+Precision = Literal["fp32", "bf16"]
+
+
+def autocast(device: torch.device | str, precision: Precision) -> contextlib.AbstractContextManager:
+    """The compute precision of a block's forward: bfloat16 autocast for `bf16` (matrix products
+    and attention in bf16, norms and softmax statistics in float32; parameters and the residual
+    stream stay float32), nothing for `fp32`. Backward follows the forward's dtypes."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
 class StageModule(nn.Module):
     """Blocks [start, end) of a model, with the embedding if start == 0 and the head if end == L.
 
@@ -139,13 +155,14 @@ class StageModule(nn.Module):
         blocks: dict[int, nn.Module] | None = None,
         head: nn.Module | None = None,
         recompute: bool = False,
+        precision: Precision = "fp32",
     ):
         super().__init__()
         if not 0 <= start < end <= spec.depth:
             raise ValueError(f"block range [{start}, {end}) outside a model of {spec.depth} blocks")
         self.spec, self.start, self.end = spec, start, end
         self.is_first, self.is_last = start == 0, end == spec.depth
-        self.recompute = recompute
+        self.recompute, self.precision = recompute, precision
         self.embed = embed if self.is_first else None
         self.blocks = nn.ModuleDict(
             {str(i): blocks[i] for i in range(start, end)} if blocks else {}
@@ -153,15 +170,20 @@ class StageModule(nn.Module):
         self.head = head if self.is_last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        remat = self.recompute and self.training and torch.is_grad_enabled()
-        for i in range(self.start, self.end):
-            block = self.blocks[str(i)]
-            x = checkpoint(block, x, use_reentrant=False) if remat else block(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
+        # autocast inside the forward, not around the schedule: backward then runs outside it
+        # (as autocast wants), and recomputation replays it (checkpoint records the state)
+        with autocast(x.device, self.precision):
+            if self.embed is not None:
+                x = self.embed(x)
+            remat = self.recompute and self.training and torch.is_grad_enabled()
+            for i in range(self.start, self.end):
+                block = self.blocks[str(i)]
+                x = checkpoint(block, x, use_reentrant=False) if remat else block(x)
+            if self.head is not None:
+                x = self.head(x)
+        # what crosses a stage boundary (and reaches the loss) is float32 under either
+        # precision: the residual stream already is; the head's logits are cast back
+        return x.float()
 
 
 def _embed(spec: ModelSpec) -> nn.Module:
@@ -170,32 +192,59 @@ def _embed(spec: ModelSpec) -> nn.Module:
     return PatchEmbed(spec)
 
 
+def unit_names(spec: ModelSpec) -> list[str]:
+    """The partition units in model order: `embed`, `blocks.0` .. `blocks.<L-1>`, `head`."""
+    return ["embed", *(f"blocks.{i}" for i in range(spec.depth)), "head"]
+
+
+def unit_seed(seed: int, unit: str) -> int:
+    """The seed of one unit's initialisation: derived from the job's seed and the unit's name
+    alone, so a unit's initial weights do not depend on which other units a process builds."""
+    digest = hashlib.blake2b(f"{seed}:{unit}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def empty_unit(spec: ModelSpec, unit: str) -> nn.Module:
+    """A unit's module without initialising it (build it under `torch.device("meta")` to
+    allocate nothing)."""
+    if unit == "embed":
+        return _embed(spec)
+    if unit == "head":
+        return ClassifierHead(spec)
+    return Block(spec)
+
+
+def init_unit(spec: ModelSpec, seed: int, unit: str) -> nn.Module:
+    """One unit with its seed-derived initial weights, on the CPU (the same values on every
+    machine and device; move them afterwards). The global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(unit_seed(seed, unit))
+        with torch.device("cpu"):
+            return empty_unit(spec, unit)
+
+
 def build_model(spec: ModelSpec, seed: int, recompute: bool = False) -> StageModule:
-    """The whole model as one stage, initialised from `seed` (the same on every rank, so every
-    layout starts from identical weights)."""
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        embed = _embed(spec)
-        blocks = {i: Block(spec) for i in range(spec.depth)}
-        head = ClassifierHead(spec)
-    finally:
-        torch.random.set_rng_state(gen_state)
+    """The whole model as one stage, initialised from `seed`: each unit from its own
+    seed-derived stream (`init_unit`), so a process that builds only some units (a pipeline
+    rank) gets exactly the weights they have here."""
+    embed = init_unit(spec, seed, "embed")
+    blocks = {i: init_unit(spec, seed, f"blocks.{i}") for i in range(spec.depth)}
+    head = init_unit(spec, seed, "head")
     return StageModule(spec, 0, spec.depth, embed, blocks, head, recompute=recompute)
 
 
 def build_stage(
     spec: ModelSpec, seed: int, start: int, end: int, recompute: bool = False
 ) -> StageModule:
-    """Blocks [start, end) with exactly the weights they have in `build_model(spec, seed)`."""
-    full = build_model(spec, seed)
+    """Blocks [start, end) with exactly the weights they have in `build_model(spec, seed)`
+    (only these units are built)."""
     return StageModule(
         spec,
         start,
         end,
-        full.embed,
-        {i: full.blocks[str(i)] for i in range(start, end)},
-        full.head,
+        init_unit(spec, seed, "embed") if start == 0 else None,
+        {i: init_unit(spec, seed, f"blocks.{i}") for i in range(start, end)},
+        init_unit(spec, seed, "head") if end == spec.depth else None,
         recompute=recompute,
     )
 

@@ -20,7 +20,10 @@ def build_optimizer(module: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": spec.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.lr)
+    # on a GPU the fused kernel updates every parameter in a few launches (the step counts live
+    # on the device too); elsewhere the default (for-each) implementation
+    fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.lr, fused=fused or None)
 
 
 def lr_at(step: int, total_steps: int, spec: TrainingSpec) -> float:

@@ -1,17 +1,20 @@
-"""Pipeline runtime for one rank: training process groups for a layout, the rank's stages as
-`PipelineStage`s, the schedule from `torch.distributed.pipelining`, and the per-step gradient work
-around it (replica all-reduce, global gradient clipping).
+"""Pipeline runtime for one rank: the training mesh for a layout, the rank's blocks (only those,
+materialised from the meta device), its stages as `PipelineStage`s, the schedule from
+`torch.distributed.pipelining`, and the per-step gradient work around it.
 
-Process groups: the default group spans all ranks and is the stable *control* group. For each
-layout we build *training* groups: one pipeline group per replica (its P ranks) and one
-data-parallel group per pipeline position (the R ranks that run the same stages). `new_group`
-must be called by every rank for every group, in the same order, so all are created everywhere
-and each rank keeps its own.
+Process groups: the default group spans all ranks and is the stable *control* group (gloo, CPU
+tensors, for the job's whole life). For each layout a `DeviceMesh` of shape (replicas, pipeline
+ranks), dimensions named "dp" and "pp", gives the *training* groups: "pp" the P ranks of this
+rank's replica (stage-to-stage sends), "dp" the R ranks holding the same stages in every replica
+(gradient sync, through DDP). They use NCCL between GPUs and gloo between CPU processes, are
+created on every rank in the same order (collective) and destroyed at the next re-layout; the
+control group never shares a communicator with them, so aborting or destroying them leaves it
+intact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -29,13 +33,16 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem
 from orchestrator.state import Layout, StageLayout
 from trainer.cache import ActivationCache, FrozenPrefix
+from trainer.device import Compute
 from trainer.models import (
     StageModule,
-    build_model,
+    empty_unit,
+    init_unit,
     stage_input_dtype,
     stage_input_shape,
     stage_output_shape,
@@ -52,25 +59,37 @@ SCHEDULE_CLASSES = {
     "dualpipev": ScheduleDualPipeV,
 }
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES), "spec rules and runtime classes must agree"
+# Zero-bubble schedules compute weight gradients in a separate pass after the input gradients;
+# DDP's reducer fires in the first pass, before those gradients exist, so with these schedules
+# the replicas' gradients are summed after the step instead (`_sum_replica_grads`).
+SPLIT_BACKWARD = frozenset({"interleaved-zb", "zbv", "dualpipev"})
 
 
 @dataclass
 class TrainingGroups:
+    mesh: DeviceMesh  # (replicas, pipeline ranks), dims "dp" and "pp"
     pipeline: dist.ProcessGroup  # this rank's replica: its P pipeline ranks
     data_parallel: dist.ProcessGroup | None  # same pipeline position in every replica (None if R=1)
 
 
-def build_groups(layout: Layout, rank: int) -> TrainingGroups:
-    p, r_count = layout.pipeline_ranks, layout.replicas
-    # every rank creates every group, in the same order (new_group is collective)
-    pipes = [dist.new_group(list(range(r * p, (r + 1) * p))) for r in range(r_count)]
-    # a one-rank group would only cost a no-op collective; skip it
-    dps = [
-        dist.new_group([r * p + pos for r in range(r_count)]) if r_count > 1 else None
-        for pos in range(p)
-    ]
-    replica, position = divmod(rank, p)
-    return TrainingGroups(pipes[replica], dps[position])
+def build_groups(layout: Layout, rank: int, compute: Compute | None = None) -> TrainingGroups:
+    """The layout's training mesh (collective: every rank calls it, in the same order). Rank
+    r * P + p is pipeline position p of replica r, the mesh's row-major order."""
+    compute = compute or Compute()
+    backend = compute.backend
+    # named backends for both dims: a dimension spanning the whole world would otherwise reuse
+    # the default group, the control group, and be destroyed with the layout
+    mesh = init_device_mesh(
+        compute.device.type,
+        (layout.replicas, layout.pipeline_ranks),
+        mesh_dim_names=("dp", "pp"),
+        backend_override={"dp": backend, "pp": backend},
+    )
+    dp = mesh.get_group("dp") if layout.replicas > 1 else None
+    return TrainingGroups(mesh, mesh.get_group("pp"), dp)
+
+
+UnitSource = Callable[[str], bool]
 
 
 class RankModel(nn.Module):
@@ -78,9 +97,14 @@ class RankModel(nn.Module):
     `blocks.<i>.*`, `head.*`), for the optimizer, gradient work and checkpoints. The per-stage
     `StageModule`s that the schedule runs share these submodules.
 
+    Only the owned units are built: on the meta device first (no memory), then materialised on
+    `compute.device` by `materialise`, each unit from its seed-derived initialisation
+    (`trainer.models.init_unit`, the same values `build_model` gives it) unless a checkpoint
+    will fill it.
+
     With a freeze boundary F > 0, the frozen prefix (embedding and blocks [0, F)) belongs to the
     rank running the first stage of each replica, outside the pipeline; its parameters have
-    `requires_grad=False`, so they are in no optimizer and no gradient all-reduce."""
+    `requires_grad=False`, so they are in no optimizer and no gradient sync."""
 
     def __init__(
         self,
@@ -89,24 +113,36 @@ class RankModel(nn.Module):
         stages: list[StageLayout],
         recompute: list[bool],
         freeze_boundary: int = 0,
+        compute: Compute | None = None,
+        fresh: UnitSource | None = None,
     ):
         super().__init__()
-        full = build_model(spec, seed)  # same init on every rank, whatever the layout
+        compute = compute or Compute()
+        self.spec, self.compute = spec, compute
         f = freeze_boundary
         owns_prefix = stages[0].index == 0
         owned = {i for s in stages for i in range(s.start, s.end)}
         if owns_prefix:
             owned |= set(range(f))
-        self.embed = full.embed if owns_prefix else None
-        self.blocks = nn.ModuleDict({str(i): full.blocks[str(i)] for i in sorted(owned)})
-        self.head = full.head if any(s.end == spec.depth for s in stages) else None
+        with torch.device("meta"):
+            self.embed = empty_unit(spec, "embed") if owns_prefix else None
+            self.blocks = nn.ModuleDict(
+                {str(i): empty_unit(spec, f"blocks.{i}") for i in sorted(owned)}
+            )
+            has_head = any(s.end == spec.depth for s in stages)
+            self.head = empty_unit(spec, "head") if has_head else None
+        self.materialise(seed, fresh)
         if f > 0:
             frozen = [self.embed] if self.embed is not None else []
             frozen += [self.blocks[str(i)] for i in range(f) if str(i) in self.blocks]
             for module in frozen:
                 module.requires_grad_(False)
+        if compute.compile:
+            for block in self.blocks.values():
+                block.compile()  # in place: the parameter names stay those of the model
+        blocks = {int(k): m for k, m in self.blocks.items()}
         self.prefix = (
-            FrozenPrefix(full.embed, {i: full.blocks[str(i)] for i in range(f)})
+            FrozenPrefix(self.embed, {i: blocks[i] for i in range(f)}, precision=compute.precision)
             if owns_prefix and f > 0 and stages[0].start == f
             else None
         )
@@ -115,15 +151,36 @@ class RankModel(nn.Module):
                 spec,
                 s.start,
                 s.end,
-                full.embed,
-                {i: full.blocks[str(i)] for i in range(s.start, s.end)},
-                full.head,
+                self.embed,
+                {i: blocks[i] for i in range(s.start, s.end)},
+                self.head,
                 recompute=flag,
+                precision=compute.precision,
             )
             for s, flag in zip(stages, recompute, strict=True)
         ]
         # a plain list, not a ModuleList: the same parameters must not register twice
         self.stage_modules: list[StageModule] = parts
+
+    def units(self) -> dict[str, nn.Module]:
+        """The units this rank holds, by name (`embed`, `blocks.<i>`, `head`)."""
+        out: dict[str, nn.Module] = {"embed": self.embed} if self.embed is not None else {}
+        out |= {f"blocks.{k}": m for k, m in self.blocks.items()}
+        if self.head is not None:
+            out["head"] = self.head
+        return out
+
+    @torch.no_grad()
+    def materialise(self, seed: int, fresh: UnitSource | None = None) -> None:
+        """Allocate the units on the device; give those for which `fresh(unit)` holds (default:
+        all) their seed-derived initial weights. The others are left for a checkpoint to fill."""
+        device = self.compute.device
+        for name, module in self.units().items():
+            module.to_empty(device=device)
+            if fresh is None or fresh(name):
+                init = init_unit(self.spec, seed, name)
+                for target, value in zip(module.parameters(), init.parameters(), strict=True):
+                    target.copy_(value)
 
 
 class RankPipeline:
@@ -148,12 +205,15 @@ class RankPipeline:
                 f"replica batch {replica_batch} is not divisible by {layout.microbatches} micro-batches"
             )
         self.model, self.layout, self.groups = model, layout, groups
+        self.device = device = model.compute.device
         self.cache: ActivationCache | None = None  # attached by the trainer (AutoCache)
         self.local = [s for s, _ in layout.placements(rank)]
         self.is_first = self.local[0].index == 0
         self.is_last = any(s.index == layout.num_stages - 1 for s in self.local)
         self.loss_fn = MaskedCrossEntropy()
         mb = replica_batch // layout.microbatches
+        dp = groups.data_parallel
+        self.sync_after_step = dp is not None and layout.schedule in SPLIT_BACKWARD
         self.stages = []
         for stage, module in zip(self.local, model.stage_modules, strict=True):
             # Static example shapes: inferred shapes break with replica gradient sync (see
@@ -162,18 +222,19 @@ class RankPipeline:
             example_in = torch.zeros(
                 stage_input_shape(model_spec, stage.start, mb),
                 dtype=stage_input_dtype(model_spec, stage.start),
+                device=device,
             )
             if stage.index > 0:
                 example_in.requires_grad_(True)
             example_out = torch.zeros(
-                stage_output_shape(model_spec, stage.end, mb), requires_grad=True
+                stage_output_shape(model_spec, stage.end, mb), requires_grad=True, device=device
             )
             self.stages.append(
                 PipelineStage(
-                    module,
+                    module if self.sync_after_step else replicate(module, dp, device),
                     stage_index=stage.index,
                     num_stages=layout.num_stages,
-                    device=torch.device("cpu"),
+                    device=device,
                     input_args=(example_in,),
                     output_args=(example_out,),
                     group=groups.pipeline,
@@ -196,12 +257,15 @@ class RankPipeline:
         indices: Sequence[int] | None = None,
     ) -> float | None:
         """Forward and backward of one replica batch; returns this replica's loss share on the
-        rank holding the last stage (sum over replicas = the global mean loss), None elsewhere."""
+        rank holding the last stage (sum over replicas = the global mean loss), None elsewhere.
+        With R > 1 replicas, DDP sums the gradients over the replicas during the last
+        micro-batch's backward."""
         self.loss_fn.denominator = global_valid
         losses: list[torch.Tensor] = []
         args = (self._enter(inputs, indices),) if self.is_first else ()
         if self.is_last:
-            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+            target = self.to_device(targets)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             return float(sum(loss.detach() for loss in losses))
         self.schedule.step(*args)
         return None
@@ -220,56 +284,98 @@ class RankPipeline:
             with torch.no_grad():
                 args = (self._enter(inputs),) if self.is_first else ()
                 if self.is_last:
-                    return self.schedule.eval(*args, target=targets, losses=[])
+                    return self.schedule.eval(*args, target=self.to_device(targets), losses=[])
                 self.schedule.eval(*args)
                 return None
         finally:
             self.model.train(was_training)
 
+    def to_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """A batch tensor on this rank's device (from pinned memory without blocking on CUDA)."""
+        if tensor is None or tensor.device == self.device:
+            return tensor
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
+
     def destroy_groups(self) -> None:
-        """Release this layout's training groups (the control group stays)."""
-        for group in (self.groups.pipeline, self.groups.data_parallel):
-            if group is not None:
-                dist.destroy_process_group(group)
+        """Release this layout's training groups (the control group stays). Every group of the
+        mesh is destroyed, including one-rank groups, so no communicator outlives its layout."""
+        self.stages, self.schedule = [], None
+        mesh = self.groups.mesh
+        for name in mesh.mesh_dim_names or ():
+            dist.destroy_process_group(mesh.get_group(name))
 
     def _enter(self, inputs: torch.Tensor, indices: Sequence[int] | None = None) -> torch.Tensor:
         """What the first pipeline stage consumes: the inputs, or the frozen prefix's output,
         served from the activation cache when one is attached and the samples are known."""
         prefix = self.model.prefix
         if prefix is None:
-            return inputs
+            return self.to_device(inputs)
         if self.cache is not None and indices is not None:
-            return self.cache.get_or_compute(indices, inputs, prefix)
-        return prefix.compute(inputs, self.layout.freeze_boundary)
+            return self.cache.get_or_compute(indices, inputs, prefix, self.device)
+        return prefix.compute(self.to_device(inputs), self.layout.freeze_boundary)
 
     def sync_and_clip(self, max_norm: float) -> GradNorms:
-        """All-reduce gradients across replicas, then clip by the norm over *all* stages (the same
-        norm a single process would compute). Returns that norm and the per-block gradient norms
-        before clipping (what AutoFreeze watches), the same on every rank."""
+        """Clip by the norm over *all* stages (the same norm a single process would compute) of
+        the gradients DDP summed over the replicas during backward. Returns that norm and the
+        per-block gradient norms before clipping (what AutoFreeze watches), the same on every
+        rank."""
         named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
         grads = [g for _, g in named]
-        if self.groups.data_parallel is not None and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.groups.data_parallel)  # sum: loss shares add up
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        if self.sync_after_step and grads:
+            _sum_replica_grads(grads, self.groups.data_parallel)
         # squared norms per block, plus one slot for the embedding and head, summed over the
         # pipeline in a single collective
         depth = self.layout.num_blocks
-        sq = torch.zeros(depth + 1)
-        for name, g in named:
-            parts = name.split(".")
-            slot = int(parts[1]) if parts[0] == "blocks" else depth
-            sq[slot] += g.pow(2).sum()
+        sq = torch.zeros(depth + 1, device=self.device)
+        if grads:
+            slots = [int(n.split(".")[1]) if n.startswith("blocks.") else depth for n, _ in named]
+            norms = torch.stack(torch._foreach_norm(grads)).float()
+            sq.index_add_(0, torch.tensor(slots, device=self.device), norms.square())
         dist.all_reduce(sq, group=self.groups.pipeline)
+        sq = sq.cpu()
         norm = float(sq.sum().sqrt())
-        if max_norm > 0:
+        if max_norm > 0 and grads:
             scale = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-            for g in grads:
-                g.mul_(scale)
+            if scale < 1.0:
+                torch._foreach_mul_(grads, scale)
         return GradNorms(norm, sq[:depth].sqrt().tolist())
+
+
+def replicate(
+    module: StageModule, group: dist.ProcessGroup | None, device: torch.device
+) -> nn.Module:
+    """`module` with its gradients summed over `group` (the replicas) by DDP, or as it is with a
+    single replica. The stage's loss is already divided by the *global* batch's sample count, so
+    the replicas' gradients add up (DDP's default hook averages: replaced by a sum). The pipeline
+    stage drives DDP (no_sync for all but the last micro-batch's backward)."""
+    if group is None:
+        return module
+    ddp = DistributedDataParallel(
+        module,
+        process_group=group,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        init_sync=False,  # every replica starts from the same weights (and there are no buffers)
+        gradient_as_bucket_view=True,
+    )
+    ddp.register_comm_hook(group, _sum_hook)
+    return ddp
+
+
+def _sum_replica_grads(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum gradients over the replicas in one flat all-reduce (zero-bubble schedules only)."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _sum_hook(group, bucket):  # noqa: ANN001, ANN202 (DDP checks the annotations' objects)
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 class GradNorms(NamedTuple):
@@ -300,10 +406,15 @@ def build_rank_pipeline(
     rank: int,
     replica_batch: int,
     recompute: list[bool] | None = None,
+    compute: Compute | None = None,
+    fresh: UnitSource | None = None,
 ) -> RankPipeline:
-    """Groups, model share and schedule for `rank` under `layout` (collective: every rank calls)."""
-    groups = build_groups(layout, rank)
+    """Mesh, model share and schedule for `rank` under `layout` (collective: every rank calls).
+    `fresh(unit)` says which units get their seed-derived initialisation (default: all); the
+    others are left for the caller to load from a checkpoint."""
+    compute = compute or Compute()
+    groups = build_groups(layout, rank, compute)
     local = [s for s, _ in layout.placements(rank)]
     flags = [recompute[s.index] for s in local] if recompute else [False] * len(local)
-    model = RankModel(spec_model, seed, local, flags, layout.freeze_boundary)
+    model = RankModel(spec_model, seed, local, flags, layout.freeze_boundary, compute, fresh)
     return RankPipeline(model, spec_model, layout, rank, groups, replica_batch)

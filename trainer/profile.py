@@ -1,16 +1,18 @@
 """Measured per-block profiles for the AutoPipe planner (the planner's only I/O edge).
 
-A short profiling pass runs the real model (`trainer.models.build_model`) on the current device,
-one unit at a time (the embedding, each block, the head), for one micro-batch of a given size:
+A short profiling pass runs the real model (`trainer.models.build_model`) on the training device
+(the rank's own: profiling the GPU while training on the CPU, or the reverse, would plan for
+the wrong machine) at the job's precision, one unit at a time (the embedding, each block, the head), for one micro-batch of a given size:
 forward and backward time (median over repeats after warm-up; each sample averages enough calls
-to be well above the timer's resolution), bytes of the unit's output (what crosses a cut after
+to be well above the timer's resolution; CUDA events on a GPU, which time the kernels rather than
+their launch), bytes of the unit's output (what crosses a cut after
 it), parameter bytes, and the bytes autograd saves for backward (counted with
 `torch.autograd.graph.saved_tensors_hooks`, one count per storage, parameters excluded). Blocks of
 identical shape have their times pooled (the median over the group), so timer noise cannot
 decide between equivalent cuts.
 
-Measurements are stored as JSON per (model spec, device name and threads, micro-batch size,
-torch version) under `profile_cache_dir()` (`$PIPETRANSFORMER_CACHE/profiles`, default
+Measurements are stored as JSON per (model spec, device name and threads, precision,
+micro-batch size, torch version) under `profile_cache_dir()` (`$PIPETRANSFORMER_CACHE/profiles`, default
 `~/.cache/pipetransformer/profiles`; not AutoCache's activation cache) and reused: measuring is
 cheap but not free, and its answer is specific to the hardware it ran on.
 
@@ -42,11 +44,11 @@ from torch import nn
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.state import Layout
 from trainer import planner
-from trainer.models import build_model, model_input_shape
+from trainer.models import Precision, autocast, build_model, model_input_shape
 from trainer.partition import BlockProfile, Profile
 from trainer.planner import Planned
 
-PROFILE_FORMAT = 3  # bump when what is measured changes, so old stored profiles are not reused
+PROFILE_FORMAT = 4  # bump when what is measured changes, so old stored profiles are not reused
 _MIN_SAMPLE_S = 2e-3  # a timing sample averages calls until it lasts about this long
 
 
@@ -59,9 +61,8 @@ def profile_cache_dir() -> Path:
 
 
 def _device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    # the CPU unless told: a worker passes its training device (never "whatever is present")
+    return torch.device("cpu") if device is None else torch.device(device)
 
 
 def device_name(device: str | torch.device | None = None) -> str:
@@ -81,12 +82,18 @@ def device_name(device: str | torch.device | None = None) -> str:
     return f"cpu:{cpu}:{torch.get_num_threads()}threads"
 
 
-def profile_key(model_spec: ModelSpec, microbatch: int, device: str | torch.device | None) -> str:
+def profile_key(
+    model_spec: ModelSpec,
+    microbatch: int,
+    device: str | torch.device | None,
+    precision: Precision = "fp32",
+) -> str:
     """Hash of everything a profile depends on."""
     ident = {
         "format": PROFILE_FORMAT,
         "model": model_spec.model_dump(mode="json"),
         "device": device_name(device),
+        "precision": precision,
         "microbatch": microbatch,
         "torch": torch.__version__,
     }
@@ -126,6 +133,28 @@ def _saved_bytes(module: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[to
     return out, sum(seen.values())
 
 
+class _Clock:
+    """Elapsed seconds between marks: CUDA events on a GPU (the kernels' time, read once the
+    device is idle), the wall clock around a synchronisation on the CPU."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.dev = dev
+
+    def mark(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def between(self, a: object, b: object) -> float:
+        if self.cuda:
+            b.synchronize()  # type: ignore[attr-defined]
+            return a.elapsed_time(b) / 1e3  # type: ignore[attr-defined]
+        return b - a  # type: ignore[operator]
+
+
 def _measure_unit(
     module: nn.Module,
     inp: torch.Tensor,
@@ -133,6 +162,7 @@ def _measure_unit(
     repeats: int,
     warmup: int,
     input_grad: bool = True,
+    precision: Precision = "fp32",
 ) -> tuple[BlockProfile, torch.Tensor]:
     """Forward/backward medians of one unit on `inp`; returns its profile and its output.
     `input_grad`: whether backward also computes the input's gradient (a block's input is an
@@ -141,24 +171,28 @@ def _measure_unit(
     def fresh_input() -> torch.Tensor:
         return inp.detach().requires_grad_(True) if input_grad else inp
 
-    out, act_bytes = _saved_bytes(module, lambda: module(fresh_input()))
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with autocast(dev, precision):  # as StageModule runs it
+            return module(x).float()
+
+    out, act_bytes = _saved_bytes(module, lambda: forward(fresh_input()))
     grad = torch.randn_like(out)
     out_bytes = out.numel() * out.element_size()
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
 
+    clock = _Clock(dev)
+
     def once() -> tuple[float, float]:
         x = fresh_input()
         synchronize(dev)
-        t0 = time.perf_counter()
-        y = module(x)
-        synchronize(dev)
-        t1 = time.perf_counter()
+        t0 = clock.mark()
+        y = forward(x)
+        t1 = clock.mark()
         y.backward(grad)
-        synchronize(dev)
-        t2 = time.perf_counter()
+        t2 = clock.mark()
         # a training step starts from no gradients, so the backward allocates them every time
         module.zero_grad(set_to_none=True)
-        return t1 - t0, t2 - t1
+        return clock.between(t0, t1), clock.between(t1, t2)
 
     for _ in range(max(1, warmup)):
         once()
@@ -180,17 +214,24 @@ def _measure_unit(
 
 
 def _measure(
-    spec: ModelSpec, microbatch: int, dev: torch.device, repeats: int, warmup: int, seed: int
+    spec: ModelSpec,
+    microbatch: int,
+    dev: torch.device,
+    repeats: int,
+    warmup: int,
+    seed: int,
+    precision: Precision = "fp32",
 ) -> Profile:
     model = build_model(spec, seed).to(dev).train()
     x = _example_input(spec, microbatch, dev)
-    embed, h = _measure_unit(model.embed, x, dev, repeats, warmup, input_grad=False)
+    kw = {"repeats": repeats, "warmup": warmup, "precision": precision}
+    embed, h = _measure_unit(model.embed, x, dev, input_grad=False, **kw)
     blocks = []
     for i in range(spec.depth):
         # chain real activations through, so each block sees the values it would in training
-        prof, h = _measure_unit(model.blocks[str(i)], h, dev, repeats, warmup)
+        prof, h = _measure_unit(model.blocks[str(i)], h, dev, **kw)
         blocks.append(prof)
-    head, _ = _measure_unit(model.head, h, dev, repeats, warmup)
+    head, _ = _measure_unit(model.head, h, dev, **kw)
     return Profile(_pool_identical(blocks), embed, head, microbatch, device_name(dev))
 
 
@@ -222,15 +263,16 @@ def measure_profile(
     warmup: int = 2,
     seed: int = 0,
     profile_dir: str | Path | None = None,
+    precision: Precision = "fp32",
 ) -> Profile:
-    """The model's per-unit profile at micro-batch size `microbatch` on `device` (cuda if
-    available, else cpu), reusing a stored measurement when there is one (`reuse=False` neither
+    """The model's per-unit profile at micro-batch size `microbatch` on `device` (default: the
+    CPU) at `precision`, reusing a stored measurement when there is one (`reuse=False` neither
     reads nor stores one; `profile_dir` overrides `profile_cache_dir()`)."""
     if microbatch < 1:
         raise ValueError(f"micro-batch size must be positive, got {microbatch}")
     dev = _device(device)
     folder = Path(profile_dir) if profile_dir is not None else profile_cache_dir()
-    key = profile_key(model_spec, microbatch, dev)
+    key = profile_key(model_spec, microbatch, dev, precision)
     path = folder / f"{model_spec.family}-d{model_spec.depth}-b{microbatch}-{key[:20]}.json"
     if reuse and path.is_file():
         try:
@@ -240,7 +282,7 @@ def measure_profile(
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a torn or stale entry: measure again and overwrite it
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        prof = _measure(model_spec, microbatch, dev, repeats, warmup, seed)
+        prof = _measure(model_spec, microbatch, dev, repeats, warmup, seed, precision)
     if reuse:
         folder.mkdir(parents=True, exist_ok=True)
         payload = {"key": key, "torch": torch.__version__, "profile": prof.to_dict()}
@@ -262,6 +304,7 @@ def measure_profiles(
     warmup: int = 2,
     seed: int = 0,
     profile_dir: str | Path | None = None,
+    precision: Precision = "fp32",
 ) -> dict[int, Profile]:
     """Profiles at several micro-batch sizes, keyed by size."""
     return {
@@ -274,20 +317,27 @@ def measure_profiles(
             warmup=warmup,
             seed=seed,
             profile_dir=profile_dir,
+            precision=precision,
         )
         for b in sorted(set(microbatches))
     }
 
 
 def measured_layout(
-    spec: JobSpec, *, world: int | None = None, boundary: int = 0, current: Layout
+    spec: JobSpec,
+    *,
+    world: int | None = None,
+    boundary: int = 0,
+    current: Layout,
+    device: str | torch.device | None = None,
 ) -> Planned:
-    """`trainer.planner.plan_layout` from measurement on this device: measures the model at the
+    """`trainer.planner.plan_layout` from measurement on `device` (the planning rank's training
+    device; default the CPU) at the job's precision: measures the model at the
     micro-batch sizes `planner.profile_sizes` names (stored measurements reused), then plans.
     At start-up (`boundary` 0, `world` the spec's) S and R stay the spec's; otherwise (after a
     freeze, or in a re-formed world) S' x R' = `world` is searched. See trainer.planner."""
     sizes = planner.profile_sizes(spec, world=world, boundary=boundary)
-    profiles = measure_profiles(spec.model, sizes)
+    profiles = measure_profiles(spec.model, sizes, device, precision=spec.training.precision)
     return planner.plan_layout(
         spec, world=world, boundary=boundary, current=current, profiles=profiles
     )

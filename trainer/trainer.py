@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from orchestrator import keys
 from orchestrator.etcd_client import EtcdClient
-from orchestrator.manifest import read_meta, verify_checkpoint
+from orchestrator.manifest import read_meta
 from orchestrator.protocol import (
     Assignment,
     CacheDecided,
@@ -42,18 +42,21 @@ from orchestrator.protocol import (
 )
 from orchestrator.spec import JobSpec
 from orchestrator.state import Layout, StageLayout
-from trainer.cache import ActivationCache, CachePolicy
+from trainer.cache import DEFAULT_RAM_BYTES, ActivationCache, CachePolicy, choose_memory
 from trainer.checkpointing import Checkpointing
 from trainer.collective import flag_from, from_rank0, ranks_where
 from trainer.data import Split, load_dataset
+from trainer.device import Compute, local_placement, peak_memory_mib, reset_peak_memory
+from trainer.flops import mfu, peak_flops, training_flops_per_sample
 from trainer.freeze import is_decision_point
 from trainer.freezing import Freezing
+from trainer.models import num_tokens
 from trainer.optim import lr_at, set_lr
 from trainer.pipeline import RankPipeline
 from trainer.planner import Planned, needs_measurement
 from trainer.process import LeaveRequest, Reporter, node_id, stdout_log
 from trainer.profile import measured_layout
-from trainer.relayout import build_training
+from trainer.relayout import build_training, verify_once_per_node
 from trainer.sampler import IGNORE, ElasticSampler
 from trainer.train_state import TrainState
 
@@ -78,6 +81,7 @@ class Context:
     world: int
     etcd: EtcdClient
     reporter: Reporter
+    compute: Compute = Compute()  # this rank's device, precision, compile
 
 
 class Trainer:
@@ -102,6 +106,9 @@ class Trainer:
         )
         self.freezing = Freezing(self.spec, ctx.rank, ctx.etcd, ctx.job_id, ctx.reporter)
         self.cache: ActivationCache | None = None
+        # what MFU is measured against: every device of the job at the blocks' precision
+        self.peak_flops = peak_flops(ctx.compute.name(), self.tspec.precision)
+        self.flops_per_sample = 0.0
         self._build(load_from=start.checkpoint, checksum=ctx.assignment.resume_checksum)
 
     # -- where this rank sits in the layout in force ------------------------------------------------
@@ -125,14 +132,23 @@ class Trainer:
 
     def _build(self, load_from: str | None, checksum: str | None = None) -> None:
         """This rank's pipeline and optimizer for the layout in force (collective)."""
+        ctx = self.ctx
         if load_from and checksum:
-            verify_checkpoint(load_from, checksum)
-        self.pipe, self.optimizer = build_training(self.spec, self.layout, self.ctx.rank, load_from)
+            verify_once_per_node(ctx.rank, load_from, checksum)
+        self.pipe, self.optimizer = build_training(
+            self.spec, self.layout, ctx.rank, load_from, ctx.compute
+        )
         # dropout draws from torch's global generator, which a fresh process seeds at random
         # (building the model leaves it as it was): give each rank its own stream from here on
         # (stages and replicas draw different masks), the same whenever the run is repeated
-        torch.manual_seed(dropout_seed(self.tspec.seed, self.ctx.rank, self.state.step))
+        torch.manual_seed(dropout_seed(self.tspec.seed, ctx.rank, self.state.step))
         self._attach_cache()
+        # MFU counts the frozen prefix's forward only where it is recomputed (collective)
+        cached = bool(ranks_where(self.pipe.cache is not None, ctx.rank, ctx.world))
+        self.flops_per_sample = training_flops_per_sample(
+            self.spec.model, self.state.boundary, cached
+        )
+        reset_peak_memory(ctx.compute.device)  # each layout's peak is its own
 
     def _attach_cache(self) -> None:
         """AutoCache on a rank that runs a frozen prefix: one cache per process (files shared by
@@ -143,7 +159,7 @@ class Trainer:
         f = self.state.boundary
         if self.cache is None:
             directory = activation_cache_dir(self.ctx.job_id, self.ctx.assignment.checkpoint_dir)
-            self.cache = ActivationCache.for_model(directory, self.spec.model, len(self.data.train))
+            self.cache = self._new_cache(directory)
         self.cache.set_boundary(f, prefix.fingerprints(f))
         batch = self.tspec.global_batch_size // self.layout.replicas
         sample = self.data.train.inputs[:batch]
@@ -151,6 +167,22 @@ class Trainer:
         self.pipe.cache = self.cache if decision.use else None
         log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, decision.reason)
         self.ctx.reporter.emit(CacheDecided, boundary=f, **decision.as_dict())
+
+    def _new_cache(self, directory: Path) -> ActivationCache:
+        """The rank's activation cache: its memory tier on the GPU where it fits in half of the
+        free device memory (hits cost no copy), else in pinned host memory (copies overlap);
+        host memory on the CPU. Rows are written through to the node-local files only when
+        other workers share the node (they may serve the same samples after a re-layout); a
+        node's only worker keeps them in memory and spills to the files what does not fit."""
+        device, n = self.ctx.compute.device, len(self.data.train)
+        tier = min(DEFAULT_RAM_BYTES, n * num_tokens(self.spec.model) * self.spec.model.dim * 4)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        memory = choose_memory(device, tier, free)
+        shared = local_placement()[1] > 1
+        log.info("rank %d AutoCache memory tier: %s (shared: %s)", self.ctx.rank, memory, shared)
+        return ActivationCache.for_model(
+            directory, self.spec.model, n, memory=memory, device=device, shared=shared
+        )
 
     def _checkpoint(
         self, reason: str, wait: bool = True, continues_under: Layout | None = None
@@ -215,10 +247,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.freezing.observe(norms.per_block)
         if pipe.is_last and pipe.groups.data_parallel is not None:
-            total = torch.tensor([loss])
+            total = torch.tensor([loss], device=pipe.device)
             dist.all_reduce(total, group=pipe.groups.data_parallel)
             loss = float(total)
         epoch_done = st.advance(cursor=b.next_cursor, epoch_len=len(self.data.train), lr=lr)
+        rate = b.global_valid / (time.perf_counter() - t0)
+        peaks = (
+            self._peak_memory() if st.step % self.spec.runtime.control_every_steps == 0 else None
+        )
         if self.reports_loss:
             self.ctx.reporter.emit(
                 Metrics,
@@ -227,11 +263,24 @@ class Trainer:
                 samples_consumed=st.progress.samples_consumed,
                 loss=loss,
                 lr=lr,
-                samples_per_s=b.global_valid / (time.perf_counter() - t0),
+                samples_per_s=rate,
                 frozen=st.boundary,
                 grad_norms=[n if math.isfinite(n) else None for n in norms.per_block],
+                mfu=mfu(rate, self.flops_per_sample, self.ctx.world, self.peak_flops),
+                peak_memory_mib=peaks,
             )
         return epoch_done
+
+    def _peak_memory(self) -> list[float | None] | None:
+        """Every rank's peak GPU memory (MiB) since its layout was built, on every rank (a small
+        gather over the control group); None on the CPU, without a collective."""
+        device = self.ctx.compute.device
+        if device.type != "cuda":
+            return None
+        mine = torch.tensor([peak_memory_mib(device) or 0.0], dtype=torch.float64)
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(self.ctx.world)]
+        dist.all_gather(every, mine)
+        return [round(float(t), 1) for t in every]
 
     def _leaving(self) -> bool:
         """Whether any rank was asked to leave (SIGTERM) during this step: then everyone
@@ -282,7 +331,11 @@ class Trainer:
         planned = agree_on_layout(
             self.ctx.rank,
             lambda: measured_layout(
-                self.spec, world=self.ctx.world, boundary=boundary, current=self.layout
+                self.spec,
+                world=self.ctx.world,
+                boundary=boundary,
+                current=self.layout,
+                device=self.ctx.compute.device,
             ),
         )
         self._checkpoint("relayout", continues_under=planned.layout)
@@ -315,7 +368,11 @@ def startup_layout(ctx: Context, layout: Layout) -> Layout:
     planned = agree_on_layout(
         ctx.rank,
         lambda: measured_layout(
-            ctx.spec, world=ctx.world, boundary=layout.freeze_boundary, current=layout
+            ctx.spec,
+            world=ctx.world,
+            boundary=layout.freeze_boundary,
+            current=layout,
+            device=ctx.compute.device,
         ),
     )
     report_layout(ctx, planned, planned.reason, time.monotonic() - t0)
@@ -345,14 +402,15 @@ def evaluate(
 ) -> tuple[float, float] | None:
     """Held-out (accuracy, mean loss), known on the last stage (None elsewhere)."""
     sampler = ElasticSampler(len(test), global_batch, seed=0)
-    correct = torch.zeros(2)  # correct count, summed loss
+    correct = torch.zeros(2, device=pipe.device)  # correct count, summed loss
     cursor = 0
     while cursor < len(test):
         b = sampler.batch(0, cursor, layout.replicas, replica)
         inputs, targets = _replica_inputs(pipe, test, b.indices, b.valid)
+        targets = pipe.to_device(targets)
         logits = pipe.forward_only(inputs, targets)
         if pipe.is_last:
-            mask = torch.from_numpy(b.valid)
+            mask = torch.from_numpy(b.valid).to(pipe.device)
             correct[0] += (logits.argmax(-1)[mask] == targets[mask]).sum()
             correct[1] += torch.nn.functional.cross_entropy(
                 logits, targets, ignore_index=IGNORE, reduction="sum"

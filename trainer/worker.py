@@ -29,6 +29,7 @@ from orchestrator.protocol import (
     Phase,
     RunOutcome,
 )
+from trainer.device import Compute, worker_device
 from trainer.failures import is_peer_loss
 from trainer.failures import report_exit as on_worker_exit  # noqa: F401 (fork-server hook)
 from trainer.process import AbortWatch, LeaveRequest, Reporter, hold, hold_presence, join, read_spec
@@ -49,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     etcd = EtcdClient(args.etcd)
     spec = read_spec(etcd, args.job_id)
     torch.set_num_threads(spec.runtime.threads_per_worker)
-    dist.init_process_group("gloo")  # the control group: every rank, for the job's whole life
+    # the device first: NCCL's communicators bind to the current device when they are created
+    device = worker_device(spec)
+    # the control group: every rank, for the job's whole life, gloo on CPU tensors whatever the
+    # device, so that destroying or aborting a layout's NCCL groups never touches it
+    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assignment = join(etcd, args.job_id, rank, world)
     if assignment.fatal:  # the job failed for good: exit 0 so that the agents stop restarting
@@ -70,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if assignment.layout is None:
             return hold(assignment, leave)
-        ctx = Context(args.job_id, spec, assignment, rank, world, etcd, reporter)
+        compute = Compute.for_spec(spec, device)
+        ctx = Context(args.job_id, spec, assignment, rank, world, etcd, reporter, compute)
         trainer = Trainer(ctx, startup_layout(ctx, assignment.layout), leave)
         phase = Phase.TRAIN
         outcome = trainer.run()
