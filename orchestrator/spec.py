@@ -759,8 +759,8 @@ def gpu_shortfall(setting: str, workers_per_node: int, gpus: int) -> str | None:
 
 
 def local_device_type(setting: str, workers: int, gpus: int) -> str:
-    """ "cuda" or "cpu": what `runtime.device: <setting>` means for `workers` workers sharing
-    `gpus` GPUs (a node, or every simulated node of one machine)."""
+    """The device type, "cuda" or "cpu", that `runtime.device: <setting>` means for `workers`
+    workers sharing `gpus` GPUs (a node, or every simulated node of one machine)."""
     if setting == "cuda" or (setting == "auto" and gpus and workers <= gpus):
         return "cuda"
     return "cpu"
