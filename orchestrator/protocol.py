@@ -22,7 +22,15 @@ import time
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+)
 
 from orchestrator.state import Layout, TrainingState
 
@@ -32,6 +40,17 @@ from orchestrator.state import Layout, TrainingState
 EXIT_REFORM = 75
 # exit codes that are a decision, not a death: done, and leaving to re-form
 _CLEAN_EXITS = (0, EXIT_REFORM)
+
+
+def _not_negative(value: float) -> float:
+    if value < 0:  # NaN and inf pass: a diverged step's norms are stored as NULL
+        raise ValueError("must not be negative")
+    return value
+
+
+# a norm, a utilisation or a memory size: a negative one is a malformed report, rejected when
+# drained rather than failing the store write of the whole batch
+NonNegative = Annotated[float, AfterValidator(_not_negative)]
 
 
 class _Model(BaseModel):
@@ -212,13 +231,13 @@ class Metrics(_Event):
     frozen: int  # the layout's freeze boundary at this step
     # one gradient L2 norm per transformer block (after the cross-replica all-reduce, before
     # clipping; 0 for frozen blocks); None where not finite. Absent from older workers' reports.
-    grad_norms: list[float | None] | None = None
+    grad_norms: list[NonNegative | None] | None = None
     # model FLOPs per second over the devices' dense peak (trainer/flops.py), a fraction; None
     # where the peak is unknown (the CPU, unless PIPETRANSFORMER_PEAK_TFLOPS says it)
-    mfu: float | None = None
+    mfu: NonNegative | None = None
     # peak GPU memory allocated per rank (MiB; index = rank) since the layout was built, sent at
     # control points (runtime.control_every_steps) and None between them and on the CPU
-    peak_memory_mib: list[float | None] | None = None
+    peak_memory_mib: list[NonNegative | None] | None = None
 
 
 class Evaluated(_Event):

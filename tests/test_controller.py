@@ -421,6 +421,12 @@ def test_sigterm_starts_the_grace_timer_even_inside_a_collective(tmp_path: Path)
     [
         ('{"kind": "metrics", "rank": 0, "generation": 1, "epoch": 0}', "metrics.step"),
         ('{"kind": "teleported", "rank": 0}', "kind"),  # an event this controller does not know
+        (  # a negative memory size: rejected, not a failed store write for the whole batch
+            '{"kind": "metrics", "rank": 0, "generation": 1, "step": 1, "epoch": 0, '
+            '"samples_consumed": 64, "loss": 2.3, "lr": 0.001, "samples_per_s": 10.0, '
+            '"frozen": 0, "peak_memory_mib": [12.5, -1.0]}',
+            "metrics.peak_memory_mib.1",
+        ),
         ("not json at all", "(message)"),
     ],
 )
