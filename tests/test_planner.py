@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from orchestrator.spec import ModelSpec
 from orchestrator.state import Layout
 from trainer import profile as profile_mod
+from trainer.models import init_unit
 from trainer.partition import (
     BlockProfile,
     CostModel,
@@ -449,7 +450,7 @@ def test_measure_profile_and_cache_round_trip(family: str, tmp_path, monkeypatch
     assert prof.head.output_bytes == 3 * spec.num_classes * 4
     assert prof.blocks[0].activation_bytes > prof.blocks[0].output_bytes
     assert prof.blocks[0] == prof.blocks[1]  # identical blocks: pooled times
-    block_params = sum(p.numel() for p in profile_mod.build_model(spec, 0).blocks["0"].parameters())
+    block_params = sum(p.numel() for p in init_unit(spec, 0, "blocks.0").parameters())
     assert prof.blocks[0].param_bytes == 4 * block_params
     files = list((tmp_path / "profiles").glob("*.json"))
     assert profile_cache_dir() == tmp_path / "profiles" and len(files) == 1

@@ -1,18 +1,18 @@
 """Measured per-block profiles for the AutoPipe planner (the planner's only I/O edge).
 
-A short profiling pass runs the real model (`trainer.models.build_model`) on the training device
-(the rank's own: profiling the GPU while training on the CPU, or the reverse, would plan for
-the wrong machine) at the job's precision, one unit at a time (the embedding, each block, the head), for one micro-batch of a given size:
-forward and backward time (median over repeats after warm-up; each sample averages enough calls
-to be well above the timer's resolution; CUDA events on a GPU, which time the kernels rather than
-their launch), bytes of the unit's output (what crosses a cut after
-it), parameter bytes, and the bytes autograd saves for backward (counted with
-`torch.autograd.graph.saved_tensors_hooks`, one count per storage, parameters excluded). Blocks of
-identical shape have their times pooled (the median over the group), so timer noise cannot
-decide between equivalent cuts.
+A short profiling pass runs the real model's units (`trainer.models.init_unit`: the embedding,
+each block, the head, one on the device at a time) on the training device (the rank's own:
+profiling the GPU while training on the CPU, or the reverse, would plan for the wrong machine) at
+the job's precision, for one micro-batch of a given size: forward and backward time (median
+over repeats after warm-up; each sample averages enough calls to be well above the timer's
+resolution; CUDA events on a GPU, which time the kernels rather than their launch), bytes of the
+unit's output (what crosses a cut after it), parameter bytes, and the bytes autograd saves for
+backward (counted with `torch.autograd.graph.saved_tensors_hooks`, one count per storage,
+parameters excluded). Blocks of identical shape have their times pooled (the median over the
+group), so timer noise cannot decide between equivalent cuts.
 
-Measurements are stored as JSON per (model spec, device name and threads, precision,
-micro-batch size, torch version) under `profile_cache_dir()` (`$PIPETRANSFORMER_CACHE/profiles`, default
+Measurements are stored as JSON per (model spec, device name and threads, precision, micro-batch
+size, torch version) under `profile_cache_dir()` (`$PIPETRANSFORMER_CACHE/profiles`, default
 `~/.cache/pipetransformer/profiles`; not AutoCache's activation cache) and reused: measuring is
 cheap but not free, and its answer is specific to the hardware it ran on.
 
@@ -44,7 +44,7 @@ from torch import nn
 from orchestrator.spec import JobSpec, ModelSpec
 from orchestrator.state import Layout
 from trainer import planner
-from trainer.models import Precision, autocast, build_model, model_input_shape
+from trainer.models import Precision, autocast, init_unit, model_input_shape
 from trainer.partition import BlockProfile, Profile
 from trainer.planner import Planned
 
@@ -222,16 +222,20 @@ def _measure(
     seed: int,
     precision: Precision = "fp32",
 ) -> Profile:
-    model = build_model(spec, seed).to(dev).train()
+    def unit(name: str) -> nn.Module:
+        # one unit on the device at a time (the weights `build_model` gives it): the planning
+        # rank measures beside its own training state, and the whole model need not fit
+        return init_unit(spec, seed, name).to(dev).train()
+
     x = _example_input(spec, microbatch, dev)
     kw = {"repeats": repeats, "warmup": warmup, "precision": precision}
-    embed, h = _measure_unit(model.embed, x, dev, input_grad=False, **kw)
+    embed, h = _measure_unit(unit("embed"), x, dev, input_grad=False, **kw)
     blocks = []
     for i in range(spec.depth):
         # chain real activations through, so each block sees the values it would in training
-        prof, h = _measure_unit(model.blocks[str(i)], h, dev, **kw)
+        prof, h = _measure_unit(unit(f"blocks.{i}"), h, dev, **kw)
         blocks.append(prof)
-    head, _ = _measure_unit(model.head, h, dev, **kw)
+    head, _ = _measure_unit(unit("head"), h, dev, **kw)
     return Profile(_pool_identical(blocks), embed, head, microbatch, device_name(dev))
 
 
