@@ -14,15 +14,16 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "bench" / "out"
 if str(ROOT) not in sys.path:  # `python bench/x.py` works without installing the project
     sys.path.insert(0, str(ROOT))
 
+T = TypeVar("T")
 _T0 = time.perf_counter()
 
 
@@ -39,6 +40,13 @@ def pin_threads(n: int = 1) -> None:
         torch.set_num_interop_threads(n)
     except RuntimeError:
         pass  # already set once in this process (torch allows it only before parallel work)
+
+
+def rotated(items: list[T], k: int) -> Iterator[T]:
+    """`items` starting at position k (mod len): repeats of side-by-side timings rotate which
+    configuration goes first, so none always runs on a cold cache or a warm clock."""
+    k %= len(items)
+    yield from items[k:] + items[:k]
 
 
 def pick_device(choice: str, threads: int = 1):  # -> tuple[torch.device, str]

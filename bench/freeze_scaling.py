@@ -75,14 +75,22 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import emit, environment, median, out_dir, pick_device, progress  # noqa: E402
+from _common import (  # noqa: E402
+    emit,
+    environment,
+    median,
+    out_dir,
+    pick_device,
+    progress,
+    rotated,
+)
 
 from orchestrator.spec import ModelSpec, TrainingSpec  # noqa: E402
 from trainer.cache import ActivationCache, FrozenPrefix, choose_memory  # noqa: E402
@@ -332,11 +340,6 @@ def check_cache(rep: Replica) -> float:
     return worst
 
 
-def _rotated(items: list[Replica], k: int) -> Iterator[Replica]:
-    k %= len(items)
-    yield from items[k:] + items[:k]
-
-
 def measure(
     spec: ModelSpec,
     *,
@@ -401,7 +404,7 @@ def measure(
             rep.run(warmup, record=False)
         misses_before = {rep.name: rep.cache.stats().misses for rep in reps if rep.cache}
         for r in range(repeats):
-            for rep in _rotated(reps, r):
+            for rep in rotated(reps, r):
                 rep.run(steps, record=True)
             progress(
                 f"repeat {r + 1}/{repeats}: "

@@ -49,14 +49,22 @@ import argparse
 import gc
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import emit, environment, median, out_dir, pick_device, progress  # noqa: E402
+from _common import (  # noqa: E402
+    emit,
+    environment,
+    median,
+    out_dir,
+    pick_device,
+    progress,
+    rotated,
+)
 from freeze_scaling import MODELS, _backend_name, compile_blocks  # noqa: E402
 
 from orchestrator.spec import ModelSpec, TrainingSpec  # noqa: E402
@@ -206,11 +214,6 @@ class Config:
         return len(self.labels) / median(self.times) if self.ok and self.times else None
 
 
-def _rotated(items: list[Config], k: int) -> Iterator[Config]:
-    k %= len(items)
-    yield from items[k:] + items[:k]
-
-
 def measure(
     spec: ModelSpec,
     *,
@@ -254,7 +257,7 @@ def measure(
         active = [item for item in items if item.ok]
         if not active:
             break
-        for item in _rotated(active, r):
+        for item in rotated(active, r):
             item.run(steps)
         progress(
             f"repeat {r + 1}/{repeats}: "

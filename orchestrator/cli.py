@@ -317,12 +317,12 @@ def _node_devices(spec: JobSpec, nodes: int) -> list[dict[str, str]]:
     are hidden, so that no node decides otherwise on its own."""
     import torch
 
-    per_node = spec.parallel.world_size // spec.runtime.nodes
     gpus = torch.cuda.device_count()
     if not gpus:
         return [{} for _ in range(nodes)]
-    if local_device_type(spec.runtime.device, per_node * nodes, gpus) == "cpu":
+    if local_device_type(spec.runtime.device, spec.parallel.world_size, gpus) == "cpu":
         return [{"CUDA_VISIBLE_DEVICES": ""} for _ in range(nodes)]
+    per_node = spec.parallel.world_size // nodes
     return [{"CUDA_VISIBLE_DEVICES": node_gpus(k, per_node)} for k in range(nodes)]
 
 
@@ -330,12 +330,8 @@ def _gpu_memory(spec: JobSpec) -> int | None:
     """The smallest GPU's memory when this machine's workers will compute on CUDA, else None."""
     import torch
 
-    per_node = spec.parallel.world_size // spec.runtime.nodes
     gpus = torch.cuda.device_count()
-    if (
-        not gpus
-        or local_device_type(spec.runtime.device, per_node * spec.runtime.nodes, gpus) != "cuda"
-    ):
+    if not gpus or local_device_type(spec.runtime.device, spec.parallel.world_size, gpus) != "cuda":
         return None
     return min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
 
@@ -345,10 +341,7 @@ def _gpu_shortfall(spec: JobSpec) -> str | None:
     CUDA (`run` puts every node on this machine)."""
     import torch
 
-    per_node = spec.parallel.world_size // spec.runtime.nodes
-    return gpu_shortfall(
-        spec.runtime.device, per_node * spec.runtime.nodes, torch.cuda.device_count()
-    )
+    return gpu_shortfall(spec.runtime.device, spec.parallel.world_size, torch.cuda.device_count())
 
 
 def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.spec import JobSpec, gpu_shortfall
+from orchestrator.spec import JobSpec, gpu_shortfall, local_device_type
 
 log = logging.getLogger("pipetransformer.worker")
 
@@ -30,12 +30,8 @@ def resolve_device(
     """The device of worker `local_rank` of a node's `workers_per_node` under `runtime.device`
     (`auto` | `cpu` | `cuda`); raises DeviceError when `cuda` cannot be honoured."""
     gpus = torch.cuda.device_count() if gpus is None else gpus
-    if setting == "cpu":
-        return torch.device("cpu")
-    if setting == "auto":
-        if gpus and workers_per_node <= gpus:
-            return torch.device("cuda", local_rank)
-        if gpus:
+    if local_device_type(setting, workers_per_node, gpus) == "cpu":
+        if setting == "auto" and gpus:
             log.warning(
                 "runtime.device auto: %d worker(s) on this node but %d GPU(s); computing on "
                 "the CPU (set runtime.device: cuda to make this an error)",

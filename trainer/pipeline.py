@@ -72,7 +72,7 @@ class TrainingGroups:
     data_parallel: dist.ProcessGroup | None  # same pipeline position in every replica (None if R=1)
 
 
-def build_groups(layout: Layout, rank: int, compute: Compute | None = None) -> TrainingGroups:
+def build_groups(layout: Layout, compute: Compute | None = None) -> TrainingGroups:
     """The layout's training mesh (collective: every rank calls it, in the same order). Rank
     r * P + p is pipeline position p of replica r, the mesh's row-major order."""
     compute = compute or Compute()
@@ -413,7 +413,7 @@ def build_rank_pipeline(
     `fresh(unit)` says which units get their seed-derived initialisation (default: all); the
     others are left for the caller to load from a checkpoint."""
     compute = compute or Compute()
-    groups = build_groups(layout, rank, compute)
+    groups = build_groups(layout, compute)
     local = [s for s, _ in layout.placements(rank)]
     flags = [recompute[s.index] for s in local] if recompute else [False] * len(local)
     model = RankModel(spec_model, seed, local, flags, layout.freeze_boundary, compute, fresh)
