@@ -271,6 +271,10 @@ def _trainer_args(
 def trainer_gpus(job: JobSpec, nproc_per_node: int, gpu: int = -1) -> int:
     """GPUs per trainer replica: `gpu` when given (>= 0), else one per worker process when the
     spec computes on CUDA (`runtime.device: cuda`; `auto` requests none and runs where it lands)."""
+    if gpu < -1:
+        raise ComponentArgError(
+            f"gpu={gpu}: give a number of GPUs per trainer (0 or more), or leave it unset"
+        )
     if gpu >= 0:
         return gpu
     return nproc_per_node if job.runtime.device == "cuda" else 0

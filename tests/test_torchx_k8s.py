@@ -267,3 +267,5 @@ def test_cuda_trainers_request_one_gpu_per_worker(tmp_path: Path) -> None:
         assert "nvidia.com/gpu" not in container(task)["resources"].get("limits", {})
     with pytest.raises(ComponentArgError, match="gpu=1"):
         train(spec=str(path), image=IMAGE, etcd="etcd:2379", nnodes=2, nproc_per_node=2, gpu=1)
+    with pytest.raises(ComponentArgError, match="gpu=-3: give a number of GPUs"):
+        train(spec=str(path), image=IMAGE, etcd="etcd:2379", nnodes=2, nproc_per_node=2, gpu=-3)
