@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.spec import ModelSpec
-from trainer.partition import (
+from core.partition import (
     CostModel,
     Plan,
     PlanError,
@@ -28,6 +27,7 @@ from trainer.partition import (
     profile_at,
     uniform_partition,
 )
+from core.spec import ModelSpec
 from trainer.profile import measure_profiles
 
 # PipeTransformer's AutoPipe weights a frozen layer at 1/6 of an active one

@@ -36,7 +36,7 @@ pin_threads(1)
 
 import torch  # noqa: E402
 
-from orchestrator.spec import ModelSpec, load_spec  # noqa: E402
+from core.spec import ModelSpec, load_spec  # noqa: E402
 from trainer.cache import CachePolicy, FrozenPrefix, measure_prefix_costs  # noqa: E402
 from trainer.data import load_dataset  # noqa: E402
 from trainer.models import build_model, num_tokens  # noqa: E402

@@ -44,11 +44,11 @@ import torch.multiprocessing as mp  # noqa: E402
 import yaml
 from _common import ROOT, emit, environment, out_dir, pin_threads, progress
 
-from orchestrator.spec import JobSpec  # noqa: E402
+from core.planner import plan_layout  # noqa: E402
+from core.spec import JobSpec  # noqa: E402
 from trainer.checkpoint import AsyncCheckpointer  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
 from trainer.pipeline import build_rank_pipeline  # noqa: E402
-from trainer.planner import plan_layout  # noqa: E402
 
 WORLD = 2
 MODES = ("none", "async", "sync")

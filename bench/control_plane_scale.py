@@ -93,15 +93,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, emit, environment, out_dir, progress  # noqa: E402
 
-from orchestrator import keys  # noqa: E402
+from core import keys  # noqa: E402
+from core.etcd_client import EtcdClient  # noqa: E402
+from core.protocol import Assignment, JoinRequest, Metrics, Started  # noqa: E402
+from core.spec import JobSpec  # noqa: E402
+from core.state import Layout  # noqa: E402
 from orchestrator.controller import Controller  # noqa: E402
-from orchestrator.etcd_client import EtcdClient  # noqa: E402
 from orchestrator.etcd_server import EmbeddedEtcd  # noqa: E402
 from orchestrator.launch import HEARTBEAT_S, HEARTBEATS_MISSED, LAST_CALL_S  # noqa: E402
-from orchestrator.protocol import Assignment, JoinRequest, Metrics, Started  # noqa: E402
-from orchestrator.spec import JobSpec  # noqa: E402
-from orchestrator.state import Layout  # noqa: E402
-from orchestrator.store import Store, sqlite_url  # noqa: E402
+from store import Store, sqlite_url  # noqa: E402
 
 JOB = "cps"
 MONITOR_S = 0.2  # torchrun --monitor-interval in orchestrator.launch.torchrun_command
@@ -629,7 +629,7 @@ def _host(
     # how it ends for the controller: rank 0 reports the end, then every lease goes
     rank0 = [p for p in parts if p.result.get("rank") == 0 and p.reporter is not None]
     if msg[3] and rank0:
-        from orchestrator.protocol import Finished
+        from core.protocol import Finished
 
         rank0[0].call("report", rank0[0].reporter.emit, Finished, kind="done", outcome="done")
     for p in parts:

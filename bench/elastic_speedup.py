@@ -28,7 +28,7 @@ goes to bench/out/elastic_speedup.png.
         [--epochs 20 (finetune: 10)] [--policy gradient] [--alpha 0.25] [--threshold 0.2]
         [--warmup 0] [--keep-trainable 1]
 
-The defaults are the recommended AutoFreeze configuration (trainer/freeze.py says why).
+The defaults are the recommended AutoFreeze configuration (core/freeze.py says why).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 import yaml
 from _common import ROOT, emit, environment, out_dir, progress
 
-from orchestrator.store import Store, sqlite_url  # noqa: E402
+from store import Store, sqlite_url  # noqa: E402
 
 PRETRAIN_SEED = 100  # the pretraining job's training seed: none of the fine-tuning seeds
 FINETUNE_CLASSES = [5, 6, 7, 8, 9]

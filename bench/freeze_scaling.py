@@ -92,7 +92,7 @@ from _common import (  # noqa: E402
     rotated,
 )
 
-from orchestrator.spec import ModelSpec, TrainingSpec  # noqa: E402
+from core.spec import ModelSpec, TrainingSpec  # noqa: E402
 from trainer.cache import ActivationCache, FrozenPrefix, choose_memory  # noqa: E402
 from trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
 from trainer.models import StageModule, build_model, num_tokens  # noqa: E402

@@ -31,8 +31,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from _common import emit, environment, out_dir, pin_threads, progress
 from baselines import balanced_partition  # noqa: E402
 
-from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem  # noqa: E402
-from orchestrator.state import Layout  # noqa: E402
+from core.spec import SCHEDULES, ModelSpec, schedule_problem  # noqa: E402
+from core.state import Layout  # noqa: E402
 from trainer.pipeline import build_rank_pipeline  # noqa: E402
 
 S = 2

@@ -53,9 +53,7 @@ from baselines import (  # noqa: E402
 )
 from pydantic import ValidationError  # noqa: E402
 
-from orchestrator.spec import ModelSpec, load_spec  # noqa: E402
-from trainer.models import build_model, model_input_shape  # noqa: E402
-from trainer.partition import (  # noqa: E402
+from core.partition import (  # noqa: E402
     CostModel,
     Plan,
     Profile,
@@ -63,6 +61,8 @@ from trainer.partition import (  # noqa: E402
     microbatch_candidates,
     plan,
 )
+from core.spec import ModelSpec, load_spec  # noqa: E402
+from trainer.models import build_model, model_input_shape  # noqa: E402
 from trainer.profile import measure_profile, measure_profiles  # noqa: E402
 
 METHODS = ("autopipe", "param_greedy", "uniform")

@@ -37,10 +37,10 @@ from typing import Any
 import yaml
 from _common import ROOT, emit, environment, progress
 
-from orchestrator import keys  # noqa: E402
-from orchestrator.etcd_client import EtcdClient  # noqa: E402
+from core import keys  # noqa: E402
+from core.etcd_client import EtcdClient  # noqa: E402
 from orchestrator.etcd_server import EmbeddedEtcd  # noqa: E402
-from orchestrator.store import Store, sqlite_url  # noqa: E402
+from store import Store, sqlite_url  # noqa: E402
 
 KINDS = ("worker_kill", "worker_term", "node_loss", "controller_kill", "etcd_restart")
 JOB = "recovery"

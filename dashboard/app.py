@@ -25,7 +25,7 @@ from dashboard import job_view
 from dashboard.control import freeze_override_control, sign_in_panel
 from dashboard.job_view import VIEWS, ChartOptions, job_label
 from dashboard.launch import ENV_DB, Options, options_from, script_args
-from orchestrator.store import JobInfo, Store, sqlite_path
+from store import JobInfo, Store, sqlite_path
 
 TERMINAL = {"completed", "failed", "interrupted"}
 

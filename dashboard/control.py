@@ -1,7 +1,7 @@
 """The dashboard's actions: signing in, and filing a manual freeze request for a running job.
 
 Reading is open; acting needs a signed-in user (`dashboard.auth`). A freeze request goes through
-`orchestrator.overrides.file_freeze_request`, the same validation as `pipetransformer freeze`
+`core.overrides.file_freeze_request`, the same validation as `pipetransformer freeze`
 (running job, forward only, within the model), before anything is filed in the job's etcd; the
 controller then audits it in the store under the signed-in name. Refused sign-ins and refused
 requests are logged on the dashboard's stderr with the client address.
@@ -14,6 +14,14 @@ import sys
 
 import streamlit as st
 
+from core.etcd_client import EtcdClient, EtcdUnavailable
+from core.overrides import (
+    OverrideError,
+    allowed_layers,
+    file_freeze_request,
+    live_etcd_endpoint,
+    pending_request,
+)
 from dashboard.auth import (
     HOW_TO_ENABLE,
     AuthConfigError,
@@ -22,15 +30,7 @@ from dashboard.auth import (
     oidc_configured,
 )
 from dashboard.launch import Options
-from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
-from orchestrator.overrides import (
-    OverrideError,
-    allowed_layers,
-    file_freeze_request,
-    live_etcd_endpoint,
-    pending_request,
-)
-from orchestrator.store import JobInfo, Store
+from store import JobInfo, Store
 
 ACTOR_KEY = "actor"  # session state: the signed-in user's name
 FLASH_KEY = "filed"  # session state: what the last filing said, shown after the rerun
@@ -204,7 +204,7 @@ def _file(store: Store, job: JobInfo, options: Options, layers: int, reason: str
         return
     try:
         etcd = etcd_client(live_etcd_endpoint(job, options.etcd))
-        request = file_freeze_request(store, etcd, job.id, layers, reason, who=f"{who} (dashboard)")
+        request = file_freeze_request(etcd, job, layers, reason, who=f"{who} (dashboard)")
     except OverrideError as exc:
         log.warning("refused freeze request by %s for %s: %s", who, job.id, exc)
         st.error(f"Refused: {exc}")

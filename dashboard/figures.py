@@ -1,6 +1,6 @@
 """Plotly figure builders: pure functions of store data (no I/O, no Streamlit).
 
-Inputs are what `orchestrator.store.Store` returns: a `Layout`, the `(Layout, reason, created_at)`
+Inputs are what `store.Store` returns: a `Layout`, the `(Layout, reason, created_at)`
 history of `Store.layouts`, and the row dicts of `Store.metrics` / `Store.evaluations` (`time`
 in unix seconds; `mfu` a fraction; `peak_memory_mib` per rank in MiB, or None). Every series
 chart takes `x` ("step" or "time", see `dashboard.timeline`) and an optional `Timeline` to draw
@@ -19,6 +19,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from core.state import Layout
 from dashboard.timeline import (
     LayoutHistory,
     Rows,
@@ -32,7 +33,6 @@ from dashboard.timeline import (
     unix,
     utc,
 )
-from orchestrator.state import Layout
 
 FROZEN_COLOR = "#c7c7c7"
 STAGE_COLORS = qualitative.Plotly

@@ -16,7 +16,7 @@ from dashboard import figures, views
 from dashboard import timeline as tl
 from dashboard.control import pending_raw
 from dashboard.launch import Options
-from orchestrator.store import JobInfo, Store
+from store import JobInfo, Store
 
 VIEWS = ["Training", "Layout", "Freezing", "Workers", "Events", "Spec", "Compare"]
 STATE_ICONS = {

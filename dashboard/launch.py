@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.store import DB_ENV as ENV_DB
+from store import DB_ENV as ENV_DB
 
 APP_PATH = Path(__file__).resolve().parent / "app.py"
 ENV_ETCD = "PIPETRANSFORMER_ETCD"

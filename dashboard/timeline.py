@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import plotly.graph_objects as go
 
-from orchestrator.state import Layout
+from core.state import Layout
 
 XAxis = Literal["step", "time"]  # every series chart can be drawn against optimizer step or time
 Rows = Sequence[Mapping[str, Any]]

@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from orchestrator.protocol import FreezeOutcome, read_freeze_request
-from orchestrator.spec import JobSpec
-from orchestrator.summary import mfu_text, peak_memory_text
+from core.protocol import FreezeOutcome, read_freeze_request
+from core.readings import mfu_text, peak_memory_text
+from core.spec import JobSpec
 
 Rows = Sequence[Mapping[str, Any]]
 REQUEST_EVENT = "freeze_requested"

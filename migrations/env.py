@@ -1,6 +1,6 @@
 """Alembic environment for the pipetransformer store.
 
-`orchestrator.store` builds the alembic `Config` in code and hands over an open connection in
+`store` builds the alembic `Config` in code and hands over an open connection in
 `config.attributes["connection"]`, so migrations run on the store's own engine (same SQLite
 pragmas, same in-memory database). Without one, an engine is made from `sqlalchemy.url`.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from orchestrator.tables import Base
+from store.tables import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -49,7 +49,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    from orchestrator.store import make_engine
+    from store import make_engine
 
     url = config.get_main_option("sqlalchemy.url")
     if not url:

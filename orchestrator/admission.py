@@ -31,7 +31,7 @@ d = model.dim, H = int(d x mlp_ratio), h = heads, k = num_classes, t = tokens be
   one block's activations (backward's workspace, or the block being recomputed). With
   `parallel.recompute` a block keeps only its input (4 b t d). Micro-batches in flight on
   stage s of S: m for GPipe, min(m, S - s) for 1F1B, m for the others (an upper bound, as in
-  trainer/partition.py).
+  core/partition.py).
 * Data: every worker loads the whole data set (train and test): inputs (vit float32 c x
   image_size^2, bert int64 seq_len) and an int64 label per sample, and up to 3 times that while
   generating and splitting it (float64 noise, index copies).
@@ -45,7 +45,7 @@ device memory and bf16 autocast keeps float32 weights: these host-memory figures
 GPU worker's host need, which is why `run` checks GPUs by count (`gpu_shortfall`), not size. `pipetransformer run` needs every worker's peak at once
 (replicas x the pipeline ranks) plus the processes around them.
 
-Stages get the initial layout's block ranges (`trainer.planner.initial_ranges`: `parallel.stages x
+Stages get the initial layout's block ranges (`core.planner.initial_ranges`: `parallel.stages x
 virtual_stages` contiguous ranges of equal size, earlier stages taking the remainder) and are
 placed on ranks as the schedule expects.
 """
@@ -57,11 +57,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.spec import SCHEDULES, JobSpec, ModelSpec
-from orchestrator.state import pipeline_position
-
 # the pure planner's initial split (the one trainer import orchestrator allows, as the controller)
-from trainer.planner import initial_ranges
+from core.planner import initial_ranges
+from core.spec import SCHEDULES, JobSpec, ModelSpec
+from core.state import pipeline_position
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -25,27 +25,16 @@ from rich.markup import escape
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from orchestrator import forkserver, keys
-from orchestrator.controller import (
-    Controller,
-    ControllerError,
-    check_job_id,
-    job_dir,
-    new_job_id,
-)
-from orchestrator.etcd_client import EtcdClient, EtcdUnavailable
-from orchestrator.etcd_server import EmbeddedEtcd
-from orchestrator.launch import torchrun_command, worker_env
-from orchestrator.overrides import (
+from core import keys
+from core.etcd_client import EtcdClient, EtcdUnavailable
+from core.overrides import (
     OverrideError,
     endpoint_file,
     file_freeze_request,
     live_etcd_endpoint,
 )
-from orchestrator.pretrained import resolve_init
-from orchestrator.procs import tied_to_parent
-from orchestrator.progress import ProgressView
-from orchestrator.spec import (
+from core.readings import mfu_text, peak_memory_text
+from core.spec import (
     JobSpec,
     SpecError,
     gpu_shortfall,
@@ -53,15 +42,26 @@ from orchestrator.spec import (
     local_device_type,
     spec_from_text,
 )
-from orchestrator.store import DB_ENV, Store, UnknownJob, sqlite_url
+from orchestrator import forkserver
+from orchestrator.controller import (
+    Controller,
+    ControllerError,
+    check_job_id,
+    job_dir,
+    new_job_id,
+)
+from orchestrator.etcd_server import EmbeddedEtcd
+from orchestrator.launch import torchrun_command, worker_env
+from orchestrator.pretrained import resolve_init
+from orchestrator.procs import tied_to_parent
+from orchestrator.progress import ProgressView
 from orchestrator.summary import (
     bought_line,
     cache_line,
     history_from_store,
     history_table,
-    mfu_text,
-    peak_memory_text,
 )
+from store import DB_ENV, Store, UnknownJob, sqlite_url
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -469,23 +469,15 @@ def _check_readable(args: argparse.Namespace) -> None:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from dashboard.auth import AuthConfigError, bind_warning, load_credentials, oidc_configured
-    from dashboard.launch import streamlit_command
-
+    """Check the store, then become `python -m dashboard`, which checks the sign-in settings and
+    becomes Streamlit (the CLI never imports the dashboard)."""
     _check_readable(args)  # fail here, clearly, if there is nothing to show
-    try:
-        credentials = load_credentials()
-    except AuthConfigError as exc:
-        raise UsageError(str(exc)) from None
-    if warning := bind_warning(args.host, credentials, oidc_configured()):
-        err.print(f"[yellow]warning:[/] {escape(warning)}")
-    cmd = streamlit_command(
-        db_url(args), host=args.host, port=args.port, etcd=args.etcd, refresh_s=args.refresh
-    )
-    who = f"actions for {credentials.source}" if credentials else "read-only (no credentials)"
-    console.print(f"dashboard on http://{args.host}:{args.port}, {who} (Ctrl-C to stop)")
+    cmd = [sys.executable, "-m", "dashboard", "--db", db_url(args), "--host", args.host]
+    cmd += ["--port", str(args.port), "--refresh", str(args.refresh)]
+    if args.etcd:
+        cmd += ["--etcd", args.etcd]
     sys.stdout.flush()
-    os.execv(cmd[0], cmd)  # become Streamlit: signals (kill, container stop) reach it directly
+    os.execv(cmd[0], cmd)  # signals (kill, container stop) reach the dashboard directly
 
 
 def cmd_freeze(args: argparse.Namespace) -> int:
@@ -495,7 +487,7 @@ def cmd_freeze(args: argparse.Namespace) -> int:
     endpoint = live_etcd_endpoint(job, args.etcd)
     try:
         with EtcdClient(endpoint, retry_timeout=3) as etcd:
-            request = file_freeze_request(store, etcd, job.id, args.layers, args.reason)
+            request = file_freeze_request(etcd, job, args.layers, args.reason)
     except EtcdUnavailable as exc:
         raise UsageError(f"job {job.id}: its etcd does not answer ({exc})") from None
     console.print(

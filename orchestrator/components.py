@@ -44,9 +44,9 @@ from torchx.specs import RetryPolicy, macros
 from torchx.specs.finder import ComponentValidationException
 from torchx.specs.overlays import JOIN, set_overlay
 
+from core.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
+from core.spec import JobSpec, SpecError, load_spec
 from orchestrator.etcd_server import free_port
-from orchestrator.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
-from orchestrator.spec import JobSpec, SpecError, load_spec
 
 CONTROLLER_ROLE = "controller"
 TRAINER_ROLE = "trainer"

@@ -33,12 +33,13 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
 
-from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
-from orchestrator.manifest import CheckpointError, meta_boundary, read_meta, verify_checkpoint
-from orchestrator.postmortem import PostMortem, RankEnd, describe_status
-from orchestrator.pretrained import resolve_init
-from orchestrator.protocol import (
+from core import keys
+from core.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
+from core.manifest import CheckpointError, meta_boundary, read_meta, verify_checkpoint
+
+# the pure planner: the one trainer import allowed here
+from core.planner import PlanError, plan_layout
+from core.protocol import (
     Aborted,
     Assignment,
     BadReport,
@@ -67,13 +68,12 @@ from orchestrator.protocol import (
     parse_event,
     read_freeze_request,
 )
+from core.spec import JobSpec
+from core.state import Layout, TrainingState
+from orchestrator.postmortem import PostMortem, RankEnd, describe_status
+from orchestrator.pretrained import resolve_init
 from orchestrator.roster import Roster
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout, TrainingState
-from orchestrator.store import CheckpointInfo, Store, StoreUnavailable
-
-# the pure planner: the one trainer import allowed here
-from trainer.planner import PlanError, plan_layout
+from store import CheckpointInfo, Store, StoreUnavailable
 
 log = logging.getLogger("pipetransformer.controller")
 

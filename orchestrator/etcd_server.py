@@ -23,7 +23,7 @@ from importlib.resources import files
 from pathlib import Path
 from types import TracebackType
 
-from orchestrator.etcd_client import EtcdClient, EtcdError
+from core.etcd_client import EtcdClient, EtcdError
 from orchestrator.procs import tied_to_parent
 
 __all__ = ["EmbeddedEtcd", "EtcdStartError", "etcd_binary", "free_port"]

@@ -42,7 +42,7 @@ import uuid
 from pathlib import Path
 from typing import NoReturn
 
-from orchestrator.keys import AGENT_PID_ENV
+from core.keys import AGENT_PID_ENV
 from orchestrator.procs import tied_to_parent
 
 TARGET = "trainer.worker"  # imported by the server, its main(argv) run by each forked worker

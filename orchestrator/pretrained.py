@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.manifest import (
+from core.manifest import (
     MANIFEST,
     CheckpointError,
     checkpoint_checksum,
     read_meta,
     verify_checkpoint,
 )
-from orchestrator.spec import JobSpec, ModelSpec, SpecError
+from core.spec import JobSpec, ModelSpec, SpecError
 
 # the fields that decide the shape and meaning of the weights (dropout does not)
 _ARCHITECTURE = {

@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from core.readings import mfu_text, peak_memory_text
+from core.state import Layout
 from orchestrator.controller import Progress as JobProgress
-from orchestrator.state import Layout
-from orchestrator.summary import mfu_text, peak_memory_text
 
 
 def _fmt(p: JobProgress, layout: Layout) -> str:

@@ -1,7 +1,7 @@
 """torchrun rendezvous over etcd v3: ``--rdzv-backend etcd3 --rdzv-endpoint HOST:PORT``.
 
 torch ships two etcd backends and both speak the v2 HTTP API, which etcd 3.4+ disables by
-default; this one speaks v3 (gRPC, through :mod:`orchestrator.etcd_client`). It plugs into
+default; this one speaks v3 (gRPC, through :mod:`core.etcd_client`). It plugs into
 torch's own ``DynamicRendezvousHandler``, so join/last-call/heartbeat/close semantics are
 exactly those of the ``c10d`` backend, and it is registered through the
 ``torchrun.handlers`` entry point (``handler_factory``).
@@ -95,8 +95,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     Token,
 )
 
-from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient, EtcdError
+from core import keys
+from core.etcd_client import EtcdClient, EtcdError
 
 __all__ = [
     "BACKEND_NAME",

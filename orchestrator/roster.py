@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from core.protocol import Finished, JoinRequest, Leaving, Started, WorkerEvent
 from orchestrator.postmortem import RankEnd
-from orchestrator.protocol import Finished, JoinRequest, Leaving, Started, WorkerEvent
-from orchestrator.store import Store
+from store import Store
 
 # the post-mortem's end kinds as worker states (it folds `aborted` into `left`: see `ended`)
 _END_STATES = {

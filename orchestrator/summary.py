@@ -23,10 +23,6 @@ it at start-up) gets a row without steps.
 under it (the median ignores the odd slow step: an evaluation, a checkpoint, a decision point).
 "before" is the previous version's median (the previous one that trained any step).
 
-**Device use** (`mfu_text`, `largest_peak`, `peak_memory_text`): model FLOPs utilisation and
-the largest rank's peak GPU memory as the progress lines, `pipetransformer status` and the
-dashboard header write them; None where unknown (the CPU), so those displays add nothing.
-
 **What it bought** compares the last version that trained with the first one:
 
 * speed-up: the ratio of their median samples/s;
@@ -43,7 +39,6 @@ dashboard header write them; None where unknown (the CPU), so those displays add
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from collections.abc import Iterable, Sequence
@@ -53,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from orchestrator.state import Layout
+from core.state import Layout
 
 if TYPE_CHECKING:
-    from orchestrator.store import Store
+    from store import Store
 
 __all__ = [
     "Bought",
@@ -66,10 +61,7 @@ __all__ = [
     "effective_steps",
     "history_from_store",
     "history_table",
-    "largest_peak",
     "layout_history",
-    "mfu_text",
-    "peak_memory_text",
     "what_it_bought",
 ]
 
@@ -356,35 +348,6 @@ def bought_line(history: Sequence[LayoutPeriod], bought: Bought | None) -> str:
         f"estimated wall time {sign}: {abs(bought.saved_s):.0f} s of {bought.train_s:.0f} s "
         f"(re-layouts took {bought.pauses_s:.1f} s)"
     )
-
-
-def mfu_text(mfu: float | None) -> str | None:
-    """Model FLOPs utilisation (a fraction) as a percentage, "41.2 %"; None where unknown."""
-    if mfu is None or not math.isfinite(mfu):
-        return None
-    return f"{mfu * 100:.1f} %"
-
-
-def largest_peak(peak_memory_mib: Sequence[float | None] | None) -> tuple[int, float] | None:
-    """The rank with the largest peak GPU memory and that peak in MiB (the lowest such rank on
-    a tie), from a per-rank list (index = rank); None where no rank's peak is known."""
-    known = [
-        (rank, mib)
-        for rank, mib in enumerate(peak_memory_mib or ())
-        if mib is not None and math.isfinite(mib)
-    ]
-    if not known:
-        return None
-    return max(known, key=lambda rank_mib: (rank_mib[1], -rank_mib[0]))
-
-
-def peak_memory_text(peak_memory_mib: Sequence[float | None] | None) -> str | None:
-    """The largest rank's peak GPU memory, "12.3 GiB (rank 2)"; None where unknown."""
-    peak = largest_peak(peak_memory_mib)
-    if peak is None:
-        return None
-    rank, mib = peak
-    return f"{mib / 1024:.1f} GiB (rank {rank})"
 
 
 def cache_line(events: Iterable[dict[str, Any]]) -> str | None:

@@ -12,7 +12,7 @@ echo "[test] ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "[test] import rules (lint-imports; contracts in pyproject.toml [tool.importlinter])"
-.venv/bin/lint-imports --config pyproject.toml --no-cache --no-logo
+.venv/bin/lint-imports pyproject.toml --no-cache --no-logo
 echo "[test] pytest"
 .venv/bin/python -m pytest -q "$@"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.etcd_client import EtcdClient
+from core.etcd_client import EtcdClient
 from orchestrator.etcd_server import EmbeddedEtcd
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.store import Store, sqlite_url
+from store import Store, sqlite_url
 from tests.fixtures_store import StoreRun
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout, StageLayout, TrainingState
-from orchestrator.store import Store, sqlite_url
+from core.spec import JobSpec
+from core.state import Layout, StageLayout, TrainingState
+from store import Store, sqlite_url
 
 STORE_BACKENDS = ("sqlite", "postgresql")
 POPULATED_JOB_ID = "vit-digits-3f2a1c"

@@ -752,7 +752,7 @@ class Cluster:
         return pod
 
     def wait_etcd(self, pod: Pod, timeout: float) -> None:
-        from orchestrator.etcd_client import EtcdClient
+        from core.etcd_client import EtcdClient
 
         def ready() -> bool:
             if pod.poll() is not None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from core.spec import JobSpec, ModelSpec, load_spec, parse_spec
 from orchestrator.admission import (
     GIB,
     admit,
@@ -21,7 +22,6 @@ from orchestrator.admission import (
     host_memory_bytes,
     model_params,
 )
-from orchestrator.spec import JobSpec, ModelSpec, load_spec, parse_spec
 from trainer.data import load_dataset
 from trainer.models import Block, build_model, num_tokens
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.spec import ModelSpec
+from core.spec import ModelSpec
 from trainer.cache import (
     ActivationCache,
     CachePolicy,

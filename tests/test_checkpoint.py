@@ -20,10 +20,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from core.manifest import CheckpointError, read_meta, verify_checkpoint
+from core.planner import plan_layout
+from core.spec import CheckpointSpec, JobSpec
 from orchestrator.controller import Controller
-from orchestrator.manifest import CheckpointError, read_meta, verify_checkpoint
-from orchestrator.spec import CheckpointSpec, JobSpec
-from orchestrator.store import Store
+from store import Store
 from tests.mp import _entry, run_distributed
 from trainer.checkpoint import (
     AsyncCheckpointer,
@@ -37,7 +38,6 @@ from trainer.checkpoint import (
 from trainer.models import build_model
 from trainer.optim import build_optimizer
 from trainer.pipeline import build_rank_pipeline
-from trainer.planner import plan_layout
 
 SPEC = JobSpec(
     name="ckpt-test",

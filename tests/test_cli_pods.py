@@ -11,8 +11,8 @@ import pytest
 import yaml
 from alembic.script import ScriptDirectory
 
-from orchestrator.keys import SPEC_ENV
-from orchestrator.store import DB_ENV, Store, alembic_config, sqlite_url
+from core.keys import SPEC_ENV
+from store import DB_ENV, Store, alembic_config, sqlite_url
 from tests.fixtures_run import REPO, cli
 
 HEAD_REVISION = ScriptDirectory.from_config(alembic_config()).get_current_head()

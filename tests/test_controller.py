@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event, text
 
-from orchestrator import keys
-from orchestrator.controller import Controller
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.etcd_server import EmbeddedEtcd
-from orchestrator.manifest import build_manifest, manifest_checksum
-from orchestrator.protocol import (
+from core import keys
+from core.etcd_client import EtcdClient
+from core.manifest import build_manifest, manifest_checksum
+from core.planner import plan_layout
+from core.protocol import (
     EXIT_REFORM,
     Assignment,
     Finished,
@@ -30,9 +29,10 @@ from orchestrator.protocol import (
     WorkerExit,
     parse_event,
 )
-from orchestrator.spec import JobSpec
-from orchestrator.store import Store
-from trainer.planner import plan_layout
+from core.spec import JobSpec
+from orchestrator.controller import Controller
+from orchestrator.etcd_server import EmbeddedEtcd
+from store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -303,7 +303,7 @@ def test_abort_watch_exits_the_worker_at_once(etcd_server: EmbeddedEtcd, etcd) -
     script = textwrap.dedent(
         f"""
         import time
-        from orchestrator.etcd_client import EtcdClient
+        from core.etcd_client import EtcdClient
         from trainer.process import AbortWatch
         AbortWatch(EtcdClient({etcd_server.endpoint!r}), "job-ft", 7, every=0.05).start()
         print("ready", flush=True)

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from orchestrator.spec import DataSpec, ModelSpec, TrainingSpec
-from orchestrator.state import Layout, StageLayout
-from orchestrator.store import Store, sqlite_url
+from core.spec import DataSpec, ModelSpec, TrainingSpec
+from core.state import Layout, StageLayout
+from store import Store, sqlite_url
 from tests.fixtures_run import cli, write_spec
 from trainer.data import load_dataset
 from trainer.device import Compute

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.spec import ModelSpec
+from core.spec import ModelSpec
 from trainer.cache import ActivationCache, FrozenPrefix, choose_memory
 from trainer.models import (
     StageModule,

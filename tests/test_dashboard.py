@@ -19,7 +19,7 @@ from dashboard.launch import (
     script_args,
     streamlit_command,
 )
-from orchestrator.store import Store, sqlite_url
+from store import Store, sqlite_url
 
 TIMEOUT_S = 30  # first run imports plotly/pandas; generous for 2 slow cores
 
@@ -245,7 +245,7 @@ TOKEN = "s3cret-token-for-tests"
 def running_job(store: Store, db_url: str, etcd, etcd_server, monkeypatch: pytest.MonkeyPatch):
     """A job the store says is running, with its layout, and the etcd it coordinates through
     (found by the dashboard through PIPETRANSFORMER_ETCD)."""
-    from orchestrator.spec import parse_spec
+    from core.spec import parse_spec
     from tests.fixtures_store import two_stage_layout
 
     spec = parse_spec({"name": "live", "model": {"depth": 6}, "parallel": {"stages": 2}})
@@ -271,8 +271,8 @@ def file_request(at: AppTest, layers: int, reason: str) -> AppTest:
 def test_freeze_override_needs_a_signed_in_user(
     monkeypatch: pytest.MonkeyPatch, running_job: str, etcd, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from orchestrator import keys
-    from orchestrator.protocol import FreezeRequest
+    from core import keys
+    from core.protocol import FreezeRequest
 
     monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN", TOKEN)
     monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_USER", "alice")
@@ -324,7 +324,7 @@ def test_freeze_override_needs_a_signed_in_user(
 def test_without_credentials_nothing_can_be_filed(
     monkeypatch: pytest.MonkeyPatch, running_job: str, etcd, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from orchestrator import keys
+    from core import keys
 
     monkeypatch.delenv("PIPETRANSFORMER_DASHBOARD_TOKEN", raising=False)
     monkeypatch.delenv("PIPETRANSFORMER_DASHBOARD_TOKEN_FILE", raising=False)
@@ -339,7 +339,7 @@ def test_without_credentials_nothing_can_be_filed(
 def test_a_form_left_open_after_sign_out_files_nothing(
     monkeypatch: pytest.MonkeyPatch, running_job: str, etcd
 ) -> None:
-    from orchestrator import keys
+    from core import keys
 
     monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN", TOKEN)
     at = show(run_app(monkeypatch, running_job, job="live-1"), "Freezing")
@@ -364,38 +364,51 @@ def test_cli_warns_before_serving_beyond_loopback_without_credentials(
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
+    import dashboard.__main__ as dashboard_main
     from orchestrator import cli
 
     served: list[list[str]] = []
 
     def execv(path: str, argv: list[str]) -> None:
         served.append(argv)
-        raise SystemExit(0)  # instead of becoming Streamlit
+        raise SystemExit(0)  # instead of becoming the next program
+
+    def serve(argv: list[str]) -> int:
+        """`pipetransformer dashboard ARGS`, then the `python -m dashboard` it becomes, in
+        this process: the CLI hands over without importing the dashboard."""
+        try:
+            return cli.main(argv)
+        except SystemExit:
+            handed = served[-1]
+            assert handed[1:3] == ["-m", "dashboard"], handed
+            return dashboard_main.main(handed[3:])
 
     monkeypatch.setattr(cli.os, "execv", execv)
+    monkeypatch.setattr(dashboard_main.os, "execv", execv)
     for var in ("PIPETRANSFORMER_DASHBOARD_TOKEN", "PIPETRANSFORMER_DASHBOARD_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)  # no .streamlit/secrets.toml here (OIDC would count as auth)
     monkeypatch.setenv("HOME", str(tmp_path))
     args = ["dashboard", "--db", finished_run.db_url]
     with pytest.raises(SystemExit):
-        cli.main([*args, "--host", "0.0.0.0"])
+        serve([*args, "--host", "0.0.0.0"])
     err = capsys.readouterr().err
     assert "warning" in err and "0.0.0.0" in err and "PIPETRANSFORMER_DASHBOARD_TOKEN" in err
     assert served[-1][served[-1].index("--server.address") + 1] == "0.0.0.0"
 
     with pytest.raises(SystemExit):
-        cli.main([*args, "--host", "127.0.0.1"])
+        serve([*args, "--host", "127.0.0.1"])
     assert "warning" not in capsys.readouterr().err
 
     monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN", TOKEN)
     with pytest.raises(SystemExit):
-        cli.main([*args, "--host", "0.0.0.0"])
+        serve([*args, "--host", "0.0.0.0"])
     assert "warning" not in capsys.readouterr().err
 
     # credentials configured but unusable: refused before anything is served
     monkeypatch.delenv("PIPETRANSFORMER_DASHBOARD_TOKEN")
     monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN_FILE", "/nonexistent/tokens")
     served.clear()
-    assert cli.main([*args]) == 2
-    assert "cannot read" in capsys.readouterr().err and not served
+    assert serve([*args]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert not [argv for argv in served if "streamlit" in argv], "Streamlit never started"

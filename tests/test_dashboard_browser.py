@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.etcd_server import free_port
-from orchestrator.store import Store, sqlite_url
+from store import Store, sqlite_url
 from tests.fixtures_run import REPO, RealRun, start_cli, store_probe, wait_for, write_spec
 
 CHROMIUM = Path("/usr/bin/chromium")

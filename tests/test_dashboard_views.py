@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import yaml
 
+from core.protocol import FreezeRequest
+from core.spec import parse_spec
 from dashboard.views import (
     FREEZE_REQUEST_KINDS,
     device_use,
@@ -14,8 +16,6 @@ from dashboard.views import (
     spec_yaml,
     worker_rows,
 )
-from orchestrator.protocol import FreezeRequest
-from orchestrator.spec import parse_spec
 
 T0 = 1_800_000_000.0
 

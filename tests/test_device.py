@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from core.spec import JobSpec, ModelSpec, gpu_shortfall, local_device_type
+from core.state import Layout, StageLayout
 from orchestrator import cli
-from orchestrator.spec import JobSpec, ModelSpec, gpu_shortfall, local_device_type
-from orchestrator.state import Layout, StageLayout
 from tests.mp import run_distributed
 from trainer import flops, profile
 from trainer.collective import once_per_node

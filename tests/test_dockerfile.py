@@ -227,7 +227,8 @@ def test_dockerignore_keeps_the_host_and_the_tests_out():
     for needed in (".venv", "runs", ".git", "build", "*.egg-info", "bench/out", "tests"):
         assert needed in patterns, needed
     # and nothing the builder needs is excluded
-    for kept in ("scripts", "orchestrator", "trainer", "dashboard", "migrations", "examples"):
+    packages = ("core", "store", "orchestrator", "trainer", "dashboard", "migrations")
+    for kept in ("scripts", *packages, "examples"):
         assert kept not in patterns and f"{kept}/**" not in patterns
 
 

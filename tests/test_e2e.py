@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.manifest import verify_checkpoint
-from orchestrator.store import Store, sqlite_url
+from core.manifest import verify_checkpoint
+from store import Store, sqlite_url
 from tests.fixtures_run import (
     STEPS_PER_EPOCH,
     RealRun,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from orchestrator.etcd_client import (
+from core.etcd_client import (
     EtcdClient,
     EtcdError,
     EtcdUnavailable,

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.manifest import verify_checkpoint
-from orchestrator.spec import JobSpec
-from orchestrator.store import Store, sqlite_url
+from core.manifest import verify_checkpoint
+from core.spec import JobSpec
+from store import Store, sqlite_url
 from tests.fixtures_run import STEPS_PER_EPOCH, cli, start_cli, store_probe, wait_for, write_spec
 
 pytestmark = pytest.mark.slow

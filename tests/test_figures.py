@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import pytest
 from plotly.subplots import make_subplots
 
+from core.state import Layout, StageLayout
 from dashboard.figures import (
     EMPTY_TEXT,
     FROZEN_COLOR,
@@ -38,7 +39,6 @@ from dashboard.timeline import (
     step_at,
     timeline,
 )
-from orchestrator.state import Layout, StageLayout
 from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 1_700_000_000.0

@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.manifest import CheckpointError, manifest_checksum
+from core.planner import plan_layout
+from core.spec import JobSpec, SpecError, parse_spec
 from orchestrator.controller import Controller
-from orchestrator.manifest import CheckpointError, manifest_checksum
 from orchestrator.pretrained import resolve_init
-from orchestrator.spec import JobSpec, SpecError, parse_spec
-from orchestrator.store import Store, sqlite_url
+from store import Store, sqlite_url
 from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec
 from tests.mp import run_distributed
 from trainer.checkpoint import AsyncCheckpointer, load_weights
 from trainer.data import load_dataset
 from trainer.models import build_model
 from trainer.optim import build_optimizer
-from trainer.planner import plan_layout
 from trainer.relayout import build_training
 
 MODEL = {"depth": 4, "dim": 32, "heads": 4}

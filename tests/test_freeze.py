@@ -1,4 +1,4 @@
-"""AutoFreeze (trainer/freeze.py): the alpha-bound, the gradient-norm criterion, the schedule and
+"""AutoFreeze (core/freeze.py): the alpha-bound, the gradient-norm criterion, the schedule and
 off policies, manual overrides, spec validation and state serialisation."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.spec import FreezeSpec, SpecError, parse_spec
-from trainer.freeze import (
+from core.freeze import (
     FreezeDecision,
     FreezeOverrideError,
     FreezeState,
@@ -26,6 +25,7 @@ from trainer.freeze import (
     is_decision_point,
     update_peaks,
 )
+from core.spec import FreezeSpec, SpecError, parse_spec
 
 NAN = math.nan
 

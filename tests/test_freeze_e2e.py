@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.store import Store, sqlite_url
+from store import Store, sqlite_url
 from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec
 
 pytestmark = pytest.mark.slow
@@ -64,22 +64,22 @@ def test_manual_freeze_is_validated_audited_and_applied(
 
 
 def test_freeze_requests_are_validated_before_anything_is_filed(store, etcd) -> None:
-    from orchestrator import keys
-    from orchestrator.overrides import OverrideError, file_freeze_request
-    from orchestrator.spec import parse_spec
+    from core import keys
+    from core.overrides import OverrideError, file_freeze_request
+    from core.spec import parse_spec
 
     spec = parse_spec({"name": "x", "model": {"depth": 6}, "freeze": {"keep_trainable": 2}})
     store.create_job("j", spec, "/tmp")
     with pytest.raises(OverrideError, match="is pending"):
-        file_freeze_request(store, etcd, "j", 2, "why")  # not running yet
+        file_freeze_request(etcd, store.get_job("j"), 2, "why")  # not running yet
     store.set_job_state("j", "running")
     for layers, phrase in ((5, "layers=5"), (-1, "layers must be >= 0")):
         with pytest.raises(OverrideError, match=phrase):
-            file_freeze_request(store, etcd, "j", layers, "why")
+            file_freeze_request(etcd, store.get_job("j"), layers, "why")
     with pytest.raises(OverrideError, match="reason"):
-        file_freeze_request(store, etcd, "j", 2, "  ")
+        file_freeze_request(etcd, store.get_job("j"), 2, "  ")
     assert etcd.get(keys.freeze_override("j")) is None, "nothing filed by a rejected request"
-    request = file_freeze_request(store, etcd, "j", 4, "converged", who="ana@lab")
+    request = file_freeze_request(etcd, store.get_job("j"), 4, "converged", who="ana@lab")
     assert request.layers == 4 and request.who == "ana@lab"
     with pytest.raises(OverrideError, match="already has a pending"):
-        file_freeze_request(store, etcd, "j", 4, "again")
+        file_freeze_request(etcd, store.get_job("j"), 4, "again")

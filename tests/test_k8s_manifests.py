@@ -751,8 +751,8 @@ def test_readme_documents_the_secrets_overlays_and_steps() -> None:
 def test_postgres_init_script_makes_a_read_only_role_for_later_tables(private_postgres) -> None:
     import psycopg
 
-    from orchestrator.spec import load_spec
-    from orchestrator.store import Store
+    from core.spec import load_spec
+    from store import Store
 
     server = private_postgres
     env = {

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from core.manifest import verify_checkpoint
 from orchestrator.components import train
-from orchestrator.manifest import verify_checkpoint
-from orchestrator.store import Store
+from store import Store
 from tests import rehearsal
 from tests.fixtures_run import STEPS_PER_EPOCH, write_spec
 

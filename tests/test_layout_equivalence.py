@@ -10,15 +10,15 @@ import hashlib
 import pytest
 import torch
 
-from orchestrator.spec import SCHEDULES, ModelSpec, TrainingSpec
-from orchestrator.state import Layout
+from core.partition import uniform_partition
+from core.sampler import IGNORE, ElasticSampler
+from core.spec import SCHEDULES, ModelSpec, TrainingSpec
+from core.state import Layout
 from tests.mp import run_distributed
 from trainer.checkpoint import _optimizer_tensors
 from trainer.models import build_model
 from trainer.optim import build_optimizer
-from trainer.partition import uniform_partition
 from trainer.pipeline import build_rank_pipeline
-from trainer.sampler import IGNORE, ElasticSampler
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)
 pytestmark = pytest.mark.numerics

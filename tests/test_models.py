@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from orchestrator.spec import DataSpec, ModelSpec, SpecError, parse_spec
+from core.spec import DataSpec, ModelSpec, SpecError, parse_spec
 from trainer.data import load_dataset, synthetic_text
 from trainer.models import (
     Block,
@@ -277,7 +277,7 @@ def test_recompute_is_off_outside_training() -> None:
 
 
 def test_digits_are_cached_and_read_back_identically(tmp_path, monkeypatch) -> None:
-    from orchestrator.spec import DataSpec, ModelSpec
+    from core.spec import DataSpec, ModelSpec
     from trainer.data import load_dataset
 
     monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path))

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout
-from trainer.partition import PlanError, uniform_partition
-from trainer.planner import plan_layout, recompute_flags
+from core.partition import PlanError, uniform_partition
+from core.planner import plan_layout, recompute_flags
+from core.spec import JobSpec
+from core.state import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from baselines import balanced_partition  # noqa: E402  (a benchmark-only split)

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem
-from orchestrator.state import Layout
+from core.partition import uniform_partition
+from core.sampler import IGNORE
+from core.spec import SCHEDULES, ModelSpec, schedule_problem
+from core.state import Layout
 from tests.mp import run_distributed
 from trainer.models import build_model
-from trainer.partition import uniform_partition
 from trainer.pipeline import build_rank_pipeline
-from trainer.sampler import IGNORE
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)
 pytestmark = pytest.mark.numerics

@@ -1,7 +1,7 @@
 """AutoPipe planner and measured profiles.
 
 The planner's answers are checked against an exhaustive search that re-implements the cost model
-of `trainer.partition`'s docstring from scratch (so a bug in the planner's range arithmetic cannot
+of `core.partition`'s docstring from scratch (so a bug in the planner's range arithmetic cannot
 hide behind the same bug in the check)."""
 
 from __future__ import annotations
@@ -16,11 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.spec import ModelSpec
-from orchestrator.state import Layout
-from trainer import profile as profile_mod
-from trainer.models import init_unit
-from trainer.partition import (
+from core.partition import (
     BlockProfile,
     CostModel,
     PlanError,
@@ -31,6 +27,10 @@ from trainer.partition import (
     profile_at,
     uniform_partition,
 )
+from core.spec import ModelSpec
+from core.state import Layout
+from trainer import profile as profile_mod
+from trainer.models import init_unit
 from trainer.profile import measure_profile, measure_profiles, profile_cache_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

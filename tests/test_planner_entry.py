@@ -1,4 +1,4 @@
-"""trainer.planner.plan_layout, the one planning entry point: which situation its arguments
+"""core.planner.plan_layout, the one planning entry point: which situation its arguments
 select, what each answers (checked against the planner search it wraps), the sizes a measured
 plan needs, and the old entry points that still delegate to it."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout
-from trainer import planner
+from core import planner
+from core.partition import BlockProfile, CostModel, PlanError, Profile, plan
+from core.planner import Planned, plan_layout, profile_sizes
+from core.spec import JobSpec
+from core.state import Layout
 from trainer import profile as profile_mod
-from trainer.partition import BlockProfile, CostModel, PlanError, Profile, plan
-from trainer.planner import Planned, plan_layout, profile_sizes
 
 
 def _spec(depth: int = 8, **parallel) -> JobSpec:

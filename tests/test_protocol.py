@@ -1,4 +1,4 @@
-"""The worker <-> controller protocol (orchestrator/protocol.py): every message round-trips as
+"""The worker <-> controller protocol (core/protocol.py): every message round-trips as
 JSON into its own type, and anything else is refused with the field that is wrong."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from orchestrator.protocol import (
+from core.protocol import (
     BadReport,
     CheckpointWritten,
     Control,
@@ -18,7 +18,7 @@ from orchestrator.protocol import (
     parse_event,
     read_freeze_request,
 )
-from orchestrator.state import Layout, TrainingState
+from core.state import Layout, TrainingState
 
 
 def test_events_round_trip_into_their_own_type() -> None:

@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout
+from core.sampler import IGNORE, ElasticSampler
+from core.spec import JobSpec
+from core.state import Layout
 from tests.mp import run_distributed
 from trainer.checkpoint import _optimizer_tensors, save_checkpoint
 from trainer.models import build_model
 from trainer.optim import build_optimizer
 from trainer.relayout import build_training
-from trainer.sampler import IGNORE, ElasticSampler
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)
 pytestmark = pytest.mark.numerics

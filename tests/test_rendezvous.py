@@ -27,8 +27,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
+from core import keys
+from core.etcd_client import EtcdClient
 from orchestrator.etcd_server import EmbeddedEtcd, free_port
 from orchestrator.rendezvous import (
     EtcdRendezvousBackend,

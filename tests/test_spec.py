@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.spec import JobSpec, SpecError, load_spec, parse_spec
+from core.spec import JobSpec, SpecError, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,23 +12,21 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from core.readings import largest_peak, mfu_text, peak_memory_text
+from core.spec import JobSpec
 from orchestrator.cli import main
 from orchestrator.controller import Progress
 from orchestrator.progress import _fmt
-from orchestrator.spec import JobSpec
-from orchestrator.store import Store, sqlite_url
 from orchestrator.summary import (
     bought_line,
     effective_steps,
     history_from_store,
     history_table,
-    largest_peak,
     layout_history,
-    mfu_text,
-    peak_memory_text,
     short_reason,
     what_it_bought,
 )
+from store import Store, sqlite_url
 from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 10_000.0  # small: unix-sized times would leave step gaps only ~1e-7 s precise

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from torchx.specs import AppDef, macros
 
+from core.spec import SpecError, load_spec
 from orchestrator.components import CONTROLLER_ROLE, TRAINER_ROLE, train
-from orchestrator.spec import SpecError, load_spec
-from orchestrator.store import Store, sqlite_url
+from store import Store, sqlite_url
 
 REPO = Path(__file__).resolve().parents[1]
 COMPONENT_FILE = "orchestrator/components.py:train"

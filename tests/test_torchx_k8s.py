@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from core.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
+from core.spec import load_spec, spec_from_text
 from orchestrator.components import (
     CACHE_DIR,
     CONTROLLER_MEM_MB,
@@ -25,8 +27,6 @@ from orchestrator.components import (
     ComponentArgError,
     train,
 )
-from orchestrator.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
-from orchestrator.spec import load_spec, spec_from_text
 
 pytest.importorskip("kubernetes", reason="the kubernetes client (test extra) is not installed")
 from torchx.schedulers.kubernetes_scheduler import app_to_resource  # noqa: E402

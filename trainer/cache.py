@@ -98,7 +98,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from orchestrator.spec import ModelSpec
+from core.spec import ModelSpec
 from trainer.models import Precision, autocast, num_tokens
 from trainer.profile import synchronize
 

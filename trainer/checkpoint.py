@@ -49,14 +49,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from orchestrator.manifest import (
+from core.manifest import (
     MANIFEST,
     META,
     CheckpointError,
     manifest_checksum,
     verify_checkpoint,
 )
-from orchestrator.spec import CheckpointSpec
+from core.spec import CheckpointSpec
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -142,7 +142,7 @@ def _partial(path: Path) -> Path:
 
 
 def _entry(path: Path) -> dict[str, Any]:
-    """A manifest entry, as orchestrator.manifest.build_manifest computes it."""
+    """A manifest entry, as core.manifest.build_manifest computes it."""
     with open(path, "rb") as f:
         return {"size": path.stat().st_size, "sha256": file_digest(f, "sha256").hexdigest()}
 

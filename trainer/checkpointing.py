@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from orchestrator.protocol import CheckpointFailed, CheckpointWritten
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout, TrainingState
+from core.protocol import CheckpointFailed, CheckpointWritten
+from core.spec import JobSpec
+from core.state import Layout, TrainingState
 from trainer.checkpoint import AsyncCheckpointer, CheckpointWriteError, checkpoint_due
 from trainer.collective import from_rank0
 from trainer.process import Reporter

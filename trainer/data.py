@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orchestrator.spec import DataSpec, ModelSpec
+from core.spec import DataSpec, ModelSpec
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.spec import JobSpec, gpu_shortfall, local_device_type
+from core.spec import JobSpec, gpu_shortfall, local_device_type
 
 log = logging.getLogger("pipetransformer.worker")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from orchestrator.spec import ModelSpec
+from core.spec import ModelSpec
 
 PEAK_ENV = "PIPETRANSFORMER_PEAK_TFLOPS"
 

@@ -1,21 +1,21 @@
 """The train loop's AutoFreeze collaborator: gradient statistics between decision points, and the
 decision at each one. Rank 0 decides (the automatic decision, raised to a pending manual request
-if that is further: `trainer.freeze.decide`); every rank adopts the same decision at the same
-step. The policy itself is pure and lives in `trainer.freeze`."""
+if that is further: `core.freeze.decide`); every rank adopts the same decision at the same
+step. The policy itself is pure and lives in `core.freeze`."""
 
 from __future__ import annotations
 
-from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.protocol import (
+from core import keys
+from core.etcd_client import EtcdClient
+from core.freeze import FreezeDecision, GradNormMeter, decide
+from core.protocol import (
     FreezeDecided,
     FreezeRequest,
     UnreadableRequest,
     read_freeze_request,
 )
-from orchestrator.spec import JobSpec
+from core.spec import JobSpec
 from trainer.collective import from_rank0
-from trainer.freeze import FreezeDecision, GradNormMeter, decide
 from trainer.process import Reporter
 from trainer.train_state import TrainState
 

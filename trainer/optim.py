@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from orchestrator.spec import TrainingSpec
+from core.spec import TrainingSpec
 
 
 def build_optimizer(module: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:

@@ -35,8 +35,9 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator.spec import SCHEDULES, ModelSpec, schedule_problem
-from orchestrator.state import Layout, StageLayout
+from core.sampler import IGNORE
+from core.spec import SCHEDULES, ModelSpec, schedule_problem
+from core.state import Layout, StageLayout
 from trainer.cache import ActivationCache, FrozenPrefix
 from trainer.device import Compute
 from trainer.models import (
@@ -47,7 +48,6 @@ from trainer.models import (
     stage_input_shape,
     stage_output_shape,
 )
-from trainer.sampler import IGNORE
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,

@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient, EtcdError, KeepAlive
-from orchestrator.protocol import EXIT_REFORM, Assignment, JoinRequest, WorkerEvent
-from orchestrator.spec import JobSpec
+from core import keys
+from core.etcd_client import EtcdClient, EtcdError, KeepAlive
+from core.protocol import EXIT_REFORM, Assignment, JoinRequest, WorkerEvent
+from core.spec import JobSpec
 from trainer.collective import from_rank0
 
 log = logging.getLogger("pipetransformer.worker")

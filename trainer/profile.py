@@ -17,7 +17,7 @@ size, torch version) under `profile_cache_dir()` (`$PIPETRANSFORMER_CACHE/profil
 cheap but not free, and its answer is specific to the hardware it ran on.
 
 `measured_layout` is the workers' planning call: it measures at every micro-batch size that
-`trainer.planner.profile_sizes` names and plans with `trainer.planner.plan_layout`. Several sizes
+`core.planner.profile_sizes` names and plans with `core.planner.plan_layout`. Several sizes
 are measured, not scaled from one: small models carry a large fixed cost per micro-batch (kernel
 launches, Python dispatch), so splitting a batch finer does not shrink a micro-batch's time in
 proportion, and the bubble-versus-overhead trade-off `(m + S - 1) * T(b = B/m)` has to be read
@@ -41,12 +41,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from orchestrator.spec import JobSpec, ModelSpec
-from orchestrator.state import Layout
-from trainer import planner
+from core import planner
+from core.partition import BlockProfile, Profile
+from core.planner import Planned
+from core.spec import JobSpec, ModelSpec
+from core.state import Layout
 from trainer.models import Precision, autocast, init_unit, model_input_shape
-from trainer.partition import BlockProfile, Profile
-from trainer.planner import Planned
 
 PROFILE_FORMAT = 4  # bump when what is measured changes, so old stored profiles are not reused
 _MIN_SAMPLE_S = 2e-3  # a timing sample averages calls until it lasts about this long
@@ -335,11 +335,11 @@ def measured_layout(
     current: Layout,
     device: str | torch.device | None = None,
 ) -> Planned:
-    """`trainer.planner.plan_layout` from measurement on `device` (the planning rank's training
+    """`core.planner.plan_layout` from measurement on `device` (the planning rank's training
     device; default the CPU) at the job's precision: measures the model at the
     micro-batch sizes `planner.profile_sizes` names (stored measurements reused), then plans.
     At start-up (`boundary` 0, `world` the spec's) S and R stay the spec's; otherwise (after a
-    freeze, or in a re-formed world) S' x R' = `world` is searched. See trainer.planner."""
+    freeze, or in a re-formed world) S' x R' = `world` is searched. See core.planner."""
     sizes = planner.profile_sizes(spec, world=world, boundary=boundary)
     profiles = measure_profiles(spec.model, sizes, device, precision=spec.training.precision)
     return planner.plan_layout(

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.manifest import verify_checkpoint
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout
+from core.manifest import verify_checkpoint
+from core.planner import recompute_flags
+from core.spec import JobSpec
+from core.state import Layout
 from trainer.checkpoint import load_checkpoint, load_weights
 from trainer.collective import once_per_node
 from trainer.device import Compute
 from trainer.optim import build_optimizer
 from trainer.pipeline import RankPipeline, UnitSource, build_rank_pipeline
-from trainer.planner import recompute_flags
 from trainer.process import node_id
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.protocol import Assignment
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout, TrainingState
-from trainer.freeze import FreezeState
+from core.freeze import FreezeState
+from core.protocol import Assignment
+from core.spec import JobSpec
+from core.state import Layout, TrainingState
 
 
 @dataclass

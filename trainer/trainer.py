@@ -25,10 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.manifest import read_meta
-from orchestrator.protocol import (
+from core import keys
+from core.etcd_client import EtcdClient
+from core.freeze import is_decision_point
+from core.manifest import read_meta
+from core.planner import Planned, needs_measurement
+from core.protocol import (
     Assignment,
     CacheDecided,
     Control,
@@ -40,24 +42,22 @@ from orchestrator.protocol import (
     RunOutcome,
     Started,
 )
-from orchestrator.spec import JobSpec
-from orchestrator.state import Layout, StageLayout
+from core.sampler import IGNORE, ElasticSampler
+from core.spec import JobSpec
+from core.state import Layout, StageLayout
 from trainer.cache import DEFAULT_RAM_BYTES, ActivationCache, CachePolicy, choose_memory
 from trainer.checkpointing import Checkpointing
 from trainer.collective import flag_from, from_rank0, ranks_where
 from trainer.data import Split, load_dataset
 from trainer.device import Compute, local_placement, peak_memory_mib, reset_peak_memory
 from trainer.flops import mfu, peak_flops, training_flops_per_sample
-from trainer.freeze import is_decision_point
 from trainer.freezing import Freezing
 from trainer.models import num_tokens
 from trainer.optim import lr_at, set_lr
 from trainer.pipeline import RankPipeline
-from trainer.planner import Planned, needs_measurement
 from trainer.process import LeaveRequest, Reporter, node_id, stdout_log
 from trainer.profile import measured_layout
 from trainer.relayout import build_training, verify_once_per_node
-from trainer.sampler import IGNORE, ElasticSampler
 from trainer.train_state import TrainState
 
 log = logging.getLogger("pipetransformer.worker")

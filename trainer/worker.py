@@ -18,8 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.protocol import (
+from core.etcd_client import EtcdClient
+from core.protocol import (
     EXIT_REFORM,
     Aborted,
     Failed,

@@ -22,7 +22,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def _timestamp() -> sa.DateTime:
-    # `orchestrator.tables.UTCDateTime` stores through this type.
+    # `store.tables.UTCDateTime` stores through this type.
     return sa.DateTime(timezone=True)
 
 

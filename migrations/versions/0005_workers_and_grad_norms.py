@@ -30,7 +30,7 @@ down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# as orchestrator.tables had them at this revision
+# as store.tables had them at this revision
 _WORKER_STATES = (
     "assigned",
     "running",
@@ -51,7 +51,7 @@ def _in(column: str, values: tuple[str, ...]) -> str:
 
 
 def _timestamp() -> sa.DateTime:
-    # `orchestrator.tables.UTCDateTime` stores through this type.
+    # `store.tables.UTCDateTime` stores through this type.
     return sa.DateTime(timezone=True)
 
 

@@ -65,9 +65,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 import migrations
-from orchestrator.spec import MAX_CONTROL_EVERY, JobSpec
-from orchestrator.state import Layout, TrainingState
-from orchestrator.tables import (
+from core.spec import MAX_CONTROL_EVERY, JobSpec
+from core.state import Layout, TrainingState
+from store.tables import (
     CHECKPOINT_STATES,
     CHECKSUM_MAX_CHARS,
     EVENT_KEY_MAX_CHARS,

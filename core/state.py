@@ -1,6 +1,6 @@
 """The data models every part shares (as JSON): the layout a job trains under and where its
 training is. The messages that carry them between workers and the controller are in
-`orchestrator.protocol`."""
+`core.protocol`."""
 
 from __future__ import annotations
 

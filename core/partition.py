@@ -1,7 +1,7 @@
 """Partition planning (AutoPipe): the even split, the cost model, and the search for which
 contiguous block ranges each pipeline stage runs with how many replicas and micro-batches. Pure
 and deterministic: no torch, no I/O. Which of these a job uses when (a spec's initial layout, a
-re-formed world, a measured plan) is `trainer.planner`; measurements come from `trainer.profile`.
+re-formed world, a measured plan) is `core.planner`; measurements come from `trainer.profile`.
 
 Cost model (all times are per micro-batch of `b = global_batch / (R * m)` samples)
 ------------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from orchestrator.state import Layout, StageLayout
+from core.state import Layout, StageLayout
 
 
 class PlanError(ValueError):

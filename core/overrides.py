@@ -1,7 +1,10 @@
 """Manual freeze requests: validated against the job's state, then filed in etcd for the next
 decision point. The controller audits them in the store (it is the only SQL writer); the CLI
 (`pipetransformer freeze`) and the dashboard file them through `file_freeze_request`, after
-finding the job's etcd with `live_etcd_endpoint`."""
+finding the job's etcd with `live_etcd_endpoint`.
+
+The job comes in as the caller read it (`JobFacts`: a store's `JobInfo` is one), so the rule
+needs no store of its own: the CLI and the dashboard read the job, this module checks and files."""
 
 from __future__ import annotations
 
@@ -9,13 +12,14 @@ import getpass
 import socket
 import uuid
 from pathlib import Path
+from typing import Protocol
 
-from orchestrator import keys
-from orchestrator.etcd_client import EtcdClient
-from orchestrator.protocol import FreezeRequest
-from orchestrator.state import Layout
-from orchestrator.store import JobInfo, Store
-from trainer.freeze import FreezeOverrideError, apply_override, max_boundary  # the pure rule
+from core import keys
+from core.etcd_client import EtcdClient
+from core.freeze import FreezeOverrideError, apply_override, max_boundary  # the pure rule
+from core.protocol import FreezeRequest
+from core.spec import JobSpec
+from core.state import Layout
 
 # Written next to a job's data by a launch with an embedded etcd while it serves, so that
 # `pipetransformer freeze` and the dashboard can find a running job's etcd without being told.
@@ -26,6 +30,21 @@ class OverrideError(ValueError):
     """A freeze request that cannot be filed; nothing was changed."""
 
 
+class JobFacts(Protocol):
+    """What a freeze request is checked against: the job as its store row says (`JobInfo`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def workdir(self) -> str: ...
+    @property
+    def spec(self) -> JobSpec: ...
+    @property
+    def freeze_boundary(self) -> int: ...
+
+
 def requester() -> str:
     return f"{getpass.getuser()}@{socket.gethostname()}"
 
@@ -34,7 +53,7 @@ def endpoint_file(workdir: str | Path, job_id: str) -> Path:
     return Path(workdir).resolve() / "jobs" / job_id / ENDPOINT_FILE
 
 
-def live_etcd_endpoint(job: JobInfo, explicit: str | None = None) -> str:
+def live_etcd_endpoint(job: JobFacts, explicit: str | None = None) -> str:
     """The etcd a running job coordinates through: `explicit` (an external etcd) when given,
     else the endpoint its embedded etcd left in the job's directory."""
     if explicit:
@@ -49,13 +68,13 @@ def live_etcd_endpoint(job: JobInfo, explicit: str | None = None) -> str:
         ) from None
 
 
-def current_boundary(etcd: EtcdClient, job: JobInfo) -> int:
+def current_boundary(etcd: EtcdClient, job: JobFacts) -> int:
     """The boundary in force: the layout the controller published, else the stored one."""
     raw = etcd.get(keys.layout(job.id))
     return Layout.model_validate_json(raw).freeze_boundary if raw else job.freeze_boundary
 
 
-def allowed_layers(job: JobInfo, current: int) -> tuple[int, int]:
+def allowed_layers(job: JobFacts, current: int) -> tuple[int, int]:
     """The range a request may ask for: forward from `current`, keeping the spec's
     `freeze.keep_trainable` last blocks trainable (empty when lo > hi)."""
     return current, max_boundary(job.spec.model.depth, job.spec.freeze.keep_trainable)
@@ -67,13 +86,13 @@ def pending_request(etcd: EtcdClient, job_id: str) -> str | None:
 
 
 def file_freeze_request(
-    store: Store, etcd: EtcdClient, job_id: str, layers: int, reason: str, who: str | None = None
+    etcd: EtcdClient, job: JobFacts, layers: int, reason: str, who: str | None = None
 ) -> FreezeRequest:
     """Ask for blocks [0, layers) to be frozen at the job's next decision point. Valid only for
     a running job, forward from the current boundary, and within the model (keeping
     `freeze.keep_trainable` blocks trainable); one pending request at a time. Nothing is filed
     when any rule fails (OverrideError names the rule)."""
-    job = store.get_job(job_id)
+    job_id = job.id
     if job.state != "running":
         raise OverrideError(f"job {job_id} is {job.state}; freeze requests need a running job")
     current = current_boundary(etcd, job)

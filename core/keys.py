@@ -16,7 +16,7 @@
                                              server reports; the controller drains)
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
 
-What each key holds is typed in `orchestrator.protocol`. The one name outside etcd both sides
+What each key holds is typed in `core.protocol`. The one name outside etcd both sides
 agree on, the environment variable a fork server sets, is here too (the fork-server client
 imports this module and nothing heavier).
 """

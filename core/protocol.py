@@ -1,6 +1,6 @@
 """The worker <-> controller protocol: every message that crosses etcd between them, typed.
 
-Workers and the controller never share memory; they talk through the keys in `orchestrator.keys`,
+Workers and the controller never share memory; they talk through the keys in `core.keys`,
 and each key holds one of the models below as JSON (docs/architecture.md, "Protocol"):
 
     keys.join            JoinRequest    rank 0 of a rendezvous round -> controller
@@ -32,7 +32,7 @@ from pydantic import (
     ValidationError,
 )
 
-from orchestrator.state import Layout, TrainingState
+from core.state import Layout, TrainingState
 
 # Exit code of a worker that leaves its generation on purpose (aborted by the controller, a lost
 # peer, or re-forming after a graceful SIGTERM): non-zero, so its torchrun agent restarts it into
@@ -101,7 +101,7 @@ class FreezeOutcome(StrEnum):
 
 class FreezeRequest(_Model):
     """A manual request to freeze blocks [0, layers), filed under `keys.freeze_override` by the
-    CLI (`orchestrator.overrides.file_freeze_request`; one pending at a time) and applied at the next decision point."""
+    CLI (`core.overrides.file_freeze_request`; one pending at a time) and applied at the next decision point."""
 
     id: str
     layers: StrictInt  # "4" or 4.0 is a malformed request, not four blocks

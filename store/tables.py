@@ -1,6 +1,6 @@
 """SQL schema of the store (SQLAlchemy 2 declarative models).
 
-Only `orchestrator.store.Store` uses these classes; everything else goes through its API. The
+Only `store.Store` uses these classes; everything else goes through its API. The
 schema itself is created and changed by alembic (`migrations/`), never by `create_all`: the
 revisions, applied in order, give exactly these models, and `alembic check` guards that they
 stay in sync.

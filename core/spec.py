@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.specfile import MAX_BYTES, SpecFileError, parse_yaml, read_spec_file
+from core.specfile import MAX_BYTES, SpecFileError, parse_yaml, read_spec_file
 
 DATASETS = ("digits", "synthetic", "synthetic-text")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
@@ -505,7 +505,7 @@ class FreezeSpec(_Strict):
     decision points after warm-up) and never past
     L - keep_trainable; it never decreases. The classifier head is never frozen. A manual override
     (`pipetransformer freeze`) is applied at the next decision point, may only move forward and
-    is bounded by the model and keep_trainable, not by alpha. Implemented in trainer/freeze.py."""
+    is bounded by the model and keep_trainable, not by alpha. Implemented in core/freeze.py."""
 
     policy: Literal["gradient", "schedule", "off"] = Field(
         "off",
@@ -727,7 +727,7 @@ def spec_from_text(text: str, source: str) -> JobSpec:
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a YAML (or JSON) job spec file. A file that is not a bounded, UTF-8,
     well-formed YAML document without duplicate keys or alias bombs is refused as `<file>`
-    (orchestrator/specfile.py says what is refused and why)."""
+    (core/specfile.py says what is refused and why)."""
     path = Path(path)
     if not path.is_file():
         raise SpecError([("<file>", f"no such file: {path}")], str(path))

@@ -36,9 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
-from orchestrator.spec import SCHEDULES, JobSpec, schedule_problem
-from orchestrator.state import Layout
-from trainer.partition import (
+from core.partition import (
     CostModel,
     PlanError,
     Profile,
@@ -46,6 +44,8 @@ from trainer.partition import (
     plan,
     uniform_partition,
 )
+from core.spec import SCHEDULES, JobSpec, schedule_problem
+from core.state import Layout
 
 __all__ = [
     "PlanError",

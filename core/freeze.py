@@ -5,7 +5,7 @@ Pure and deterministic: plain numbers in, decisions out; no torch.distributed, n
 over the control group so every rank switches at the same step.
 
 The freeze boundary has one owner: the layout in force
-(`orchestrator.state.Layout.freeze_boundary`). `FreezeState` carries only what the policy remembers
+(`core.state.Layout.freeze_boundary`). `FreezeState` carries only what the policy remembers
 between decision points (how many there have been and the gradient norms); the caller passes the
 current boundary to `decide`, derived from its layout, and applies the decision's new boundary by
 re-laying out.
@@ -84,7 +84,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from orchestrator.spec import FreezeSpec
+from core.spec import FreezeSpec
 
 Source = Literal["auto", "manual", "none"]
 OverrideOutcome = Literal["applied", "superseded", "rejected"]

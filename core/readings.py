@@ -1,0 +1,39 @@
+"""How a report's device figures read to a person: model FLOPs utilisation and the largest
+rank's peak GPU memory, as the progress lines, `pipetransformer status` and the dashboard header
+all write them. None where unknown (the CPU), so those displays add nothing. Pure."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["largest_peak", "mfu_text", "peak_memory_text"]
+
+
+def mfu_text(mfu: float | None) -> str | None:
+    """Model FLOPs utilisation (a fraction) as a percentage, "41.2 %"; None where unknown."""
+    if mfu is None or not math.isfinite(mfu):
+        return None
+    return f"{mfu * 100:.1f} %"
+
+
+def largest_peak(peak_memory_mib: Sequence[float | None] | None) -> tuple[int, float] | None:
+    """The rank with the largest peak GPU memory and that peak in MiB (the lowest such rank on
+    a tie), from a per-rank list (index = rank); None where no rank's peak is known."""
+    known = [
+        (rank, mib)
+        for rank, mib in enumerate(peak_memory_mib or ())
+        if mib is not None and math.isfinite(mib)
+    ]
+    if not known:
+        return None
+    return max(known, key=lambda rank_mib: (rank_mib[1], -rank_mib[0]))
+
+
+def peak_memory_text(peak_memory_mib: Sequence[float | None] | None) -> str | None:
+    """The largest rank's peak GPU memory, "12.3 GiB (rank 2)"; None where unknown."""
+    peak = largest_peak(peak_memory_mib)
+    if peak is None:
+        return None
+    rank, mib = peak
+    return f"{mib / 1024:.1f} GiB (rank {rank})"
