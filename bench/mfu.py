@@ -68,10 +68,10 @@ from _common import (  # noqa: E402
 from freeze_scaling import MODELS, _backend_name, compile_blocks  # noqa: E402
 
 from core.spec import ModelSpec, TrainingSpec  # noqa: E402
+from trainer.device import synchronize  # noqa: E402
 from trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
 from trainer.models import StageModule, build_model, num_tokens  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
-from trainer.profile import synchronize  # noqa: E402
 
 # name -> (precision, what is compiled: None | "blocks" | "stage")
 CONFIGS: dict[str, tuple[str, str | None]] = {

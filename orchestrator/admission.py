@@ -70,7 +70,7 @@ SNAPSHOT_BYTES = 12  # the checkpoint stager's copy of weight and both moments
 WORKER_BYTES = 128 * MIB
 NODE_BYTES = 512 * MIB
 BASE_BYTES = 256 * MIB
-CACHE_RAM_BYTES = 256 * MIB  # AutoCache's RAM tier per first-stage worker (trainer/cache.py)
+CACHE_RAM_BYTES = 256 * MIB  # AutoCache's RAM tier per first-stage worker (trainer/cache/)
 LOAD_FACTOR = 3  # data held while generating and splitting, over data held after
 # scikit-learn's digits per class (1797 images; a fixed data set since 1998)
 DIGITS_PER_CLASS = (178, 182, 177, 183, 181, 182, 181, 179, 174, 180)

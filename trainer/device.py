@@ -1,4 +1,5 @@
-"""Which device a worker computes on, and what it reads off that device (peak memory).
+"""Which device a worker computes on, what it reads off that device (peak memory), and how to wait
+for the work queued on it (`synchronize`, for timers).
 
 A worker is process `LOCAL_RANK` of `LOCAL_WORLD_SIZE` on its node (torchrun sets both). With
 `runtime.device: cuda` it computes on `cuda:LOCAL_RANK`, which must exist; with `auto` the node
@@ -104,3 +105,10 @@ def peak_memory_mib(device: torch.device) -> float | None:
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def synchronize(dev: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs kernels asynchronously), so a timer read
+    afterwards covers it; a no-op on the CPU."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

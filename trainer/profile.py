@@ -46,6 +46,7 @@ from core.partition import BlockProfile, Profile
 from core.planner import Planned
 from core.spec import JobSpec, ModelSpec
 from core.state import Layout
+from trainer.device import synchronize
 from trainer.models import Precision, autocast, init_unit, model_input_shape
 
 PROFILE_FORMAT = 4  # bump when what is measured changes, so old stored profiles are not reused
@@ -98,13 +99,6 @@ def profile_key(
         "torch": torch.__version__,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
-
-
-def synchronize(dev: torch.device) -> None:
-    """Wait for the device's queued work (CUDA runs kernels asynchronously), so a timer read
-    afterwards covers it; a no-op on the CPU."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _example_input(spec: ModelSpec, batch: int, dev: torch.device) -> torch.Tensor:
