@@ -30,6 +30,10 @@ Roles:
   between `runtime.min_nodes` and `nnodes` nodes. Start order does not matter.
 
 Both roles use the scheduler's app id as the job id unless `--job_id` is given.
+
+How it is built: `train` checks its arguments once into a `TrainOptions` (every default resolved
+for where the job runs; what only pods need in `Pods`, None locally), then `controller_role` and
+`trainer_role` build each role from it, as pure functions.
 """
 
 # No `from __future__ import annotations`: torchx reads the parameter annotations as types.
@@ -42,11 +46,12 @@ from typing import Any
 import torchx.specs as specs
 from torchx.specs import RetryPolicy, macros
 from torchx.specs.finder import ComponentValidationException
-from torchx.specs.overlays import JOIN, set_overlay
+from torchx.specs.overlays import set_overlay
 
 from core.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
 from core.spec import JobSpec, SpecError, load_spec
 from orchestrator.etcd_server import free_port
+from orchestrator.pods import CACHE_DIR, PodVolumes, pod_overlay
 
 CONTROLLER_ROLE = "controller"
 TRAINER_ROLE = "trainer"
@@ -55,10 +60,7 @@ TRAINER_MEM_MB_PER_PROC = 1024
 # torchx's Kubernetes scheduler requests memMB minus this reserve (it leaves room for the node's
 # own daemons), so the controller asks for that much more to get CONTROLLER_MEM_MB
 K8S_RESERVED_MEM_MB = 1024
-CACHE_DIR = "/cache"  # a node-local emptyDir in each trainer pod
 POD_WORKDIR = "/workdir"  # where the checkpoint volume is mounted in every pod
-IMAGE_UID = 10001  # the non-root user of the project's image (Dockerfile)
-TORCHX_SHM_VOLUME = "dshm"  # the /dev/shm volume torchx gives every pod (a test checks the name)
 K8S_RETRIES = 3
 
 
@@ -143,81 +145,179 @@ def train(
     """
     job = _load(spec)
     _check_shape(job, spec, nnodes, nproc_per_node)
+    # where local and container mode differ, decided once: the roles read the outcome
+    pods: Pods | None = None
+    embedded_port: int | None = None
+    role_mounts: list[specs.BindMount | specs.VolumeMount | specs.DeviceMount] = []
     if image:
-        return _container_app(
-            job=job,
-            spec=spec,
-            job_id=job_id or macros.app_id,
-            workdir=POD_WORKDIR if workdir == "./runs" else workdir,
-            db=db,
-            etcd=etcd,
-            nnodes=nnodes,
-            nproc_per_node=nproc_per_node,
-            join_timeout=join_timeout,
-            image=image,
-            python=python or "python",
-            # torchx's Kubernetes scheduler requests memMB minus its reserve: add it back
-            resource=_trainer_resource(
-                job, nproc_per_node, h, cpu, memMB, K8S_RESERVED_MEM_MB, gpu
-            ),
-            env=env or {},
-            mounts=mounts or [],
-            max_retries=K8S_RETRIES if max_retries < 0 else max_retries,
-            db_secret=db_secret,
-            workdir_pvc=workdir_pvc,
+        workdir = POD_WORKDIR if workdir == "./runs" else workdir
+        # torchx's Kubernetes scheduler requests memMB minus its reserve: add it back
+        resource = _trainer_resource(job, nproc_per_node, h, cpu, memMB, K8S_RESERVED_MEM_MB, gpu)
+        _check_container_args(etcd, db, db_secret, workdir_pvc, workdir, grace_period_s)
+        pods = Pods(
+            spec_text=Path(spec).read_text(),
+            volumes=PodVolumes(workdir_pvc, workdir, _pod_mounts(mounts)),
             grace_period_s=grace_period_s,
-            trainer_overlay=trainer_overlay,
+            db_secret=db_secret,
+            trainer_overlay=_user_overlay(trainer_overlay) if trainer_overlay else None,
         )
-
-    job_id = job_id or macros.app_id
-    if etcd:
-        controller_etcd, trainer_etcd = ["--etcd", etcd], etcd
+        retries = K8S_RETRIES if max_retries < 0 else max_retries
     else:
-        port = etcd_port or free_port()
-        controller_etcd, trainer_etcd = ["--etcd-port", str(port)], f"127.0.0.1:{port}"
-    cli = [python or sys.executable, "-m", "orchestrator.cli"]
-    controller_args = [
-        "controller",
-        spec,
-        "--workdir",
-        workdir,
-        "--job-id",
-        job_id,
-        *(["--db", db] if db else []),
-        *controller_etcd,
-        "--join-timeout",
-        str(join_timeout),
-    ]
-    trainer_args = _trainer_args(job, job_id, trainer_etcd, nnodes, nproc_per_node, join_timeout)
-    role_env = {"COLUMNS": "120", **(env or {})}
-    role_mounts = specs.parse_mounts(mounts) if mounts else []
-    retries = max(0, max_retries)
-    return specs.AppDef(
+        if not etcd:  # the controller serves etcd, on a port both roles know before they start
+            embedded_port = etcd_port or free_port()
+            etcd = f"127.0.0.1:{embedded_port}"
+        role_mounts = specs.parse_mounts(mounts) if mounts else []
+        resource = _trainer_resource(job, nproc_per_node, h, cpu, memMB, gpu=gpu)
+        retries = max(0, max_retries)
+    opts = TrainOptions(
         name=job.name,
-        roles=[
-            specs.Role(
-                name=CONTROLLER_ROLE,
-                image=os.getcwd(),  # local_cwd runs a role in its image's directory
-                entrypoint=cli[0],
-                args=[*cli[1:], *controller_args],
-                num_replicas=1,
-                resource=specs.resource(cpu=1, gpu=0, memMB=CONTROLLER_MEM_MB),
-                env=dict(role_env),
-                mounts=list(role_mounts),
-                max_retries=retries,
-            ),
-            specs.Role(
-                name=TRAINER_ROLE,
-                image=os.getcwd(),
-                entrypoint=cli[0],
-                args=[*cli[1:], *trainer_args],
-                num_replicas=nnodes,
-                resource=_trainer_resource(job, nproc_per_node, h, cpu, memMB, gpu=gpu),
-                env=dict(role_env),
-                mounts=list(role_mounts),
-                max_retries=retries,
-            ),
-        ],
+        spec=spec,
+        job_id=job_id or macros.app_id,
+        workdir=workdir,
+        db=db,
+        etcd=etcd,
+        embedded_etcd_port=embedded_port,
+        nnodes=nnodes,
+        min_nodes=min_nodes(job, nnodes),
+        nproc_per_node=nproc_per_node,
+        join_timeout=join_timeout,
+        image=image or os.getcwd(),  # local_cwd runs a role in its image's directory
+        python=python or ("python" if pods else sys.executable),
+        trainer_resource=resource,
+        env={"COLUMNS": "120", **(env or {})},
+        mounts=role_mounts,
+        max_retries=retries,
+        pods=pods,
+    )
+    return specs.AppDef(name=opts.name, roles=[controller_role(opts), trainer_role(opts)])
+
+
+@dataclass(frozen=True)
+class Pods:
+    """What container mode adds to the roles: the spec's text (the submitting machine's files are
+    not in the pods), the pods' volumes, their grace period, the store's Secret and the user's
+    trainer pod overlay."""
+
+    spec_text: str
+    volumes: PodVolumes
+    grace_period_s: int
+    db_secret: str
+    trainer_overlay: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """`train`'s arguments, checked, with every default resolved for where the job runs: all that
+    `controller_role` and `trainer_role` read."""
+
+    name: str  # the AppDef's: the job spec's name
+    spec: str  # the spec file (locally the controller reads it; pods get `Pods.spec_text`)
+    job_id: str
+    workdir: str
+    db: str  # an external store's URL (locally; pods read theirs from `Pods.db_secret`)
+    etcd: str  # HOST:PORT where the trainers find etcd
+    embedded_etcd_port: int | None  # the controller serves etcd there (None: an external one)
+    nnodes: int
+    min_nodes: int
+    nproc_per_node: int
+    join_timeout: float
+    image: str  # the container image, or the current directory (local_cwd runs a role there)
+    python: str
+    trainer_resource: specs.Resource
+    env: dict[str, str]  # both roles'
+    mounts: list[specs.BindMount | specs.VolumeMount | specs.DeviceMount]  # locally; pods: `Pods`
+    max_retries: int
+    pods: Pods | None  # container mode; None locally
+
+
+def controller_role(opts: TrainOptions) -> specs.Role:
+    """`pipetransformer controller`: one replica (a failed one is restarted alone in pods)."""
+    pods = opts.pods
+    etcd = (
+        ["--etcd", opts.etcd]
+        if opts.embedded_etcd_port is None
+        else ["--etcd-port", str(opts.embedded_etcd_port)]
+    )
+    args = [
+        "controller",
+        # no spec path in pods: it reads the spec's text from $PIPETRANSFORMER_SPEC
+        *([] if pods else [opts.spec]),
+        "--workdir",
+        opts.workdir,
+        "--job-id",
+        opts.job_id,
+        *(["--db", opts.db] if opts.db else []),
+        *etcd,
+        "--join-timeout",
+        str(opts.join_timeout),
+    ]
+    env = dict(opts.env)
+    memory = CONTROLLER_MEM_MB
+    if pods:
+        env[SPEC_ENV] = pods.spec_text
+        memory += K8S_RESERVED_MEM_MB  # requested minus the reserve, as for the trainers
+    role = _role(opts, CONTROLLER_ROLE, args, 1, specs.resource(cpu=1, gpu=0, memMB=memory), env)
+    if pods:
+        overlay = pod_overlay(opts.image, pods.grace_period_s, pods.volumes, pods.db_secret)
+        set_overlay(role, "kubernetes", "V1Pod", overlay)
+    return role
+
+
+def trainer_role(opts: TrainOptions) -> specs.Role:
+    """`pipetransformer workers`: `nnodes` replicas, each a torchrun agent with `nproc_per_node`
+    workers, elastic down to `min_nodes`."""
+    pods = opts.pods
+    args = [
+        "workers",
+        "--job-id",
+        opts.job_id,
+        "--etcd",
+        opts.etcd,
+        "--nproc-per-node",
+        str(opts.nproc_per_node),
+        "--nnodes",
+        # MIN:MAX: torchrun is elastic
+        f"{opts.min_nodes}:{opts.nnodes}" if opts.min_nodes < opts.nnodes else str(opts.nnodes),
+        "--join-timeout",
+        str(opts.join_timeout),
+    ]
+    env = dict(opts.env)
+    if pods:
+        env[ACTIVATION_CACHE_ENV] = CACHE_DIR
+    # in pods the first min_nodes are required to start; a lost pod is replaced and rejoins
+    min_replicas = opts.min_nodes if pods else None
+    role = _role(opts, TRAINER_ROLE, args, opts.nnodes, opts.trainer_resource, env, min_replicas)
+    if pods:
+        overlay = pod_overlay(opts.image, pods.grace_period_s, pods.volumes, cache=True)
+        set_overlay(role, "kubernetes", "V1Pod", overlay)
+        if pods.trainer_overlay:  # the user's, merged after ours (lists append, mappings merge)
+            set_overlay(role, "kubernetes", "V1Pod", pods.trainer_overlay)
+    return role
+
+
+def _role(
+    opts: TrainOptions,
+    name: str,
+    args: list[str],
+    replicas: int,
+    resource: specs.Resource,
+    env: dict[str, str],
+    min_replicas: int | None = None,
+) -> specs.Role:
+    """What both roles share: the CLI of the image's (or this) Python, mounts and retries; in
+    pods a failed replica is restarted alone (never RestartJob: the rest keeps training)."""
+    return specs.Role(
+        name=name,
+        image=opts.image,
+        entrypoint=opts.python,
+        args=["-m", "orchestrator.cli", *args],
+        num_replicas=replicas,
+        min_replicas=min_replicas,
+        resource=resource,
+        env=env,
+        mounts=list(opts.mounts),
+        max_retries=opts.max_retries,
+        retry_policy=RetryPolicy.REPLICA if opts.pods else RetryPolicy.APPLICATION,
     )
 
 
@@ -247,25 +347,6 @@ def min_nodes(job: JobSpec, nnodes: int) -> int:
     """The fewest trainer nodes the job keeps training on: the spec's runtime.min_nodes, within
     1..nnodes (a spec without it is not elastic: every node is required)."""
     return max(1, min(job.runtime.min_nodes or nnodes, nnodes))
-
-
-def _trainer_args(
-    job: JobSpec, job_id: str, etcd: str, nnodes: int, nproc_per_node: int, join_timeout: float
-) -> list[str]:
-    low = min_nodes(job, nnodes)
-    return [
-        "workers",
-        "--job-id",
-        job_id,
-        "--etcd",
-        etcd,
-        "--nproc-per-node",
-        str(nproc_per_node),
-        "--nnodes",
-        f"{low}:{nnodes}" if low < nnodes else str(nnodes),  # MIN:MAX: torchrun is elastic
-        "--join-timeout",
-        str(join_timeout),
-    ]
 
 
 def trainer_gpus(job: JobSpec, nproc_per_node: int, gpu: int = -1) -> int:
@@ -308,29 +389,11 @@ def _loopback(host_port: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _container_app(
-    *,
-    job: JobSpec,
-    spec: str,
-    job_id: str,
-    workdir: str,
-    db: str,
-    etcd: str,
-    nnodes: int,
-    nproc_per_node: int,
-    join_timeout: float,
-    image: str,
-    python: str,
-    resource: specs.Resource,
-    env: dict[str, str],
-    mounts: list[str],
-    max_retries: int,
-    db_secret: str,
-    workdir_pvc: str,
-    grace_period_s: int,
-    trainer_overlay: str,
-) -> specs.AppDef:
-    """The job as pods: every address a Service, every secret a Secret, state on volumes."""
+def _check_container_args(
+    etcd: str, db: str, db_secret: str, workdir_pvc: str, workdir: str, grace_period_s: int
+) -> None:
+    """Refuse what cannot work in a cluster: every address a Service, every secret a Secret,
+    state on volumes."""
     if not etcd:
         raise ComponentArgError(
             "etcd: container mode needs an etcd every pod can reach, e.g. --etcd etcd:2379 (the "
@@ -350,55 +413,15 @@ def _container_app(
         raise ComponentArgError(f"workdir={workdir!r} must be an absolute path in the pods")
     if grace_period_s < 1:
         raise ComponentArgError(f"grace_period_s={grace_period_s} must be at least 1")
-    cli = [python, "-m", "orchestrator.cli"]
-    controller_args = [
-        "controller",  # no spec path: it reads the spec's text from $PIPETRANSFORMER_SPEC
-        "--workdir",
-        workdir,
-        "--job-id",
-        job_id,
-        "--etcd",
-        etcd,
-        "--join-timeout",
-        str(join_timeout),
-    ]
-    trainer_args = _trainer_args(job, job_id, etcd, nnodes, nproc_per_node, join_timeout)
-    extra = specs.parse_mounts(mounts) if mounts else []
-    base_env = {"COLUMNS": "120", **env}
-    controller = specs.Role(
-        name=CONTROLLER_ROLE,
-        image=image,
-        entrypoint=cli[0],
-        args=[*cli[1:], *controller_args],
-        num_replicas=1,
-        resource=specs.resource(cpu=1, gpu=0, memMB=CONTROLLER_MEM_MB + K8S_RESERVED_MEM_MB),
-        env={**base_env, SPEC_ENV: Path(spec).read_text()},
-        max_retries=max_retries,
-        retry_policy=RetryPolicy.REPLICA,  # a failed controller is restarted alone
-    )
-    trainer = specs.Role(
-        name=TRAINER_ROLE,
-        image=image,
-        entrypoint=cli[0],
-        args=[*cli[1:], *trainer_args],
-        num_replicas=nnodes,
-        # the first min_nodes pods are required to start; a lost pod is replaced and rejoins
-        min_replicas=min_nodes(job, nnodes),
-        resource=resource,
-        env={**base_env, ACTIVATION_CACHE_ENV: CACHE_DIR},
-        max_retries=max_retries,
-        retry_policy=RetryPolicy.REPLICA,  # never RestartJob: the rest keeps training
-    )
-    volumes = PodVolumes(workdir_pvc, workdir, extra)
-    set_overlay(
-        controller, "kubernetes", "V1Pod", pod_overlay(image, grace_period_s, volumes, db_secret)
-    )
-    set_overlay(
-        trainer, "kubernetes", "V1Pod", pod_overlay(image, grace_period_s, volumes, cache=True)
-    )
-    if trainer_overlay:  # the user's, merged after ours (lists append, mappings merge)
-        set_overlay(trainer, "kubernetes", "V1Pod", _user_overlay(trainer_overlay))
-    return specs.AppDef(name=job.name, roles=[controller, trainer])
+
+
+def _pod_mounts(mounts: list[str] | None) -> list[specs.BindMount | specs.VolumeMount]:
+    """The user's mounts as pod volumes can hold them: PVCs and host paths."""
+    parsed = specs.parse_mounts(mounts) if mounts else []
+    for m in parsed:
+        if isinstance(m, specs.DeviceMount):
+            raise ComponentArgError(f"mounts: device mounts are not supported here ({m})")
+    return parsed  # type: ignore[return-value]
 
 
 def _user_overlay(path: str) -> dict[str, Any]:
@@ -414,75 +437,3 @@ def _user_overlay(path: str) -> dict[str, Any]:
             "pod's spec, e.g. tolerations and nodeSelector)"
         )
     return overlay
-
-
-@dataclass(frozen=True)
-class PodVolumes:
-    """The volumes of a job's pods: the checkpoint PVC at the workdir, and the user's mounts."""
-
-    workdir_pvc: str
-    workdir: str
-    extra: list[specs.BindMount | specs.VolumeMount | specs.DeviceMount]
-
-    def volumes(self, cache: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """(pod volumes, container volume mounts), torchx's shared-memory mount included: the
-        overlay replaces the container's list, so it must list everything."""
-        vols: list[dict[str, Any]] = [
-            {"name": "workdir", "persistentVolumeClaim": {"claimName": self.workdir_pvc}}
-        ]
-        mounts: list[dict[str, Any]] = [
-            {"name": TORCHX_SHM_VOLUME, "mountPath": "/dev/shm"},
-            {"name": "workdir", "mountPath": self.workdir},
-        ]
-        if cache:
-            vols.append({"name": "activation-cache", "emptyDir": {}})
-            mounts.append({"name": "activation-cache", "mountPath": CACHE_DIR})
-        for i, m in enumerate(self.extra):
-            name = f"extra-{i}"
-            if isinstance(m, specs.VolumeMount):
-                vols.append({"name": name, "persistentVolumeClaim": {"claimName": m.src}})
-            elif isinstance(m, specs.BindMount):
-                vols.append({"name": name, "hostPath": {"path": m.src_path}})
-            else:
-                raise ComponentArgError(f"mounts: device mounts are not supported here ({m})")
-            mounts.append({"name": name, "mountPath": m.dst_path, "readOnly": m.read_only})
-        return vols, mounts
-
-
-def pod_overlay(
-    image: str,
-    grace_period_s: int,
-    volumes: PodVolumes,
-    db_secret: str = "",
-    cache: bool = False,
-) -> dict[str, Any]:
-    """What torchx's generated pod lacks: the non-root user and volume group of the image, no
-    API token (the pods never call the Kubernetes API), restarts in place, the grace period a
-    leaving trainer checkpoints in, the store URL from its Secret (`envFrom`: its key is the
-    variable's name, PIPETRANSFORMER_DB), the checkpoint volume and a node-local cache.
-
-    The container is found by its image (each role's pod has one container, named per replica)
-    and merged field by field: a list given here replaces the generated one, so only
-    `volumeMounts` (listed whole) and `envFrom` (absent before) are set on it."""
-    pod_volumes, container_mounts = volumes.volumes(cache)
-    container: dict[str, Any] = {"image": image, "volumeMounts": container_mounts}
-    if db_secret:
-        container["envFrom"] = [{"secretRef": {"name": db_secret}}]
-    return {
-        "spec": {
-            "automountServiceAccountToken": False,
-            # no FOO_SERVICE_HOST variables: the `etcd` Service's ETCD_* would reach the pods
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": grace_period_s,
-            # a crashed process restarts in its pod; a lost pod is recreated by Volcano
-            "restartPolicy": "OnFailure",
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": IMAGE_UID,
-                "runAsGroup": IMAGE_UID,
-                "fsGroup": IMAGE_UID,  # the checkpoint volume writable by the image's user
-            },
-            "volumes": pod_volumes,  # appended to torchx's shared-memory volume
-            JOIN("containers", on="image"): [container],
-        }
-    }

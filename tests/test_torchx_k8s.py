@@ -20,13 +20,8 @@ import yaml
 
 from core.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
 from core.spec import load_spec, spec_from_text
-from orchestrator.components import (
-    CACHE_DIR,
-    CONTROLLER_MEM_MB,
-    TORCHX_SHM_VOLUME,
-    ComponentArgError,
-    train,
-)
+from orchestrator.components import CONTROLLER_MEM_MB, ComponentArgError, train
+from orchestrator.pods import CACHE_DIR, TORCHX_SHM_VOLUME
 
 pytest.importorskip("kubernetes", reason="the kubernetes client (test extra) is not installed")
 from torchx.schedulers.kubernetes_scheduler import app_to_resource  # noqa: E402

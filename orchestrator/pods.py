@@ -1,0 +1,86 @@
+"""What the torchx component adds to the Kubernetes pods torchx generates for its roles
+(`pod_overlay`, `PodVolumes`): the image's non-root user, the checkpoint volume, a node-local
+AutoCache directory, the store's Secret and the grace period a leaving trainer checkpoints in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torchx.specs as specs
+from torchx.specs.overlays import JOIN
+
+CACHE_DIR = "/cache"  # a node-local emptyDir in each trainer pod
+IMAGE_UID = 10001  # the non-root user of the project's image (Dockerfile)
+TORCHX_SHM_VOLUME = "dshm"  # the /dev/shm volume torchx gives every pod (a test checks the name)
+
+
+@dataclass(frozen=True)
+class PodVolumes:
+    """The volumes of a job's pods: the checkpoint PVC at the workdir, and the user's mounts."""
+
+    workdir_pvc: str
+    workdir: str
+    extra: list[specs.BindMount | specs.VolumeMount]  # device mounts are refused before
+
+    def volumes(self, cache: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(pod volumes, container volume mounts), torchx's shared-memory mount included: the
+        overlay replaces the container's list, so it must list everything."""
+        vols: list[dict[str, Any]] = [
+            {"name": "workdir", "persistentVolumeClaim": {"claimName": self.workdir_pvc}}
+        ]
+        mounts: list[dict[str, Any]] = [
+            {"name": TORCHX_SHM_VOLUME, "mountPath": "/dev/shm"},
+            {"name": "workdir", "mountPath": self.workdir},
+        ]
+        if cache:
+            vols.append({"name": "activation-cache", "emptyDir": {}})
+            mounts.append({"name": "activation-cache", "mountPath": CACHE_DIR})
+        for i, m in enumerate(self.extra):
+            name = f"extra-{i}"
+            if isinstance(m, specs.VolumeMount):
+                vols.append({"name": name, "persistentVolumeClaim": {"claimName": m.src}})
+            else:
+                vols.append({"name": name, "hostPath": {"path": m.src_path}})
+            mounts.append({"name": name, "mountPath": m.dst_path, "readOnly": m.read_only})
+        return vols, mounts
+
+
+def pod_overlay(
+    image: str,
+    grace_period_s: int,
+    volumes: PodVolumes,
+    db_secret: str = "",
+    cache: bool = False,
+) -> dict[str, Any]:
+    """What torchx's generated pod lacks: the non-root user and volume group of the image, no
+    API token (the pods never call the Kubernetes API), restarts in place, the grace period a
+    leaving trainer checkpoints in, the store URL from its Secret (`envFrom`: its key is the
+    variable's name, PIPETRANSFORMER_DB), the checkpoint volume and a node-local cache.
+
+    The container is found by its image (each role's pod has one container, named per replica)
+    and merged field by field: a list given here replaces the generated one, so only
+    `volumeMounts` (listed whole) and `envFrom` (absent before) are set on it."""
+    pod_volumes, container_mounts = volumes.volumes(cache)
+    container: dict[str, Any] = {"image": image, "volumeMounts": container_mounts}
+    if db_secret:
+        container["envFrom"] = [{"secretRef": {"name": db_secret}}]
+    return {
+        "spec": {
+            "automountServiceAccountToken": False,
+            # no FOO_SERVICE_HOST variables: the `etcd` Service's ETCD_* would reach the pods
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": grace_period_s,
+            # a crashed process restarts in its pod; a lost pod is recreated by Volcano
+            "restartPolicy": "OnFailure",
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": IMAGE_UID,
+                "runAsGroup": IMAGE_UID,
+                "fsGroup": IMAGE_UID,  # the checkpoint volume writable by the image's user
+            },
+            "volumes": pod_volumes,  # appended to torchx's shared-memory volume
+            JOIN("containers", on="image"): [container],
+        }
+    }
