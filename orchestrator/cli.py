@@ -35,10 +35,10 @@ from orchestrator.controller import (
 from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.local import admission_problems, job_etcd, train_here
-from orchestrator.roles import TrainerPods, serve_node
 from orchestrator.pretrained import resolve_init
 from orchestrator.progress import ProgressView
 from orchestrator.report import print_summary
+from orchestrator.roles import TrainerPods, serve_node
 from store import DB_ENV, Store, UnknownJob, sqlite_url
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
