@@ -680,10 +680,11 @@ class StoreCounter:
 
 
 class ControllerLoop:
-    """`Controller.supervise` in a thread, every tick and drain timed."""
+    """`Controller.run` in a thread, every tick and drain timed. It is also the `Workers` the
+    controller supervises: the simulated agents run until `stop`."""
 
-    def __init__(self, ctrl: Controller) -> None:
-        self.ctrl = ctrl
+    def __init__(self, ctrl: Controller, rdzv_id: str) -> None:
+        self.ctrl, self.rdzv_id = ctrl, rdzv_id
         self.ticks: list[tuple[float, float]] = []  # (end wall time, seconds)
         self.drains: list[tuple[float, float, int]] = []  # (end, seconds, events)
         self.ages: list[tuple[float, float]] = []  # (drained at, age of the report)
@@ -691,6 +692,7 @@ class ControllerLoop:
         self.error: str | None = None
         self.cpu: list[tuple[float, float]] = []  # (wall, this thread's CPU seconds)
         self._stop = threading.Event()
+        self._published = threading.Event()
         drain, tick = ctrl.drain, ctrl.tick
 
         def timed_drain() -> list:
@@ -713,21 +715,34 @@ class ControllerLoop:
         ctrl.tick = timed_tick
         self.thread = threading.Thread(target=self._run, name="controller", daemon=True)
 
-    def _poll(self) -> int | None:
-        # what `pipetransformer controller` asks etcd besides its tick (orchestrator/cli.py)
+    def poll(self) -> int | None:
+        # what `pipetransformer controller` asks etcd besides its tick (orchestrator/roles.py)
         self.ctrl.workers_alive()
         self.ctrl.etcd.count_prefix(keys.agents(self.ctrl.job_id))
         return 0 if self._stop.is_set() else None
 
+    def detail(self, code: int | None) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+    def _launch(self, attached: bool) -> ControllerLoop:
+        self._published.set()  # the job is in etcd: the agents may start
+        return self
+
     def _run(self) -> None:
         try:
-            self.ctrl.supervise(self._poll, interval=CONTROLLER_TICK_S)
+            self.ctrl.run(self.rdzv_id, self._launch, interval=CONTROLLER_TICK_S)
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"[:500]
             logging.getLogger(__name__).exception("controller loop failed")
+        finally:
+            self._published.set()  # never leave start() waiting on a controller that failed
 
     def start(self) -> ControllerLoop:
         self.thread.start()
+        self._published.wait()
         return self
 
     def stop(self, timeout: float) -> None:
@@ -998,9 +1013,7 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
         store = Store.open(pg.url() if pg else sqlite_url(tmp / "store.db"))
         counter = StoreCounter(store)
         ctrl = Controller.create(store, client, job_spec(n, conf.lease_ttl_s), tmp, JOB)
-        ctrl.publish(run_id)
-        ctrl.acquire()
-        loop = ControllerLoop(ctrl).start()
+        loop = ControllerLoop(ctrl, run_id).start()
         hosts: Hosts | None = None
         rdzv_watch: RdzvWatch | None = None
 
@@ -1193,12 +1206,9 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                 row["problems"].append(
                     {"kind": "controller_error", "count": 1, "detail": loop.error}
                 )
-            try:
-                ctrl.finish(0)
-                ctrl.release()
-            except Exception as exc:
+            if loop.thread.is_alive():  # `Controller.run` has not finished the job in time
                 row["problems"].append(
-                    {"kind": "controller_finish_failed", "count": 1, "detail": str(exc)[:300]}
+                    {"kind": "controller_finish_failed", "count": 1, "detail": "still running"}
                 )
             aborted = [
                 e for e in store.events(JOB, limit=10_000) if e["kind"] == "generation_aborted"

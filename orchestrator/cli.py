@@ -8,16 +8,11 @@ etcd data and its checkpoints) and `--db URL` / `--etcd HOST:PORT` to use extern
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -27,22 +22,9 @@ from sqlalchemy.engine import make_url
 
 from core import keys
 from core.etcd_client import EtcdClient, EtcdUnavailable
-from core.overrides import (
-    OverrideError,
-    endpoint_file,
-    file_freeze_request,
-    live_etcd_endpoint,
-)
+from core.overrides import OverrideError, file_freeze_request, live_etcd_endpoint
 from core.readings import mfu_text, peak_memory_text
-from core.spec import (
-    JobSpec,
-    SpecError,
-    gpu_shortfall,
-    load_spec,
-    local_device_type,
-    spec_from_text,
-)
-from orchestrator import forkserver
+from core.spec import JobSpec, SpecError, load_spec, spec_from_text
 from orchestrator.controller import (
     Controller,
     ControllerError,
@@ -50,26 +32,18 @@ from orchestrator.controller import (
     job_dir,
     new_job_id,
 )
+from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
-from orchestrator.launch import torchrun_command, worker_env
+from orchestrator.local import admission_problems, job_etcd, train_here
 from orchestrator.pretrained import resolve_init
-from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
-from orchestrator.summary import (
-    bought_line,
-    cache_line,
-    history_from_store,
-    history_table,
-)
+from orchestrator.report import print_summary
+from orchestrator.roles import TrainerPods, serve_node
 from store import DB_ENV, Store, UnknownJob, sqlite_url
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed without a traceback, exit code 2."""
 
 
 # -- shared plumbing ---------------------------------------------------------------------------
@@ -105,198 +79,22 @@ def open_store(args: argparse.Namespace, create: bool = False) -> Store:
     return Store.open(url)
 
 
-@contextlib.contextmanager
-def etcd_for(
-    args: argparse.Namespace, job_id: str, port: int | None = None
-) -> Iterator[EtcdClient]:
-    """The etcd to coordinate through: `--etcd` if given, else an embedded server (on `port`, or
-    a free one) whose data lives with the job, so `resume` finds the same keyspace."""
-    if args.etcd:
-        client = EtcdClient(args.etcd)
-        try:
-            client.wait_ready(10)
-        except EtcdUnavailable as exc:
-            raise UsageError(f"--etcd {args.etcd}: {exc}") from None
-        with client:
-            yield client
-        return
-    server = EmbeddedEtcd(job_dir(args.workdir, job_id) / "etcd", client_port=port or None)
-    found_at = endpoint_file(args.workdir, job_id)
-    with server, EtcdClient(server.endpoint) as client:
-        found_at.write_text(server.endpoint)  # how `freeze` and the dashboard find a running job
-        try:
-            yield client
-        finally:
-            found_at.unlink(missing_ok=True)
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-# -- run / resume ------------------------------------------------------------------------------
-
-
-def _agent_command(ctrl: Controller, etcd: str, rdzv_id: str) -> Callable[[str | None], list[str]]:
-    """The torchrun agent command of each of `runtime.nodes` nodes (given the node's fork
-    server), each running its share of the spec's workers; elastic between `runtime.min_nodes`
-    and `runtime.nodes` when there is more than one."""
-    rt = ctrl.spec.runtime
-    nnodes = f"{rt.min_nodes or 1}:{rt.nodes}" if rt.nodes > 1 else "1"
-    per_node = ctrl.spec.parallel.world_size // rt.nodes
-    return lambda server: torchrun_command(
-        etcd, ctrl.job_id, rdzv_id, per_node, nnodes, rt.max_restarts, forkserver=server
-    )
-
-
-def node_gpus(node: int, per_node: int, visible: str | None = None) -> str:
-    """CUDA_VISIBLE_DEVICES for simulated node `node` of `per_node` workers: its slice of this
-    machine's visible GPUs (of $CUDA_VISIBLE_DEVICES when set), so that worker k of each node,
-    on cuda:k, has a GPU of its own."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
-    import torch
-
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
-    ids = ids or [str(i) for i in range(torch.cuda.device_count())]
-    return ",".join(ids[node * per_node : (node + 1) * per_node])
-
-
-class Agents:
-    """The local torchrun agents of one launch, one per node, each with the node's fork server
-    (workers start without importing torch again). Each runs in its own session (a terminal
-    Ctrl-C reaches only us; we stop the workers gracefully), tied to this process (they die with
-    it), and logs to its own file."""
-
-    def __init__(
-        self,
-        command: Callable[[str | None], list[str]],
-        logs: list[Path],
-        env: dict[str, str],
-        node_env: list[dict[str, str]] | None = None,
-    ):
-        self.logs = logs
-        self.procs: list[subprocess.Popen] = []
-        self.servers: list[subprocess.Popen] = []
-        for k, path in enumerate(logs):
-            env_k = env | (node_env[k] if node_env else {})
-            name = None
-            if forkserver.available():
-                server, name = forkserver.start(env_k, path, new_session=True)
-                self.servers.append(server)
-            with open(path, "ab") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        tied_to_parent(command(name)),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env_k,
-                        start_new_session=True,
-                    )
-                )
-
-    def poll(self) -> int | None:
-        """None while any agent runs; then the first non-zero exit code (or 0)."""
-        codes = [p.poll() for p in self.procs]
-        if any(c is None for c in codes):
-            return None
-        return next((c for c in codes if c), 0)
-
-    def kill(self) -> None:
-        for p in self.procs + self.servers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-
-    def close(self) -> None:
-        """Stop the fork servers once the agents are done (their workers have exited)."""
-        for p in self.servers:
-            p.terminate()
-            p.wait()
-
-
-def _train_generation(store: Store, etcd: EtcdClient, ctrl: Controller) -> str:
-    """Launch the job's torchrun agents and supervise them to the end: every rendezvous round
-    they form becomes a generation (re-formed after a failure, widened when a node is back)."""
-    ctrl.acquire()
-    try:
-        rdzv_id = f"{ctrl.job_id}-{uuid.uuid4().hex[:6]}"
-        ctrl.publish(rdzv_id)
-        command = _agent_command(ctrl, etcd.endpoint, rdzv_id)
-        jdir = job_dir(ctrl.job.workdir, ctrl.job_id)
-        logs = [jdir / f"workers-{rdzv_id}-n{i}.log" for i in range(ctrl.spec.runtime.nodes)]
-        start = ctrl.resume_point().state
-        if start.checkpoint:
-            console.print(
-                f"resuming from [bold]{start.checkpoint}[/] (epoch {start.epoch}, step {start.step})"
-            )
-        console.print(f"workers: {len(logs)} x {' '.join(command(None)[2:9])} ... (log: {logs[0]})")
-        with ProgressView(console, ctrl.layout) as view:
-            env = worker_env(ctrl.spec.runtime.threads_per_worker)
-            agents = Agents(command, logs, env, _node_devices(ctrl.spec, len(logs)))
-            interrupts = 0
-
-            def on_sigint(signum: int, frame: object) -> None:
-                nonlocal interrupts
-                interrupts += 1
-                if interrupts == 1:
-                    console.print(
-                        "[yellow]stopping: workers checkpoint and exit (Ctrl-C again to kill)"
-                    )
-                    ctrl.request_stop("interrupted by user (Ctrl-C)")
-                else:
-                    agents.kill()
-
-            previous = signal.signal(signal.SIGINT, on_sigint)
-            try:
-                code = ctrl.supervise(agents.poll, view.update)
-            finally:
-                signal.signal(signal.SIGINT, previous)
-                agents.close()
-        detail = (
-            "" if code == 0 else "\n".join(f"last lines of {path}:\n{_tail(path)}" for path in logs)
-        )
-        if detail and ctrl.progress.outcome != "stopped":
-            err.print(escape(detail))
-        return ctrl.finish(code, detail)
-    finally:
-        ctrl.release()
-
-
 def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: float) -> int:
+    """Print the end-of-run summary; the exit code: 0 completed, 130 stopped on request
+    (Ctrl-C), else 1."""
     job = store.get_job(ctrl.job_id)
-    ckpt = store.latest_checkpoint(ctrl.job_id)
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_row("job", f"{job.id} ({job.state})")
-    if job.message:
-        table.add_row("message", escape(job.message))
-    acc = f"{job.accuracy:.2%}" if job.accuracy is not None else "n/a"
-    table.add_row("held-out accuracy", acc)
-    table.add_row("progress", f"epoch {job.epoch}, step {job.step}")
-    table.add_row("wall time", f"{time.monotonic() - started:.1f}s")
-    table.add_row("store", shown_url(db_url(args)))
-    table.add_row("checkpoints", str(job_dir(job.workdir, job.id) / "checkpoints"))
-    if ckpt:
-        table.add_row("last committed", f"{ckpt.path} (step {ckpt.step})")
-    where = f"--db '{args.db}'" if args.db else f"--workdir {args.workdir}"
-    table.add_row("dashboard", f"pipetransformer dashboard {where}")
-    if job.state != "completed":
-        table.add_row("resume", f"pipetransformer resume {job.id} {where}")
-    console.rule("summary")
-    console.print(table)
-    # What the elastic machinery did: one row per layout version, and what re-laying out bought
-    history, bought = history_from_store(store, job.id)
-    if history:
-        console.print()
-        console.print(history_table(history))
-        console.print(bought_line(history, bought))
-        cached = cache_line(store.events(job.id, limit=1000))
-        if cached:
-            console.print(escape(cached))
+    print_summary(
+        console,
+        store,
+        job.id,
+        wall_s=time.monotonic() - started,
+        store_url=shown_url(db_url(args)),
+        checkpoints=job_dir(job.workdir, job.id) / "checkpoints",
+        where=f"--db '{args.db}'" if args.db else f"--workdir {args.workdir}",
+    )
     if job.state == "completed":
         return 0
-    return 130 if ctrl.progress.outcome == "stopped" else 1  # 130: stopped on request (Ctrl-C)
+    return 130 if ctrl.progress.outcome == "stopped" else 1
 
 
 def _read_spec(spec_path: str | None) -> JobSpec:
@@ -310,61 +108,13 @@ def _read_spec(spec_path: str | None) -> JobSpec:
     return spec_from_text(text, f"${keys.SPEC_ENV}")
 
 
-def _node_devices(spec: JobSpec, nodes: int) -> list[dict[str, str]]:
-    """Per local node, the CUDA_VISIBLE_DEVICES its workers get. All nodes of `run` share this
-    machine: on CUDA each gets its own slice of the GPUs (worker k of a node computes on its
-    cuda:k); when `runtime.device: auto` comes out as the CPU for the machine as a whole, the GPUs
-    are hidden, so that no node decides otherwise on its own."""
-    import torch
-
-    gpus = torch.cuda.device_count()
-    if not gpus:
-        return [{} for _ in range(nodes)]
-    if local_device_type(spec.runtime.device, spec.parallel.world_size, gpus) == "cpu":
-        return [{"CUDA_VISIBLE_DEVICES": ""} for _ in range(nodes)]
-    per_node = spec.parallel.world_size // nodes
-    return [{"CUDA_VISIBLE_DEVICES": node_gpus(k, per_node)} for k in range(nodes)]
-
-
-def _gpu_memory(spec: JobSpec) -> int | None:
-    """The smallest GPU's memory when this machine's workers will compute on CUDA, else None."""
-    import torch
-
-    gpus = torch.cuda.device_count()
-    if not gpus or local_device_type(spec.runtime.device, spec.parallel.world_size, gpus) != "cuda":
-        return None
-    return min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
-
-
-def _gpu_shortfall(spec: JobSpec) -> str | None:
-    """Why this machine cannot give each of a node's workers its own GPU when the spec asks for
-    CUDA (`run` puts every node on this machine)."""
-    import torch
-
-    return gpu_shortfall(spec.runtime.device, spec.parallel.world_size, torch.cuda.device_count())
-
-
 def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True):
     """Validate a new job's spec and id before anything is created; then its store. With `fresh`
-    (the job cannot exist yet) a fine-tuning spec's checkpoint is checked here too; a controller
-    that may be continuing its job leaves that to `Controller.create`.
-
-    Admission: a spec whose job cannot run is refused here too. `run` (`fresh`) puts every worker
-    on this machine, so they must fit its memory together; the controller role's workers run on
-    other pods whose memory it does not know, so it checks only what needs no machine (the batch
-    against the data set)."""
-    from orchestrator import admission  # imported where used: only `run` paths need it
-
+    (`run`: the job cannot exist yet, and every worker runs on this machine) the machine must
+    seat the job and a fine-tuning spec's checkpoint is checked here too; a controller role that
+    may be continuing its job leaves that to `Controller.create`."""
     spec = _read_spec(spec_path)  # rejects a bad spec before anything starts
-    capacity, gpu = (admission.host_memory_bytes(), None) if fresh else (None, None)
-    if fresh and (gpu := _gpu_memory(spec)) is not None:
-        capacity = gpu  # each worker on a GPU of its own: checked against the smallest
-    problems = admission.admit(
-        spec, capacity, per_worker=gpu is not None, where="each GPU" if gpu else "this machine"
-    )
-    if fresh and (shortfall := _gpu_shortfall(spec)):
-        problems.append(("runtime.device", shortfall))
-    if problems:
+    if problems := admission_problems(spec, here=fresh):
         raise SpecError(problems, spec_path or f"${keys.SPEC_ENV}")
     if fresh:
         spec = resolve_init(spec)
@@ -386,11 +136,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"job {job_id} already exists ({existing.state}); `pipetransformer resume {job_id}` "
             "continues it, or choose another --job-id"
         )
-    with etcd_for(args, job_id) as etcd:
+    with job_etcd(args.etcd, args.workdir, job_id) as etcd:
         ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
         store_url = shown_url(db_url(args))
         console.print(f"job [bold]{job_id}[/] — store {store_url}, etcd {etcd.endpoint}")
-        _train_generation(store, etcd, ctrl)
+        train_here(ctrl, etcd, console, err)
         return _summary(store, ctrl, args, started)
 
 
@@ -402,9 +152,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
             f"job {job.id} already completed (epoch {job.epoch}, step {job.step}); nothing to resume"
         )
     started = time.monotonic()
-    with etcd_for(args, job.id) as etcd:
+    with job_etcd(args.etcd, args.workdir, job.id) as etcd:
         ctrl = Controller(store, etcd, job.id)
-        _train_generation(store, etcd, ctrl)
+        train_here(ctrl, etcd, console, err)
         return _summary(store, ctrl, args, started)
 
 
@@ -516,91 +266,43 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    """Controller role of a torchx launch: creates (or continues) the job, publishes it in etcd,
-    and records what the workers report until they finish."""
+    """Controller role of a torchx launch: creates (or continues) the job, publishes it in etcd
+    (or takes over the generation a previous controller left running), and records what the
+    trainer pods' workers report until they finish."""
     started = time.monotonic()
     spec, job_id, store = _new_job(args, args.spec, fresh=False)
-    with etcd_for(args, job_id, port=args.etcd_port) as etcd:
+    with job_etcd(args.etcd, args.workdir, job_id, port=args.etcd_port) as etcd:
         try:
             ctrl = Controller(store, etcd, job_id)
         except UnknownJob:
             ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
-        ctrl.acquire()
-        try:
-            if ctrl.attach():
+
+        def launch(attached: bool) -> TrainerPods:
+            if attached:
                 console.print(f"controller for job {job_id}: took over the running generation")
             else:
-                ctrl.publish(args.rdzv_id or f"{job_id}-{uuid.uuid4().hex[:6]}")
                 console.print(
                     f"controller for job {job_id}: waiting for {ctrl.layout.world_size} workers"
                 )
-            seen_workers = time.monotonic() + args.join_timeout
+            return TrainerPods(ctrl, etcd, args.join_timeout)
 
-            def poll() -> int | None:
-                nonlocal seen_workers
-                if ctrl.progress.outcome:
-                    return 0
-                if ctrl.workers_alive() or etcd.count_prefix(keys.agents(job_id)):
-                    seen_workers = time.monotonic() + 3 * ctrl.spec.runtime.lease_ttl_s
-                elif time.monotonic() > seen_workers:
-                    return 1  # workers never came, or all of them are gone without a word
-                return None
-
-            with ProgressView(console, ctrl.layout) as view:
-                code = ctrl.supervise(poll, view.update)
-            ctrl.finish(code)
-            # The trainers' torchrun agents still use etcd after the last report (exit barrier,
-            # closing the rendezvous, revoking leases): an embedded etcd must outlive them.
-            gone = time.monotonic() + args.join_timeout
-            while etcd.count_prefix(keys.agents(job_id)) and time.monotonic() < gone:
-                time.sleep(0.2)
-        finally:
-            ctrl.release()
+        rdzv_id = args.rdzv_id or f"{job_id}-{uuid.uuid4().hex[:6]}"
+        with ProgressView(console, ctrl.layout) as view:
+            ctrl.run(rdzv_id, launch, on_tick=view.update, attach=True)
         return _summary(store, ctrl, args, started)
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
     """Trainer role of a torchx launch: waits for the job's assignment in etcd, then runs
     torchrun (etcd3 rendezvous) for the current generation."""
-    client = EtcdClient(args.etcd, retry_timeout=args.join_timeout)
-    deadline = time.monotonic() + args.join_timeout
-    while (raw := client.get(keys.launch(args.job_id))) is None:
-        if time.monotonic() > deadline:
-            raise UsageError(f"job {args.job_id} has not been launched in etcd {args.etcd}")
-        time.sleep(0.5)
-    rdzv_id = json.loads(raw)["rdzv_id"]
-    spec = JobSpec.model_validate_json(client.get(keys.spec(args.job_id)) or "{}")
-    import torch  # here: only this role needs to count GPUs
-
-    if problem := gpu_shortfall(
-        spec.runtime.device, args.nproc_per_node, torch.cuda.device_count()
-    ):
-        # before torchrun: one clear line in the pod's log, not a traceback per worker
-        raise UsageError(problem)
-    env = worker_env(1)
-    server, name = None, None
-    if forkserver.available():  # this node's workers are forked from it, torch imported once
-        server, name = forkserver.start(env)
-    cmd = torchrun_command(
+    return serve_node(
         args.etcd,
         args.job_id,
-        rdzv_id,
         args.nproc_per_node,
-        nnodes=args.nnodes,
-        max_restarts=spec.runtime.max_restarts if args.max_restarts is None else args.max_restarts,
-        forkserver=name,
+        args.nnodes,
+        args.max_restarts,
+        args.join_timeout,
     )
-    # presence for the controller, which keeps its embedded etcd up until every launcher left
-    lease = client.lease(ttl=10)
-    client.put(f"{keys.agents(args.job_id)}{socket.gethostname()}-{os.getpid()}", "", lease=lease)
-    keepalive = client.keep_alive(lease)
-    try:
-        return subprocess.call(tied_to_parent(cmd), env=env)
-    finally:
-        keepalive.stop(revoke=True)
-        if server is not None:
-            server.terminate()
-            server.wait()
 
 
 def cmd_etcd(args: argparse.Namespace) -> int:

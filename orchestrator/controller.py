@@ -8,11 +8,15 @@ that lost one, and turns the end of the job into a job state. It holds a lease o
 controller key, so two controllers never drive the same job; a restarted controller picks up the
 running generation from etcd and the store (`attach`).
 
-Generations: every torchrun rendezvous round is one generation. Its rank 0 files a JoinRequest;
-the controller ends the previous generation (aborted), plans for the new world and publishes the
-Assignment. A lost worker (lease gone without a final report) gets the generation aborted: the
-survivors watch `keys.abort` and leave their collectives at once, their agents re-rendezvous, and
-the next round's join request starts the next generation.
+Its life is `Controller.run`: acquire the lease, attach or publish, launch, supervise, finish,
+release; callers say how the workers are launched (`Workers`), never in which order these go.
+
+Generations: every torchrun rendezvous round is one generation (orchestrator/generation.py holds
+what the controller knows of each). Its rank 0 files a JoinRequest; the controller ends the
+previous generation (aborted), plans for the new world and publishes the Assignment. A lost
+worker (lease gone without a final report) gets the generation aborted: the survivors watch
+`keys.abort` and leave their collectives at once, their agents re-rendezvous, and the next
+round's join request starts the next generation.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
@@ -36,8 +40,6 @@ from sqlalchemy.exc import OperationalError
 from core import keys
 from core.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
 from core.manifest import CheckpointError, meta_boundary, read_meta, verify_checkpoint
-
-# the pure planner: the one trainer import allowed here
 from core.planner import PlanError, plan_layout
 from core.protocol import (
     Aborted,
@@ -70,6 +72,7 @@ from core.protocol import (
 )
 from core.spec import JobSpec
 from core.state import Layout, TrainingState
+from orchestrator.generation import Generation
 from orchestrator.postmortem import PostMortem, RankEnd, describe_status
 from orchestrator.pretrained import resolve_init
 from orchestrator.roster import Roster
@@ -146,35 +149,80 @@ class ResumePoint(NamedTuple):
     boundary: int
 
 
+class Workers(Protocol):
+    """The workers a controller supervises, as whoever runs it launched them: local torchrun
+    agents (`pipetransformer run`), trainer pods seen through etcd (the controller role), or
+    simulated agents (the benchmarks)."""
+
+    def poll(self) -> int | None:
+        """None while they run; then their launchers' exit code."""
+
+    def detail(self, code: int | None) -> str:
+        """What the job's message should add when they ended with `code` ("" for nothing)."""
+
+    def close(self) -> None:
+        """After the job's end is recorded (or on an error): release what the launch holds."""
+
+
 class Controller:
+    """The job's controller. `run` is its whole life; the steps it takes are public for the
+    tests and the benchmarks that drive them one at a time."""
+
     def __init__(self, store: Store, etcd: EtcdClient, job_id: str):
         self.store, self.etcd, self.job_id = store, etcd, job_id
         self.job = store.get_job(job_id)
         self.spec: JobSpec = self.job.spec
-        self.generation = 0
         self.layout: Layout | None = store.current_layout(job_id)
         self.progress = Progress()
-        self._keepalive: KeepAlive | None = None
-        self._audited: set[str] = set()
-        self.assignment: Assignment | None = None  # the generation in force (None between them)
-        self._answered: str | None = None  # id of the last join request answered
-        self._seen: set[int] = set()  # ranks of this generation whose lease was seen
-        self._nodes: list[str] = []  # node of each rank of the previous generation
+        self.roster = Roster(store, job_id)  # the store's `workers` rows
+        # the newest generation answered (None before the first), and every generation this
+        # controller knows of by number: ended ones are still explained, and late reports of
+        # their ranks still land in their post-mortems
+        self.current: Generation | None = None
+        self.generations: dict[int, Generation] = {}
         self.aborted_at: float | None = None  # wall time of the last abort (for recovery timing)
-        self._open: int | None = None  # generation this controller opened in the store, until ended
+        self._keepalive: KeepAlive | None = None
+        self._audited: set[str] = set()  # freeze requests and join requests already recorded
         self._outage: float | None = None  # since when etcd or the store has not answered
         self._report: str | None = None  # etcd key of the worker report being applied
-        self._leaving: int | None = None  # generation whose workers leave gracefully
-        # how each rank of a generation ended, for the current one and for ended ones still
-        # being explained (until the deadline: a dead rank's lease lapses after its peers'
-        # reports arrive); see orchestrator/postmortem.py
-        self._pms: dict[int, PostMortem] = {}
-        self._explain_until: dict[int, float] = {}
-        self._explained: dict[int, str] = {}  # generation -> reason last written to the store
-        self._fatal: str | None = None  # every rank failed the same way while starting
-        self.roster = Roster(store, job_id)  # the store's `workers` rows
+
+    @property
+    def generation(self) -> int:
+        """The newest generation's number (0 before the first)."""
+        return self.current.number if self.current else 0
+
+    @property
+    def assignment(self) -> Assignment | None:
+        """What the newest generation was assigned (None before the first)."""
+        return self.current.assignment if self.current else None
 
     # -- lifecycle --------------------------------------------------------------------------
+
+    def run(
+        self,
+        rdzv_id: str,
+        launch: Callable[[bool], Workers],
+        on_tick: Callable[[Progress], None] | None = None,
+        attach: bool = False,
+        interval: float = 0.1,
+    ) -> str:
+        """The controller's life, in its one order: take the job's lease; adopt the generation
+        running in etcd (`attach`, when allowed: a restarted controller) or publish the job for
+        a new launch at `rdzv_id`; `launch(attached)` the workers; supervise them until their
+        launchers exit; record the job's end; let the lease go. Returns the job's state."""
+        self.acquire()
+        try:
+            attached = attach and self.attach()
+            if not attached:
+                self.publish(rdzv_id)
+            workers = launch(attached)
+            try:
+                code = self.supervise(workers.poll, on_tick, interval)
+                return self.finish(code, workers.detail(code))
+            finally:
+                workers.close()
+        finally:
+            self.release()
 
     @classmethod
     def create(
@@ -284,20 +332,18 @@ class Controller:
         running = [g for g in self.store.generations(self.job_id) if g["state"] == "running"]
         if not running or running[-1]["number"] != a.generation:
             return False
-        self.assignment, self.generation, self._answered = a, a.generation, a.request
-        self._open = a.generation  # the store says it is running (checked above)
         raw_join = self.etcd.get(keys.join(self.job_id))
         joined = JoinRequest.model_validate_json(raw_join) if raw_join else None
         if joined is not None and joined.id == a.request:
-            self._pms[a.generation] = PostMortem.of(
-                a.generation, joined.world, joined.pids, joined.nodes
-            )
+            pm = PostMortem.of(a.generation, joined.world, joined.pids, joined.nodes)
         else:  # ranks known by number only
-            world = a.layout.world_size if a.layout else 0
-            self._pms[a.generation] = PostMortem(a.generation, {}, world)
+            pm = PostMortem(a.generation, {}, a.layout.world_size if a.layout else 0)
             joined = None
+        # open: the store says it is running (checked above). Its nodes are left unknown, as
+        # the predecessor's view of membership changes is not this controller's to repeat.
+        self._open_generation(Generation.answered(a, pm, nodes=[]))
         # rows the previous controller did not get to write, then what it wrote
-        self.roster.assign(a.generation, self._pms[a.generation].world, joined)
+        self.roster.assign(a.generation, pm.world, joined)
         self.roster.load(a.generation)
         self.layout = a.layout or self.layout
         job = self.store.get_job(self.job_id)
@@ -322,9 +368,10 @@ class Controller:
         except ValueError as exc:  # not from a worker of this version: say so once, wait
             self._reject_join(raw, exc)
             return None
-        if request.id != self._answered:
+        answered = self.current.request if self.current else None
+        if request.id != answered:
             self.drain()  # the last generation's failures decide whether there is a next one
-        if request.id == self._answered or self._fatal:
+        if request.id == answered or (self.current and self.current.fatal):
             return None  # a fatal failure is answered by the assignment already published
         return self.start_generation(request)
 
@@ -333,11 +380,10 @@ class Controller:
         workers that joined, and publish their assignment: resume from the last committed
         checkpoint. If no layout fits, the assignment says why and the workers wait."""
         self.drain()  # commit what the previous generation reported first
-        previous = self.assignment
-        if previous is not None and self._generation_running():
+        previous = self.current
+        if previous is not None and previous.open:
             # re-formed before its lease loss was seen (the agents noticed first)
-            self._end_explained(previous.generation, "aborted", "re-formed by the agents")
-            self._open = None
+            self._end_explained(previous, "aborted", "re-formed by the agents")
             self.aborted_at = time.time()
         world = request.world
         start, ckpt, frozen = self.resume_point()
@@ -353,13 +399,11 @@ class Controller:
                 self.store.record_layout(self.job_id, layout, reason=why)
                 self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
                 self.layout = layout
-        self.generation = self._open = self.store.start_generation(self.job_id, world)
-        self._pms[self.generation] = PostMortem.of(
-            self.generation, request.world, request.pids, request.nodes
-        )
-        self.roster.assign(self.generation, request.world, request)
+        number = self.store.start_generation(self.job_id, world)
+        pm = PostMortem.of(number, request.world, request.pids, request.nodes)
+        self.roster.assign(number, request.world, request)
         assignment = Assignment(
-            generation=self.generation,
+            generation=number,
             checkpoint_dir=str(self.checkpoint_dir),
             start=start,
             resume_checksum=ckpt.checksum if ckpt else None,
@@ -367,10 +411,10 @@ class Controller:
             layout=None if waiting else layout,
             waiting=waiting,
         )
-        self._record_membership(request)
+        self._record_membership(previous.nodes if previous else [], request.nodes)
+        self._open_generation(Generation.answered(assignment, pm, request.nodes))
         self.etcd.put(keys.control(self.job_id), Control.RUN)
         self.etcd.put(keys.assignment(self.job_id), assignment.model_dump_json())
-        self.assignment, self._answered, self._seen = assignment, request.id, set()
         how = f"from checkpoint at step {start.step}" if ckpt else "from scratch"
         if waiting:
             self.store.set_job_state(self.job_id, "running", waiting)
@@ -380,17 +424,19 @@ class Controller:
             self.store.add_event(
                 self.job_id,
                 "generation_started",
-                f"generation {self.generation} with {world} workers, {how}",
+                f"generation {number} with {world} workers, {how}",
                 data={"layout": layout.describe(), "start": start.model_dump(), "world": world},
             )
         self.progress = Progress(step=start.step, epoch=start.epoch, layout=layout)
         self.progress.waiting = waiting
         return assignment
 
-    def _record_membership(self, request: JoinRequest) -> None:
+    def _open_generation(self, generation: Generation) -> None:
+        self.current = self.generations[generation.number] = generation
+
+    def _record_membership(self, before: list[str], after: list[str]) -> None:
         """Nodes joined or left between generations: one worker event per node, and whether
         the job widened or shrank."""
-        before, after = self._nodes, request.nodes
         if before:
             for node in sorted(set(after) - set(before)):
                 self.store.add_event(
@@ -411,13 +457,6 @@ class Controller:
                     f"job {verb} from {len(before)} to {len(after)} workers",
                     data={"before": len(before), "after": len(after)},
                 )
-        self._nodes = list(after)
-
-    def _generation_running(self) -> bool:
-        """Whether this controller's generation is still open (running) in the store. The
-        controller is the store's single writer, so it knows without asking the store, which
-        matters because the lease watch calls this every tick."""
-        return self._open is not None
 
     def _presence(self) -> dict[int, int | None]:
         """rank -> the generation its presence key (on its lease) holds now."""
@@ -433,23 +472,24 @@ class Controller:
         """Abort the generation if a worker is gone without the generation having reported its
         end: it failed, lost a peer, was reaped dead by its fork server, or its lease lapsed
         (it died, hung or was cut off). Returns the ranks gone."""
-        a = self.assignment
-        if a is None or a.waiting or self.progress.outcome or self._leaving == a.generation:
-            return []  # nothing to watch, or its workers are leaving on purpose (SIGTERM)
-        if not self._generation_running():
+        gen = self.current
+        # nothing to watch, or its workers are leaving on purpose (SIGTERM). Whether it is still
+        # open needs no store read: the controller is the store's single writer, which matters
+        # because this runs every tick.
+        if gen is None or not gen.watched or self.progress.outcome:
             return []
-        alive = {r for r, g in self._presence().items() if g == a.generation}
-        self._seen |= alive
-        self.roster.leases_held(a.generation, alive)
-        pm = self._pms[a.generation]  # made with the assignment (start_generation, attach)
+        alive = {r for r, g in self._presence().items() if g == gen.number}
+        gen.seen |= alive
+        self.roster.leases_held(gen.number, alive)
+        pm = gen.postmortem
         ended = {r for r, e in pm.ends.items() if e.kind != "left"}
-        gone = sorted((self._seen - alive) | ended)
+        gone = sorted((gen.seen - alive) | ended)
         if not gone:
             return []
         self.drain()  # a final report (done, stopped, leaving) may have raced the leases
-        if self.progress.outcome or self._leaving == a.generation:
+        if self.progress.outcome or gen.leaving:
             return []
-        for rank in sorted(self._seen - alive):
+        for rank in sorted(gen.seen - alive):
             self._vanished(pm, rank)
         self.abort(pm.summary())
         return gone
@@ -457,14 +497,14 @@ class Controller:
     def abort(self, reason: str) -> None:
         """Mark the generation in force aborted in etcd (its workers exit at once, their agents
         re-rendezvous) and in the store, saying why."""
-        if self.assignment is None:
+        current = self.current
+        if current is None:
             return
-        gen = self.assignment.generation
+        gen = current.number
         self.aborted_at = time.time()
         self.etcd.put(keys.abort(self.job_id), str(gen))
-        if self._generation_running():
-            self._end_explained(gen, "aborted", reason)
-            self._open = None
+        if current.open:
+            self._end_explained(current, "aborted", reason)
         self.store.add_event(
             self.job_id,
             "generation_aborted",
@@ -474,15 +514,15 @@ class Controller:
 
     # -- post-mortems: which rank died and how -------------------------------------------------
 
-    def _end_explained(self, generation: int, state: str, fallback: str) -> None:
+    def _end_explained(self, gen: Generation, state: str, fallback: str) -> None:
         """End a generation in the store with the best explanation known, and keep explaining
         it for a while (a dead rank's lease lapses a TTL after its peers reported)."""
-        pm = self._pms.get(generation)
-        reason = pm.summary() if pm is not None and pm.ends else fallback
-        self.store.end_generation(self.job_id, generation, state, reason=reason)
-        self._explained[generation] = reason
-        if pm is not None and not pm.complete:
-            self._explain_until[generation] = time.monotonic() + self.spec.runtime.lease_ttl_s + 3
+        pm = gen.postmortem
+        reason = pm.summary() if pm.ends else fallback
+        self.store.end_generation(self.job_id, gen.number, state, reason=reason)
+        gen.open, gen.reason = False, reason
+        if not pm.complete:
+            gen.explain_until = time.monotonic() + self.spec.runtime.lease_ttl_s + 3
 
     def _vanished(self, pm: PostMortem, rank: int) -> None:
         how = "its lease lapsed with no report (the process or its node died, or it hung)"
@@ -526,59 +566,63 @@ class Controller:
         """Keep explaining ended generations: ranks whose presence key has gone without a word
         (lapsed, or taken by a later generation's rank) vanished; an improved explanation
         replaces the generation row's reason."""
-        if not self._explain_until:
+        explaining = [g for g in self.generations.values() if g.explain_until is not None]
+        if not explaining:
             return
         held = self._presence()
         self.drain()  # after reading the keys: a report put before a lease was revoked counts
         now = time.monotonic()
-        for gen, until in list(self._explain_until.items()):
-            pm = self._pms[gen]
+        for gen in explaining:
+            pm = gen.postmortem
             for rank in sorted(set(pm.members) | set(range(pm.world))):
-                if held.get(rank) == gen:
+                if held.get(rank) == gen.number:
                     continue
                 if rank in pm.ends:
-                    self.roster.lease_gone(gen, rank)  # e.g. a dead rank's, after its exit status
+                    # e.g. a dead rank's, after its exit status
+                    self.roster.lease_gone(gen.number, rank)
                 else:
                     self._vanished(pm, rank)
             self._write_reason(gen)
-            if pm.complete or now > until:
-                del self._explain_until[gen]
+            if pm.complete or (gen.explain_until is not None and now > gen.explain_until):
+                gen.explain_until = None
 
-    def _write_reason(self, generation: int) -> None:
-        pm = self._pms.get(generation)
-        if pm is None or generation == self._open or not pm.ends:
+    def _write_reason(self, gen: Generation) -> None:
+        pm = gen.postmortem
+        if gen.open or not pm.ends:
             return
         reason = pm.summary()
-        if reason != self._explained.get(generation):
-            self.store.explain_generation(self.job_id, generation, reason)
-            self._explained[generation] = reason
+        if reason != gen.reason:
+            self.store.explain_generation(self.job_id, gen.number, reason)
+            gen.reason = reason
 
     def _apply_end(self, e: RankEndReport) -> None:
         """A rank's own final report (failed / peer_lost / aborted / left)."""
-        pm = self._pms.get(e.generation)
-        if pm is None:
-            pm = self._pms[e.generation] = PostMortem(e.generation, {}, 0)
+        gen = self.generations.get(e.generation)
+        if gen is None:  # one a predecessor ran: known from here on by its ranks' reports
+            gen = self.generations[e.generation] = Generation(PostMortem(e.generation, {}, 0))
+        pm = gen.postmortem
         detail = e.error if isinstance(e, Failed | PeerLost) else e.why
         phase = e.phase if isinstance(e, Failed | PeerLost) else None
         if pm.report(e.rank, e.kind, detail, phase):
             self._record_end(pm, e.rank)
             aborted = isinstance(e, Aborted)
             self.roster.ended(e.generation, pm.ends[e.rank], aborted=aborted, own_word=True)
-        self._write_reason(e.generation)
+        self._write_reason(gen)
         if isinstance(e, Failed):
-            self._check_fatal(pm)
+            self._check_fatal(gen)
 
     def _apply_exit(self, report: WorkerExit) -> None:
         """How a worker process ended, from its fork server: matched to its generation's rank by
         host and pid."""
-        for gen in sorted(self._pms, reverse=True):
-            pm = self._pms[gen]
+        for number in sorted(self.generations, reverse=True):
+            gen = self.generations[number]
+            pm = gen.postmortem
             rank = pm.rank_of(report.host, report.pid)
             if rank is not None:
                 if pm.exited(rank, report.exit_code, report.signal):
                     self._record_end(pm, rank)
                 if rank in pm.ends:  # a new verdict, or the status of a known end
-                    self.roster.ended(gen, pm.ends[rank])
+                    self.roster.ended(number, pm.ends[rank])
                 self._write_reason(gen)
                 return
         # a worker that died before its generation was formed (no rank to blame in one)
@@ -593,24 +637,22 @@ class Controller:
             key=f"exit:{report.host}:{report.pid}",
         )
 
-    def _check_fatal(self, pm: PostMortem) -> None:
+    def _check_fatal(self, gen: Generation) -> None:
         """Every rank of the generation failed while starting, with the same error: a restart
         would fail the same way (a bad spec, a missing file), so the job fails now instead of
         burning runtime.max_restarts. The next rendezvous round's workers see the fatal
         assignment and exit 0, so their agents stop."""
-        a = self.assignment
-        if a is None or a.generation != pm.generation or self._fatal:
+        a = gen.assignment
+        if gen is not self.current or a is None or gen.fatal:
             return
-        error = pm.deterministic_failure()
+        error = gen.postmortem.deterministic_failure()
         if error is None:
             return
-        self._fatal = error
+        gen.fatal = error
         message = f"every rank failed the same way while starting: {error}"
         # failed, whether or not the first failure reports already got it aborted
-        self.store.end_generation(self.job_id, pm.generation, "failed", reason=message)
-        self._explained[pm.generation] = message
-        self._explain_until.pop(pm.generation, None)
-        self._open = None
+        self.store.end_generation(self.job_id, gen.number, "failed", reason=message)
+        gen.open, gen.reason, gen.explain_until = False, message, None
         fatal = a.model_copy(update={"fatal": message, "layout": None})
         self.etcd.put(keys.assignment(self.job_id), fatal.model_dump_json())
         self.progress.outcome, self.progress.error = "failed", message
@@ -618,7 +660,7 @@ class Controller:
             self.job_id,
             "job_failed_at_start",
             f"{message}; not restarting (runtime.max_restarts is for failures a restart can fix)",
-            data={"generation": pm.generation, "error": error},
+            data={"generation": gen.number, "error": error},
         )
 
     def request_stop(self, reason: str) -> None:
@@ -645,9 +687,9 @@ class Controller:
             message = f"{why}; resume continues from the last committed checkpoint"
             if detail:
                 message += f"\n{detail}"
-        if self._generation_running():
-            self.store.end_generation(self.job_id, self.generation, state)
-            self._open = None
+        if self.current is not None and self.current.open:
+            self.store.end_generation(self.job_id, self.current.number, state)
+            self.current.open = False
         self.store.set_job_state(self.job_id, state, message.splitlines()[0])
         self.store.add_event(self.job_id, f"job_{state}", message)
         return state
@@ -837,9 +879,12 @@ class Controller:
                 )
                 self.aborted_at = None
             case Leaving():
-                self._leaving = e.generation  # its leases go next: a re-formation, not a loss
-                if pm := self._pms.get(e.generation):  # so no rank is taken for lost
-                    pm.leave(f"re-formed: rank(s) {e.ranks} asked to leave (step {e.step})")
+                if gen := self.generations.get(e.generation):
+                    gen.leaving = True  # its leases go next: a re-formation, not a loss
+                    # so no rank is taken for lost
+                    gen.postmortem.leave(
+                        f"re-formed: rank(s) {e.ranks} asked to leave (step {e.step})"
+                    )
                 self.roster.finished(e)
                 self._record_event(
                     "worker_leaving",

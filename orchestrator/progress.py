@@ -37,9 +37,9 @@ class ProgressView:
         self._task = None
         self._last_line = 0.0
         self._last_acc: float | None = None
+        self._shown = False
 
     def __enter__(self) -> ProgressView:
-        self.console.print(f"[bold]layout[/] {escape(self.layout.describe())}")
         if self.console.is_terminal:
             self._bar = Progress(
                 TextColumn("[bold blue]training"),
@@ -54,9 +54,12 @@ class ProgressView:
         return self
 
     def update(self, p: JobProgress) -> None:
-        if p.layout is not None and p.layout != self.layout:
-            self.layout = p.layout
+        # the layout in force, once the supervision started (after what the launch printed)
+        # and again whenever it changes
+        if not self._shown or (p.layout is not None and p.layout != self.layout):
+            self.layout = p.layout or self.layout
             self.console.print(f"[bold]layout[/] {escape(self.layout.describe())}")
+            self._shown = True
         if self._bar is not None:
             self._bar.update(
                 self._task, completed=p.step, total=p.total_steps, info=escape(_fmt(p, self.layout))

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.spec import JobSpec, ModelSpec, gpu_shortfall, local_device_type
 from core.state import Layout, StageLayout
-from orchestrator import cli
+from orchestrator import local
 from tests.mp import run_distributed
 from trainer import flops, profile
 from trainer.collective import once_per_node
@@ -53,28 +53,28 @@ def test_run_refuses_a_cuda_spec_this_machine_cannot_seat(monkeypatch, tmp_path:
     spec = JobSpec.model_validate(
         {"name": "g", "parallel": {"stages": 2}, "runtime": {"device": "cuda"}}
     )
-    assert "has 1 GPU" in cli._gpu_shortfall(spec)
-    assert cli._gpu_shortfall(spec.model_copy(update={"runtime": spec.runtime.model_copy(
+    assert "has 1 GPU" in local.machine_gpu_shortfall(spec)
+    assert local.machine_gpu_shortfall(spec.model_copy(update={"runtime": spec.runtime.model_copy(
         update={"device": "auto"})})) is None  # fmt: skip
 
 
 def test_simulated_nodes_get_their_own_gpus(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert [cli.node_gpus(k, 2) for k in range(2)] == ["0,1", "2,3"]
-    assert cli.node_gpus(1, 1, visible="5,7") == "7"
+    assert [local.node_gpus(k, 2) for k in range(2)] == ["0,1", "2,3"]
+    assert local.node_gpus(1, 1, visible="5,7") == "7"
     two_nodes = JobSpec.model_validate(
         {"name": "g", "parallel": {"stages": 2, "replicas": 2}, "runtime": {"nodes": 2}}
     )
-    assert cli._node_devices(two_nodes, 2) == [
+    assert local.node_devices(two_nodes, 2) == [
         {"CUDA_VISIBLE_DEVICES": "0,1"},
         {"CUDA_VISIBLE_DEVICES": "2,3"},
     ]
     # auto with more workers than GPUs: the whole machine trains on the CPU, GPUs hidden
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert cli._node_devices(two_nodes, 2) == [{"CUDA_VISIBLE_DEVICES": ""}] * 2
+    assert local.node_devices(two_nodes, 2) == [{"CUDA_VISIBLE_DEVICES": ""}] * 2
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert cli._node_devices(two_nodes, 2) == [{}, {}]
+    assert local.node_devices(two_nodes, 2) == [{}, {}]
 
 
 def test_profiling_measures_the_device_it_is_given(monkeypatch) -> None:
@@ -273,11 +273,11 @@ def test_run_admits_gpu_jobs_against_the_smallest_gpu(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: sizes[i])
     gpu = JobSpec.model_validate({"name": "g", "runtime": {"device": "cuda"}})
-    assert cli._gpu_memory(gpu) == 40 << 30
+    assert local.gpu_memory(gpu) == 40 << 30
     cpu = gpu.model_copy(update={"runtime": gpu.runtime.model_copy(update={"device": "cpu"})})
-    assert cli._gpu_memory(cpu) is None
+    assert local.gpu_memory(cpu) is None
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert cli._gpu_memory(gpu) is None
+    assert local.gpu_memory(gpu) is None
 
 
 def _bf16_step(rank: int, world: int) -> dict:

@@ -1,0 +1,57 @@
+"""What `pipetransformer run`, `resume` and the controller role print when a job's run ends: the
+job's state and where its things are, then what the elastic machinery did (one row per layout
+version, what re-laying out bought, what AutoCache decided). Reads the store; renders with rich.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator.summary import bought_line, cache_line, history_from_store, history_table
+from store import Store
+
+
+def print_summary(
+    console: Console,
+    store: Store,
+    job_id: str,
+    *,
+    wall_s: float,
+    store_url: str,
+    checkpoints: Path,
+    where: str,
+) -> None:
+    """The end-of-run summary of `job_id`. `where` is how later commands find the same store
+    (`--workdir DIR` or `--db URL`), for the lines that say what to run next."""
+    job = store.get_job(job_id)
+    ckpt = store.latest_checkpoint(job_id)
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_row("job", f"{job.id} ({job.state})")
+    if job.message:
+        table.add_row("message", escape(job.message))
+    acc = f"{job.accuracy:.2%}" if job.accuracy is not None else "n/a"
+    table.add_row("held-out accuracy", acc)
+    table.add_row("progress", f"epoch {job.epoch}, step {job.step}")
+    table.add_row("wall time", f"{wall_s:.1f}s")
+    table.add_row("store", store_url)
+    table.add_row("checkpoints", str(checkpoints))
+    if ckpt:
+        table.add_row("last committed", f"{ckpt.path} (step {ckpt.step})")
+    table.add_row("dashboard", f"pipetransformer dashboard {where}")
+    if job.state != "completed":
+        table.add_row("resume", f"pipetransformer resume {job.id} {where}")
+    console.rule("summary")
+    console.print(table)
+    # What the elastic machinery did: one row per layout version, and what re-laying out bought
+    history, bought = history_from_store(store, job.id)
+    if history:
+        console.print()
+        console.print(history_table(history))
+        console.print(bought_line(history, bought))
+        cached = cache_line(store.events(job.id, limit=1000))
+        if cached:
+            console.print(escape(cached))
