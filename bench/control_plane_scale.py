@@ -1200,9 +1200,7 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                 row["problems"].append(
                     {"kind": "controller_finish_failed", "count": 1, "detail": str(exc)[:300]}
                 )
-            aborted = [
-                e for e in store.events(JOB, limit=10_000) if e["kind"] == "generation_aborted"
-            ]
+            aborted = [e for e in store.events(JOB, limit=10_000) if e.kind == "generation_aborted"]
             if aborted:
                 row["problems"].append(
                     {
