@@ -1206,7 +1206,7 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                     {
                         "kind": "generation_aborted",
                         "count": len(aborted),
-                        "detail": aborted[-1]["message"],
+                        "detail": aborted[-1].message,
                     }
                 )
             store.close()

@@ -192,7 +192,7 @@ def test_autopipe_plans_from_measurement_and_records_the_layout(
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     history = store.layouts("auto")
     assert [h.layout.version for h in history] == [1, 2]
-    planned, reason, _ = history[-1]
+    planned, reason = history[-1].layout, history[-1].reason
     assert planned.planner == "autopipe" and reason.startswith("autopipe:")
     assert planned.microbatches in (2, 4, 8, 16, 32) and 2 <= planned.microbatches <= 12
     assert store.current_layout("auto") == planned and store.get_job("auto").step == 3

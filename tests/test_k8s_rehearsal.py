@@ -96,7 +96,7 @@ def _alive(pod: rehearsal.Pod) -> bool:
 def _timeline(store: Store, since: float) -> str:
     """The job's events, oldest first, in seconds since `since` (unix time)."""
     return "\n".join(
-        f"  {e['time'] - since:6.1f}s {e['kind']}: {e['message'][:110]}"
+        f"  {e.time - since:6.1f}s {e.kind}: {e.message[:110]}"
         for e in reversed(store.events(JOB, limit=1000))
         if e.kind not in QUIET_EVENTS
     )
@@ -263,8 +263,8 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
     wall = time.monotonic() - t0
     print(f"\nrehearsal wall time {wall:.1f}s (budget {BUDGET_S}s) on {socket.gethostname()}")
     for g in gens:
-        reason = f" ({g['reason'][:100]})" if g.get("reason") else ""
-        print(f"generation {g['number']}: {g['world_size']} workers, {g['state']}{reason}")
+        reason = f" ({g.reason[:100]})" if g.reason else ""
+        print(f"generation {g.number}: {g.world_size} workers, {g.state}{reason}")
     for pod in cluster.pods:
         peak = cluster.cgroups.peaks.get(pod.netns)
         if peak is not None:
