@@ -1210,15 +1210,13 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                 row["problems"].append(
                     {"kind": "controller_finish_failed", "count": 1, "detail": "still running"}
                 )
-            aborted = [
-                e for e in store.events(JOB, limit=10_000) if e["kind"] == "generation_aborted"
-            ]
+            aborted = [e for e in store.events(JOB, limit=10_000) if e.kind == "generation_aborted"]
             if aborted:
                 row["problems"].append(
                     {
                         "kind": "generation_aborted",
                         "count": len(aborted),
-                        "detail": aborted[-1]["message"],
+                        "detail": aborted[-1].message,
                     }
                 )
             store.close()

@@ -106,18 +106,18 @@ def _run(workdir: Path, spec: Path, job_id: str, cache: Path) -> None:
 def _history(store: Store, job_id: str) -> dict:
     metrics = store.metrics(job_id)
     evals = store.evaluations(job_id)
-    t0 = metrics[0]["time"] - 1.0 / max(metrics[0]["samples_per_s"] or 1.0, 1e-9)
+    t0 = metrics[0].time - 1.0 / max(metrics[0].samples_per_s or 1.0, 1e-9)
     freezes = [
-        (e["data"]["step"], e["data"]["boundary"])
+        (e.data["step"], e.data["boundary"])
         for e in reversed(store.events(job_id, limit=1000))
-        if e["kind"] == "freeze"
+        if e.kind == "freeze"
     ]
     return {
-        "steps": [m["step"] for m in metrics],
-        "time": [m["time"] - t0 for m in metrics],
-        "samples_per_s": [m["samples_per_s"] for m in metrics],
-        "evals": [(e["time"] - t0, e["accuracy"]) for e in evals],
-        "final_accuracy": evals[-1]["accuracy"],
+        "steps": [m.step for m in metrics],
+        "time": [m.time - t0 for m in metrics],
+        "samples_per_s": [m.samples_per_s for m in metrics],
+        "evals": [(e.time - t0, e.accuracy) for e in evals],
+        "final_accuracy": evals[-1].accuracy,
         "freezes": freezes,
         "depth": store.get_job(job_id).spec.model.depth,
     }

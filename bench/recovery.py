@@ -40,7 +40,7 @@ from _common import ROOT, emit, environment, progress
 from core import keys  # noqa: E402
 from core.etcd_client import EtcdClient  # noqa: E402
 from orchestrator.etcd_server import EmbeddedEtcd  # noqa: E402
-from store import Store, sqlite_url  # noqa: E402
+from store import EventRow, Store, sqlite_url  # noqa: E402
 
 KINDS = ("worker_kill", "worker_term", "node_loss", "controller_kill", "etcd_restart")
 JOB = "recovery"
@@ -112,9 +112,9 @@ class Job:
         finally:
             store.close()
 
-    def events(self, kind: str) -> list[dict]:
+    def events(self, kind: str) -> list[EventRow]:
         return self.read(
-            lambda s: [e for e in reversed(s.events(JOB, limit=5000)) if e["kind"] == kind], []
+            lambda s: [e for e in reversed(s.events(JOB, limit=5000)) if e.kind == kind], []
         )
 
     def steady(self) -> dict | None:
@@ -122,21 +122,18 @@ class Job:
 
         def check(s: Store) -> dict | None:
             gens = s.generations(JOB)
-            if not gens or gens[-1]["state"] != "running" or gens[-1]["world_size"] != 2:
+            if not gens or gens[-1].state != "running" or gens[-1].world_size != 2:
                 return None
             resumed = [
                 e
                 for e in reversed(s.events(JOB, limit=5000))
-                if e["kind"] == "generation_resumed"
-                and e["data"]["generation"] == gens[-1]["number"]
+                if e.kind == "generation_resumed" and e.data["generation"] == gens[-1].number
             ]
             if not resumed:
                 return None
-            started = [
-                e for e in reversed(s.events(JOB, limit=5000)) if e["kind"] == "worker_started"
-            ]
-            workers = {e["rank"]: e["data"] for e in started[-2:]}
-            return {"generation": gens[-1]["number"], "workers": workers}
+            started = [e for e in reversed(s.events(JOB, limit=5000)) if e.kind == "worker_started"]
+            workers = {e.rank: e.data for e in started[-2:]}
+            return {"generation": gens[-1].number, "workers": workers}
 
         return self.read(check)
 
@@ -145,7 +142,7 @@ class Job:
             metrics = s.metrics(JOB)
             ckpt = s.latest_checkpoint(JOB)
             return {
-                "step": metrics[-1]["step"] if metrics else 0,
+                "step": metrics[-1].step if metrics else 0,
                 "committed": ckpt.step if ckpt else 0,
             }
 
@@ -167,10 +164,10 @@ def _first_step_after(job: Job, t: float, generation_after: int | None) -> float
     `generation_after`, or (None) the first metrics row timed after `t`."""
     if generation_after is not None:
         for e in job.events("generation_resumed"):
-            if e["data"]["generation"] > generation_after and e["data"]["time"] > t:
-                return e["data"]["time"]
+            if e.data["generation"] > generation_after and e.data["time"] > t:
+                return e.data["time"]
         return None
-    rows = job.read(lambda s: [m["time"] for m in s.metrics(JOB) if m["time"] > t], [])
+    rows = job.read(lambda s: [m.time for m in s.metrics(JOB) if m.time > t], [])
     return min(rows) if rows else None
 
 
@@ -208,11 +205,9 @@ def inject(job: Job, kind: str, rng: random.Random) -> dict:
         return {"kind": kind, "recovered": False, "error": str(exc)}
     row: dict[str, Any] = {"kind": kind, "recovered": True, "recovery_s": first - t}
     if reforms:
-        starts = [
-            e["data"]["start"]["step"] for e in job.events("generation_started") if e["time"] > t
-        ]
+        starts = [e.data["start"]["step"] for e in job.events("generation_started") if e.time > t]
         trained = job.read(
-            lambda s: max([m["step"] for m in s.metrics(JOB) if m["time"] <= t], default=0), 0
+            lambda s: max([m.step for m in s.metrics(JOB) if m.time <= t], default=0), 0
         )
         row["lost_steps"] = max(0, trained - starts[0]) if starts else None
         row["resumed_from"] = starts[0] if starts else None
@@ -275,7 +270,7 @@ def main() -> None:
                         os.killpg(p.pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-            events = job.read(lambda s: [e["kind"] for e in reversed(s.events(JOB, limit=5000))])
+            events = job.read(lambda s: [e.kind for e in reversed(s.events(JOB, limit=5000))])
     ok = [r for r in rows if r["recovered"]]
     rec = sorted(r["recovery_s"] for r in ok)
     lost = [r["lost_steps"] for r in ok if r.get("lost_steps") is not None]

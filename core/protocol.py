@@ -18,6 +18,7 @@ is rejected with a log line instead of crashing the controller.
 
 from __future__ import annotations
 
+import math
 import time
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -51,6 +52,17 @@ def _not_negative(value: float) -> float:
 # a norm, a utilisation or a memory size: a negative one is a malformed report, rejected when
 # drained rather than failing the store write of the whole batch
 NonNegative = Annotated[float, AfterValidator(_not_negative)]
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+# A measurement that may be unknown. JSON has no NaN, so a non-finite value travels as None:
+# it is None in memory too, and the store keeps it as NULL (SQLite cannot store NaN).
+Reading = Annotated[float | None, AfterValidator(_finite_or_none)]
+# a norm or memory size that may be unknown: never negative, None where not finite
+NonNegativeReading = Annotated[NonNegative | None, AfterValidator(_finite_or_none)]
 
 
 class _Model(BaseModel):
@@ -187,7 +199,7 @@ class _Event(_Model):
 
     rank: int
     generation: int = 1
-    time: float = Field(default_factory=time.time)
+    time: float = Field(default_factory=time.time, allow_inf_nan=False)  # unix seconds
 
     def payload(self) -> dict[str, Any]:
         """The report's own fields (not who/when), as the store records them."""
@@ -222,22 +234,22 @@ class Metrics(_Event):
     """One optimizer step, from the rank that owns the global batch's loss."""
 
     kind: Literal["metrics"] = "metrics"
-    step: int
-    epoch: int
+    step: int = Field(ge=0)
+    epoch: int = Field(ge=0)
     samples_consumed: int
-    loss: float | None  # None: not finite (JSON has no NaN)
-    lr: float
-    samples_per_s: float | None
-    frozen: int  # the layout's freeze boundary at this step
+    loss: Reading  # None: not finite (a diverged step)
+    lr: float = Field(ge=0, allow_inf_nan=False)
+    samples_per_s: Reading
+    frozen: int = Field(ge=0)  # the layout's freeze boundary at this step (stored since 0007)
     # one gradient L2 norm per transformer block (after the cross-replica all-reduce, before
     # clipping; 0 for frozen blocks); None where not finite. Absent from older workers' reports.
-    grad_norms: list[NonNegative | None] | None = None
+    grad_norms: list[NonNegativeReading] | None = None
     # model FLOPs per second over the devices' dense peak (trainer/flops.py), a fraction; None
-    # where the peak is unknown (the CPU, unless PIPETRANSFORMER_PEAK_TFLOPS says it)
-    mfu: NonNegative | None = None
+    # where the peak is unknown (the CPU, unless PIPETRANSFORMER_PEAK_TFLOPS says it) or not finite
+    mfu: NonNegativeReading = None
     # peak GPU memory allocated per rank (MiB; index = rank) since the layout was built, sent at
     # control points (runtime.control_every_steps) and None between them and on the CPU
-    peak_memory_mib: list[NonNegative | None] | None = None
+    peak_memory_mib: list[NonNegativeReading] | None = None
 
 
 class Evaluated(_Event):

@@ -1,8 +1,9 @@
 """Plotly figure builders: pure functions of store data (no I/O, no Streamlit).
 
-Inputs are what `store.Store` returns: a `Layout`, the `(Layout, reason, created_at)`
-history of `Store.layouts`, and the row dicts of `Store.metrics` / `Store.evaluations` (`time`
-in unix seconds; `mfu` a fraction; `peak_memory_mib` per rank in MiB, or None). Every series
+Inputs are what `store.Store` returns: a `Layout`, the `RecordedLayout` history of
+`Store.layouts`, and the `MetricRow`s / `EvaluationRow`s of `Store.metrics` /
+`Store.evaluations` (`time` in unix seconds; `frozen` the boundary a step trained under; `mfu`
+a fraction; `peak_memory_mib` per rank in MiB, or None). Every series
 chart takes `x` ("step" or "time", see `dashboard.timeline`) and an optional `Timeline` to draw
 layout versions and generation starts behind its curves. Figures are sized for a page about
 800 px wide: short titles, legends horizontal below, small margins.
@@ -29,10 +30,11 @@ from dashboard.timeline import (
     axis_values,
     check_axis,
     decorate,
-    stepper,
+    layout_starts,
     unix,
     utc,
 )
+from store.rows import EvaluationRow, MetricRow
 
 FROZEN_COLOR = "#c7c7c7"
 STAGE_COLORS = qualitative.Plotly
@@ -131,7 +133,7 @@ def _finish(fig: go.Figure, tl: Timeline | None, x: XAxis) -> go.Figure:
 
 def _hover_rows(rows: Rows) -> list[list[Any]]:
     """customdata for hover text: step and epoch of each row (the x axis may be time)."""
-    return [[r.get("step"), r.get("epoch")] for r in rows]
+    return [[r.step, r.epoch] for r in rows]
 
 
 def _series(
@@ -147,7 +149,7 @@ def _series(
 ) -> None:
     """One metric as a line: raw (faint when smoothed) and, with smoothing > 0, smoothed."""
     xs = axis_values(rows, x)
-    raw = [r.get(key) for r in rows]
+    raw = [getattr(r, key) for r in rows]
     hover = "step %{customdata[0]} · epoch %{customdata[1]}<br>" + name + " %{y:" + y_format + "}"
     fig.add_trace(
         go.Scatter(
@@ -181,8 +183,8 @@ def _series(
 
 
 def loss_figure(
-    metrics: Rows,
-    evaluations: Rows = (),
+    metrics: Sequence[MetricRow],
+    evaluations: Sequence[EvaluationRow] = (),
     *,
     x: XAxis = "step",
     smoothing: float = 0.0,
@@ -191,7 +193,7 @@ def loss_figure(
     """Training loss per step (raw, faint under a smoothed line when `smoothing` > 0) and the
     held-out loss of each evaluation as markers."""
     fig = _base("Training loss", axis_title(x), "loss")
-    evals = [r for r in evaluations if r.get("loss") is not None]
+    evals = [r for r in evaluations if r.loss is not None]
     if not metrics and not evals:
         return _empty(fig)
     if metrics:
@@ -210,7 +212,7 @@ def loss_figure(
             go.Scatter(
                 name="eval loss",
                 x=axis_values(evals, x),
-                y=[r["loss"] for r in evals],
+                y=[r.loss for r in evals],
                 mode="markers",
                 marker={"color": STAGE_COLORS[1], "size": 8, "symbol": "diamond"},
                 customdata=_hover_rows(evals),
@@ -222,7 +224,7 @@ def loss_figure(
 
 
 def throughput_figure(
-    metrics: Rows,
+    metrics: Sequence[MetricRow],
     *,
     x: XAxis = "step",
     smoothing: float = 0.0,
@@ -250,11 +252,11 @@ def throughput_figure(
 def has_values(rows: Rows, key: str) -> bool:
     """Whether any row has `key` (a job whose workers measured MFU or peak memory; never on the
     CPU): the dashboard draws those charts only then."""
-    return any(r.get(key) is not None for r in rows)
+    return any(getattr(r, key) is not None for r in rows)
 
 
 def mfu_figure(
-    metrics: Rows,
+    metrics: Sequence[MetricRow],
     *,
     x: XAxis = "step",
     smoothing: float = 0.0,
@@ -281,7 +283,7 @@ def mfu_figure(
 
 
 def peak_memory_figure(
-    metrics: Rows, *, x: XAxis = "step", timeline: Timeline | None = None
+    metrics: Sequence[MetricRow], *, x: XAxis = "step", timeline: Timeline | None = None
 ) -> go.Figure:
     """Peak GPU memory allocated per rank (GiB), one line per rank, at the steps that carry it
     (control points). A rank missing from a row (a smaller world, a rank that did not say) is
@@ -289,15 +291,15 @@ def peak_memory_figure(
     check_axis(x)
     fig = _base("Peak GPU memory", axis_title(x), "GiB")
     fig.update_yaxes(rangemode="tozero")
-    rows = [r for r in metrics if r.get("peak_memory_mib")]
+    rows = [r for r in metrics if r.peak_memory_mib]
     if not rows:
         return _empty(fig)
     xs = axis_values(rows, x)
-    ranks = max(len(r["peak_memory_mib"]) for r in rows)
+    ranks = max(len(r.peak_memory_mib or ()) for r in rows)
     for rank in range(ranks):
         ys: list[float | None] = []
         for r in rows:
-            peaks = r["peak_memory_mib"]
+            peaks = r.peak_memory_mib or ()
             mib = peaks[rank] if rank < len(peaks) else None
             ok = mib is not None and math.isfinite(mib)
             ys.append(mib / MIB_PER_GIB if ok else None)
@@ -323,7 +325,7 @@ def peak_memory_figure(
 
 
 def accuracy_figure(
-    evaluations: Rows,
+    evaluations: Sequence[EvaluationRow],
     target: float | None = None,
     *,
     x: XAxis = "step",
@@ -347,7 +349,7 @@ def accuracy_figure(
         go.Scatter(
             name="accuracy",
             x=axis_values(evaluations, x),
-            y=[r.get("accuracy") for r in evaluations],
+            y=[r.accuracy for r in evaluations],
             mode="lines+markers",
             customdata=_hover_rows(evaluations),
             hovertemplate="step %{customdata[0]} (epoch %{customdata[1]})"
@@ -357,7 +359,9 @@ def accuracy_figure(
     return _finish(fig, timeline, x)
 
 
-def lr_figure(metrics: Rows, *, x: XAxis = "step", timeline: Timeline | None = None) -> go.Figure:
+def lr_figure(
+    metrics: Sequence[MetricRow], *, x: XAxis = "step", timeline: Timeline | None = None
+) -> go.Figure:
     """Learning rate per step, as the schedule set it."""
     fig = _base("Learning rate", axis_title(x), "learning rate")
     if not metrics:
@@ -366,7 +370,7 @@ def lr_figure(metrics: Rows, *, x: XAxis = "step", timeline: Timeline | None = N
         go.Scatter(
             name="lr",
             x=axis_values(metrics, x),
-            y=[r.get("lr") for r in metrics],
+            y=[r.lr for r in metrics],
             mode="lines",
             line={"color": STAGE_COLORS[3]},
             customdata=_hover_rows(metrics),
@@ -380,25 +384,23 @@ def lr_figure(metrics: Rows, *, x: XAxis = "step", timeline: Timeline | None = N
 
 def freeze_figure(
     layouts: LayoutHistory,
-    metrics: Rows = (),
+    metrics: Sequence[MetricRow] = (),
     *,
     x: XAxis = "step",
     timeline: Timeline | None = None,
 ) -> go.Figure:
-    """Frozen blocks over step or time: a step line that rises at each layout version's
-    creation (placed on the step axis by `step_at` over `metrics`, so without metrics every
-    version sits at step 0) and runs on to the last metric row. Hover shows version, reason and
-    time."""
+    """Frozen blocks over step or time: a step line that rises where each layout version took
+    effect (`layout_starts`: at the first step the metric rows say trained under a new
+    boundary, else at the version's recorded time placed by `step_at` over `metrics`, so
+    without metrics every version sits at step 0) and runs on to the last metric row. Hover
+    shows version, reason and recorded time."""
     fig = _base("Frozen blocks", axis_title(x), "frozen blocks")
     if not layouts:
         return _empty(fig)
-    at = stepper(metrics)
-    xs: list[Any] = []
-    for _, _, created in layouts:
-        t = unix(created)
-        xs.append(at(t) if x == "step" else utc(t))
-    ys = [lay.freeze_boundary for lay, _, _ in layouts]
-    info = [[lay.version, why, _when(created)] for lay, why, created in layouts]
+    starts = layout_starts(layouts, metrics)
+    xs: list[Any] = [step if x == "step" else utc(t) for step, t in starts]
+    ys = [rec.layout.freeze_boundary for rec in layouts]
+    info = [[rec.layout.version, rec.reason, _when(rec.created_at)] for rec in layouts]
     if metrics:
         # Carry the last level on to the last row, so the line spans the run.
         last = axis_values(metrics[-1:], x)[0]
@@ -418,7 +420,7 @@ def freeze_figure(
             "<br>%{customdata[2]}<extra></extra>",
         )
     )
-    num_blocks = layouts[-1][0].num_blocks
+    num_blocks = layouts[-1].layout.num_blocks
     if all(y == 0 for y in ys):
         fig.add_annotation(
             text="no blocks frozen yet", xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False
@@ -431,24 +433,27 @@ def freeze_figure(
 # ---- gradient norms
 
 
-def _boundaries(layouts: LayoutHistory, rows: Rows) -> list[int]:
+def _boundaries(layouts: LayoutHistory, rows: Sequence[MetricRow]) -> list[int]:
     """The freeze boundary each row trained under: its own `frozen` where the row has one (the
-    worker's report carries it), else that of the last layout created at or before the row's
-    time (the first layout's before any; versions are created in time order), else 0."""
-    starts = [unix(created) for _, _, created in layouts]
+    worker reported it; stored since revision 0007), else, for an older row, that of the last
+    layout recorded at or before the row's time (the first layout's before any; versions are
+    recorded in time order), else 0."""
+    starts = [unix(rec.created_at) for rec in layouts]
     out = []
     for r in rows:
-        if r.get("frozen") is not None:
-            out.append(int(r["frozen"]))
+        if r.frozen is not None:
+            out.append(r.frozen)
         elif layouts:
-            i = bisect.bisect_right(starts, float(r["time"]))
-            out.append(layouts[max(i - 1, 0)][0].freeze_boundary)
+            i = bisect.bisect_right(starts, r.time)
+            out.append(layouts[max(i - 1, 0)].layout.freeze_boundary)
         else:
             out.append(0)
     return out
 
 
-def grad_norm_figure(metrics: Rows, layouts: LayoutHistory = (), *, x: XAxis = "step") -> go.Figure:
+def grad_norm_figure(
+    metrics: Sequence[MetricRow], layouts: LayoutHistory = (), *, x: XAxis = "step"
+) -> go.Figure:
     """Gradient norm per transformer block over step or time, as a heat map.
 
     Blocks on y (block 0 at the bottom), one column per metric row that has `grad_norms`,
@@ -460,19 +465,21 @@ def grad_norm_figure(metrics: Rows, layouts: LayoutHistory = (), *, x: XAxis = "
     """
     check_axis(x)
     fig = _base("Gradient norm per block", axis_title(x), "block")
-    rows = [r for r in metrics if r.get("grad_norms")]
+    rows = [r for r in metrics if r.grad_norms]
     if not rows:
         return _empty(fig)
-    blocks = max([len(r["grad_norms"]) for r in rows] + [lay.num_blocks for lay, _, _ in layouts])
+    blocks = max(
+        [len(r.grad_norms or ()) for r in rows] + [rec.layout.num_blocks for rec in layouts]
+    )
     xs = axis_values(rows, x)
     bounds = _boundaries(layouts, rows)
     z: list[list[float | None]] = [[] for _ in range(blocks)]
     norms: list[list[float | None]] = [[] for _ in range(blocks)]
     frozen: list[list[int | None]] = [[] for _ in range(blocks)]
     for row, boundary in zip(rows, bounds, strict=True):
-        g = list(row["grad_norms"]) + [None] * (blocks - len(row["grad_norms"]))
+        g = row.grad_norms or ()
         for b in range(blocks):
-            v = g[b]
+            v = g[b] if b < len(g) else None
             is_frozen = b < boundary or v == 0
             ok = v is not None and math.isfinite(v) and v > 0 and not is_frozen
             z[b].append(math.log10(v) if ok else None)
@@ -506,7 +513,7 @@ def grad_norm_figure(metrics: Rows, layouts: LayoutHistory = (), *, x: XAxis = "
             hovertemplate="block %{y}<br>%{x}<br>norm %{customdata:.3g}<extra></extra>",
         )
     )
-    if layouts or any(r.get("frozen") is not None for r in rows):
+    if layouts or any(r.frozen is not None for r in rows):
         fig.add_trace(
             go.Scatter(
                 name="freeze boundary",
@@ -641,9 +648,10 @@ def layout_history_figure(layouts: LayoutHistory) -> go.Figure:
         return _empty(fig)
     stages: dict[int, dict[str, list[Any]]] = {}
     frozen: dict[str, list[Any]] = {"x": [], "width": [], "y": [], "text": [], "hover": []}
-    for lay, why, created in layouts:
+    for rec in layouts:
+        lay, why = rec.layout, rec.reason
         row = f"v{lay.version}"
-        when = _when(created)
+        when = _when(rec.created_at)
         about = f"{lay.pipeline_ranks}x{lay.replicas} · F={lay.freeze_boundary}<br>{why}<br>{when}"
         f = lay.freeze_boundary
         if f > 0:
@@ -674,11 +682,11 @@ def layout_history_figure(layouts: LayoutHistory) -> go.Figure:
     fig.update_layout(
         barmode="overlay",
         hovermode="closest",
-        xaxis=_block_axis(max(lay.num_blocks for lay, _, _ in layouts)),
+        xaxis=_block_axis(max(rec.layout.num_blocks for rec in layouts)),
         # Categories run bottom-up: oldest first puts the newest on top.
         yaxis={
             "categoryorder": "array",
-            "categoryarray": [f"v{lay.version}" for lay, _, _ in layouts],
+            "categoryarray": [f"v{rec.layout.version}" for rec in layouts],
         },
     )
     return fig
@@ -711,11 +719,11 @@ def compare_figure(
         if not rows:
             continue
         if x == "step":
-            xs: list[float] = [int(r["step"]) for r in rows]
+            xs: list[float] = [r.step for r in rows]
         else:
-            t0 = float(rows[0]["time"])
-            xs = [float(r["time"]) - t0 for r in rows]
-        ys = [r.get(key) for r in rows]
+            t0 = rows[0].time
+            xs = [r.time - t0 for r in rows]
+        ys = [getattr(r, key) for r in rows]
         fig.add_trace(
             go.Scatter(
                 name=job,
@@ -724,7 +732,7 @@ def compare_figure(
                 mode="lines",
                 line={"color": STAGE_COLORS[i % len(STAGE_COLORS)]},
                 connectgaps=smoothing > 0,
-                customdata=[r.get("step") for r in rows],
+                customdata=[r.step for r in rows],
                 hovertemplate=f"{job}<br>step %{{customdata}}<br>{label} %{{y:.4g}}<extra></extra>",
             )
         )

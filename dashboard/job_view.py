@@ -59,7 +59,7 @@ def header(store: Store, job: JobInfo) -> None:
     )
     layout = store.current_layout(job.id)
     recent = store.metrics(job.id, last=THROUGHPUT_WINDOW)
-    rates = [m["samples_per_s"] for m in recent if m["samples_per_s"] is not None]
+    rates = [m.samples_per_s for m in recent if m.samples_per_s is not None]
     peak = store.latest_peak_memory(job.id)
     row = st.container(horizontal=True, gap="medium")
     values = [
@@ -74,7 +74,7 @@ def header(store: Store, job: JobInfo) -> None:
         ),
         ("Samples/s", f"{sum(rates) / len(rates):,.0f}" if rates else "—"),
         # MFU and peak GPU memory where the workers measured them (not on the CPU)
-        *views.device_use(recent, None if peak is None else peak["peak_memory_mib"]),
+        *views.device_use(recent, None if peak is None else peak.peak_memory_mib),
     ]
     for label, value in values:
         row.metric(label, value, width="content", border=True)
@@ -118,7 +118,7 @@ def layout_view(store: Store, job: JobInfo) -> None:
     if not history:
         st.info("No layout recorded yet.")
         return
-    versions = [lay.version for lay, _, _ in history]
+    versions = [rec.layout.version for rec in history]
     chosen = (
         st.select_slider(
             "Layout version", options=versions, value=versions[-1], key="layout_version"
@@ -126,9 +126,10 @@ def layout_view(store: Store, job: JobInfo) -> None:
         if len(versions) > 1
         else versions[0]
     )
-    layout, reason, when = next(h for h in history if h[0].version == chosen)
+    chosen_rec = next(rec for rec in history if rec.layout.version == chosen)
+    layout = chosen_rec.layout
     _chart(figures.layout_figure(layout), "layout")
-    st.caption(f"v{layout.version} · {views.fmt_time(when)} · {reason}")
+    st.caption(f"v{layout.version} · {views.fmt_time(chosen_rec.created_at)} · {chosen_rec.reason}")
     st.code(layout.describe(), language=None, wrap_lines=True)
     if len(history) > 1:
         _chart(figures.layout_history_figure(history), "layout_history")
@@ -161,19 +162,19 @@ def workers_view(store: Store, job: JobInfo) -> None:
         return
     rows = views.worker_rows(workers, time.time())
     for g in reversed(generations):
-        mine = [r for r in rows if r["generation"] == g["number"]]
-        ended = f" → {views.fmt_time(g['ended_at'])}" if g["ended_at"] else ""
+        mine = [r for r in rows if r["generation"] == g.number]
+        ended = f" → {views.fmt_time(g.ended_at)}" if g.ended_at else ""
         st.markdown(
-            f"**Generation {g['number']}** · {g['state']} · {g['world_size']} worker(s) · "
-            f"{views.fmt_time(g['started_at'])}{ended}"
+            f"**Generation {g.number}** · {g.state} · {g.world_size} worker(s) · "
+            f"{views.fmt_time(g.started_at)}{ended}"
         )
-        if g["reason"]:
-            st.caption(g["reason"])
+        if g.reason:
+            st.caption(g.reason)
         if mine:
             st.dataframe(
                 [{k: v for k, v in r.items() if k != "generation"} for r in mine],
                 hide_index=True,
-                key=f"workers_{g['number']}",
+                key=f"workers_{g.number}",
             )
         else:
             st.caption("No worker recorded for this generation.")
@@ -181,9 +182,9 @@ def workers_view(store: Store, job: JobInfo) -> None:
 
 def events_view(store: Store, job: JobInfo) -> None:
     events = store.events(job.id, limit=300)
-    kinds = sorted({e["kind"] for e in events})
+    kinds = sorted({e.kind for e in events})
     shown = st.multiselect("Kinds", kinds, key="event_kinds", placeholder="all kinds")
-    rows = views.event_rows([e for e in events if not shown or e["kind"] in shown])
+    rows = views.event_rows([e for e in events if not shown or e.kind in shown])
     if rows:
         st.dataframe(rows, hide_index=True, key="events")
     else:

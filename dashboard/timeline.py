@@ -3,14 +3,15 @@
 Pure functions of store data (no I/O, no Streamlit). `timeline` turns `Store.layouts`,
 `Store.generations` and `Store.metrics` into a `Timeline` placed on both axes a chart can use
 (optimizer step and wall time); `decorate` draws it on any figure. The axis helpers here
-(`axis_title`, `axis_values`, `utc`) are shared with `dashboard.figures`.
+(`axis_title`, `axis_values`, `utc`) and where each layout version took effect
+(`layout_starts`) are shared with `dashboard.figures`.
 """
 
 from __future__ import annotations
 
 import bisect
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
@@ -19,10 +20,11 @@ from typing import Any, Literal
 import plotly.graph_objects as go
 
 from core.state import Layout
+from store.rows import EvaluationRow, GenerationRow, MetricRow, RecordedLayout
 
 XAxis = Literal["step", "time"]  # every series chart can be drawn against optimizer step or time
-Rows = Sequence[Mapping[str, Any]]
-LayoutHistory = Sequence[tuple[Layout, str, datetime]]  # as `Store.layouts` returns it
+Rows = Sequence[MetricRow] | Sequence[EvaluationRow]  # rows placed on the x axis by step or time
+LayoutHistory = Sequence[RecordedLayout]  # as `Store.layouts` returns it
 
 # Two light fills, alternated so neighbouring layout versions stay apart.
 BAND_FILLS = ("#7f7f7f", "#636efa")
@@ -65,19 +67,19 @@ def axis_values(rows: Rows, x: XAxis) -> list[int] | list[datetime]:
     """Each row's position on the x axis: its step, or its `time` as a UTC datetime."""
     check_axis(x)
     if x == "step":
-        return [int(r["step"]) for r in rows]
-    return [utc(float(r["time"])) for r in rows]
+        return [r.step for r in rows]
+    return [utc(r.time) for r in rows]
 
 
 # ---- placing times on the step axis
 
 
-def stepper(metrics: Rows) -> Callable[[float], int]:
+def stepper(metrics: Sequence[MetricRow]) -> Callable[[float], int]:
     """`step_at` as a function of `t`, for many times over the same rows (indexes them once)."""
     if not metrics:
         return lambda t: 0
-    times = [float(r["time"]) for r in metrics]
-    steps = [int(r["step"]) for r in metrics]
+    times = [r.time for r in metrics]
+    steps = [r.step for r in metrics]
     last = steps[-1]
     if all(a <= b for a, b in pairwise(times)):  # the store's rows: times grow with steps
 
@@ -93,7 +95,7 @@ def stepper(metrics: Rows) -> Callable[[float], int]:
     return scan_at
 
 
-def step_at(metrics: Rows, t: float) -> int:
+def step_at(metrics: Sequence[MetricRow], t: float) -> int:
     """The optimizer step in force at unix time `t`.
 
     A metric row is written when its step ends, so the step being trained at `t` is that of the
@@ -103,13 +105,46 @@ def step_at(metrics: Rows, t: float) -> int:
     return stepper(metrics)(t)
 
 
+def layout_starts(layouts: LayoutHistory, metrics: Sequence[MetricRow]) -> list[tuple[int, float]]:
+    """Where each layout version took effect: (step, unix time) on the step and time axes.
+
+    A version is recorded when the controller drains the workers' report of it, a few steps
+    after they began training under it, so its recorded time placed on the step axis
+    (`step_at`) is late. A version that moved the freeze boundary is placed exactly where the
+    metric rows say which boundary each step trained under (`MetricRow.frozen`, stored since
+    revision 0007): at the first row with the new boundary between the previous version's start
+    and its own recorded time, on both axes (that row's step and time). Every other version,
+    and any whose rows lack `frozen` (stored before 0007), stays at its recorded time.
+    """
+    at = stepper(metrics)
+    known = sorted((r for r in metrics if r.frozen is not None), key=lambda r: r.step)
+    known_steps = [r.step for r in known]
+    starts: list[tuple[int, float]] = []
+    previous: tuple[int, int] | None = None  # the previous version's boundary and start step
+    for recorded in layouts:
+        t = unix(recorded.created_at)
+        start = (at(t), t)
+        boundary = recorded.layout.freeze_boundary
+        if previous is not None and boundary != previous[0]:
+            # from the previous version's start up to the recorded time (no later than that)
+            i = bisect.bisect_left(known_steps, previous[1])
+            j = bisect.bisect_right(known_steps, start[0])
+            first = next((r for r in known[i:j] if r.frozen == boundary), None)
+            if first is not None:
+                start = (first.step, first.time)
+        starts.append(start)
+        previous = (boundary, start[0])
+    return starts
+
+
 # ---- the timeline
 
 
 @dataclass(frozen=True)
 class Band:
-    """One layout version's span: from its creation to the next version's (`end_*` None for the
-    version still in force). `start_step`/`end_step` place it on the step axis (`step_at`)."""
+    """One layout version's span: from where it took effect to where the next version did
+    (`layout_starts`; `end_*` None for the version still in force), on the step axis
+    (`start_step`/`end_step`) and the time axis (`start_time`/`end_time`, unix seconds)."""
 
     version: int
     label: str
@@ -146,37 +181,43 @@ def band_label(layout: Layout) -> str:
     )
 
 
-def timeline(layouts: LayoutHistory, generations: Rows, metrics: Rows) -> Timeline:
-    """Bands for every layout version and marks for every generation start after the first.
+def timeline(
+    layouts: LayoutHistory, generations: Sequence[GenerationRow], metrics: Sequence[MetricRow]
+) -> Timeline:
+    """Bands for every layout version, from where it took effect (`layout_starts`) to where
+    the next one did, and marks for every generation start after the first.
 
     `layouts` as from `Store.layouts` (by version), `generations` as from `Store.generations`
-    (by number), `metrics` as from `Store.metrics` (to place times on the step axis).
+    (by number), `metrics` as from `Store.metrics` (to place times on the step axis, and the
+    boundary each step trained under).
     """
     at = stepper(metrics)
-    starts = [unix(created) for _, _, created in layouts]
+    starts = layout_starts(layouts, metrics)
     bands = []
-    for i, (layout, reason, _) in enumerate(layouts):
+    for i, recorded in enumerate(layouts):
+        layout = recorded.layout
+        start_step, start_time = starts[i]
         end = starts[i + 1] if i + 1 < len(starts) else None
         bands.append(
             Band(
                 version=layout.version,
                 label=band_label(layout),
-                start_step=at(starts[i]),
-                end_step=None if end is None else at(end),
-                start_time=starts[i],
-                end_time=end,
+                start_step=start_step,
+                end_step=None if end is None else end[0],
+                start_time=start_time,
+                end_time=None if end is None else end[1],
                 boundary=layout.freeze_boundary,
-                reason=reason,
+                reason=recorded.reason,
             )
         )
     marks = []
     for prev, gen in pairwise(generations):
-        t = unix(gen["started_at"])
-        number = gen["number"]
-        why = f": {prev['reason']}" if prev.get("reason") else ""
-        ended = f"generation {prev['number']} {prev['state']}{why}"
-        detail = f"{ended}<br>world size {gen['world_size']}"
-        if prev["state"] == "aborted":
+        t = unix(gen.started_at)
+        number = gen.number
+        why = f": {prev.reason}" if prev.reason else ""
+        ended = f"generation {prev.number} {prev.state}{why}"
+        detail = f"{ended}<br>world size {gen.world_size}"
+        if prev.state == "aborted":
             marks.append(Mark("recovery", f"recovery: generation {number}", at(t), t, detail))
         else:
             marks.append(Mark("generation", f"generation {number}", at(t), t, detail))

@@ -1,14 +1,14 @@
 """Table rows for the dashboard: pure functions of store data (no I/O, no Streamlit), so what a
 person reads in each table is unit-tested.
 
-Times come in as unix seconds (the store's row dicts) and leave as readable UTC strings; missing
+Times come in as unix seconds (the store's typed rows) and leave as readable UTC strings; missing
 values leave as "" or "—", never as the text "None".
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,8 +17,8 @@ import yaml
 from core.protocol import FreezeOutcome, read_freeze_request
 from core.readings import mfu_text, peak_memory_text
 from core.spec import JobSpec
+from store.rows import EventRow, MetricRow, WorkerRow
 
-Rows = Sequence[Mapping[str, Any]]
 REQUEST_EVENT = "freeze_requested"
 OUTCOME_EVENTS = {f"freeze_{o.value}": o.value for o in FreezeOutcome}
 FREEZE_REQUEST_KINDS = [REQUEST_EVENT, *OUTCOME_EVENTS]
@@ -59,16 +59,18 @@ def exit_text(exit_code: int | None, sig: int | None) -> str:
     return ""
 
 
-def freeze_requests(events: Rows, pending_raw: str | None = None) -> list[dict[str, Any]]:
+def freeze_requests(
+    events: Sequence[EventRow], pending_raw: str | None = None
+) -> list[dict[str, Any]]:
     """Every manual freeze request of a job, newest first, with what became of it.
 
     `events`: the job's freeze-request events (`FREEZE_REQUEST_KINDS`) as `Store.events`
     returns them, newest first. `pending_raw`: the request waiting in etcd, which the controller
     may not have audited yet (shown as pending until it has)."""
     by_id: dict[str, dict[str, Any]] = {}
-    for e in sorted(events, key=lambda e: (e["time"], e.get("id", 0))):  # oldest first
-        request = (e.get("data") or {}).get("request") or {}
-        rid = request.get("id") or request.get("raw") or f"event {e.get('id')}"
+    for e in sorted(events, key=lambda e: (e.time, e.id)):  # oldest first
+        request = (e.data or {}).get("request") or {}
+        rid = request.get("id") or request.get("raw") or f"event {e.id}"
         row = by_id.setdefault(
             rid,
             {
@@ -76,19 +78,19 @@ def freeze_requests(events: Rows, pending_raw: str | None = None) -> list[dict[s
                 "layers": request.get("layers", ""),
                 "who": request.get("who", ""),
                 "reason": request.get("reason", "unreadable request"),
-                "filed": fmt_time(request.get("time") or e["time"]),
+                "filed": fmt_time(request.get("time") or e.time),
                 "status": "pending",
                 "decided": "",
                 "step": "",
                 "outcome": "",
             },
         )
-        if e["kind"] in OUTCOME_EVENTS:
-            data = e.get("data") or {}
-            row["status"] = OUTCOME_EVENTS[e["kind"]]
-            row["decided"] = fmt_time(e["time"])
+        if e.kind in OUTCOME_EVENTS:
+            data = e.data or {}
+            row["status"] = OUTCOME_EVENTS[e.kind]
+            row["decided"] = fmt_time(e.time)
             row["step"] = data.get("step", "")
-            row["outcome"] = e["message"]
+            row["outcome"] = e.message
     if pending_raw:
         request = read_freeze_request(pending_raw)
         rid = getattr(request, "id", None) or pending_raw[:12]
@@ -107,53 +109,52 @@ def freeze_requests(events: Rows, pending_raw: str | None = None) -> list[dict[s
     return sorted(by_id.values(), key=lambda r: r["filed"], reverse=True)
 
 
-def worker_rows(workers: Rows, now: float) -> list[dict[str, Any]]:
+def worker_rows(workers: Sequence[WorkerRow], now: float) -> list[dict[str, Any]]:
     """One row per rank of each generation (as `Store.workers` returns them), newest generation
     first: where it runs, what it holds, whether its lease is held, and how it ended."""
     rows = []
-    for w in sorted(workers, key=lambda w: (-w["generation"], w["rank"])):
-        stages = w.get("stages")
+    for w in sorted(workers, key=lambda w: (-w.generation, w.rank)):
         rows.append(
             {
-                "generation": w["generation"],
-                "rank": w["rank"],
-                "state": w["state"],
-                "host": w.get("host") or w.get("node") or "",
-                "pid": "" if w.get("pid") is None else w["pid"],
-                "stage": ",".join(map(str, stages)) if stages else "",
-                "replica": "" if w.get("replica") is None else w["replica"],
-                "lease": w.get("lease") or "",
-                "last report": fmt_ago(w.get("last_report_at"), now),
-                "exit": exit_text(w.get("exit_code"), w.get("signal")),
-                "detail": w.get("detail") or "",
-                "log": w.get("log") or "",
+                "generation": w.generation,
+                "rank": w.rank,
+                "state": w.state,
+                "host": w.host or w.node or "",
+                "pid": "" if w.pid is None else w.pid,
+                "stage": ",".join(map(str, w.stages)) if w.stages else "",
+                "replica": "" if w.replica is None else w.replica,
+                "lease": w.lease or "",
+                "last report": fmt_ago(w.last_report_at, now),
+                "exit": exit_text(w.exit_code, w.signal),
+                "detail": w.detail or "",
+                "log": w.log or "",
             }
         )
     return rows
 
 
-def event_rows(events: Rows) -> list[dict[str, Any]]:
+def event_rows(events: Sequence[EventRow]) -> list[dict[str, Any]]:
     """The event log as a table: the controller's own events say so instead of a blank rank."""
     return [
         {
-            "time": fmt_time(e["time"]),
-            "kind": e["kind"],
-            "from": "controller" if e.get("rank") is None else f"rank {e['rank']}",
-            "message": e["message"],
+            "time": fmt_time(e.time),
+            "kind": e.kind,
+            "from": "controller" if e.rank is None else f"rank {e.rank}",
+            "message": e.message,
         }
         for e in events
     ]
 
 
 def device_use(
-    recent: Rows, peak_memory_mib: Sequence[float | None] | None
+    recent: Sequence[MetricRow], peak_memory_mib: Sequence[float | None] | None
 ) -> list[tuple[str, str]]:
     """The header's device metrics, each only where known (never on the CPU): MFU, the mean of
     the known values over `recent` (the newest metric rows, the window the header's samples/s
     averages), and the largest rank's peak GPU memory from the newest per-rank list
     (`Store.latest_peak_memory`)."""
     out: list[tuple[str, str]] = []
-    known = [m["mfu"] for m in recent if m.get("mfu") is not None]
+    known = [m.mfu for m in recent if m.mfu is not None]
     if (mfu := mfu_text(sum(known) / len(known) if known else None)) is not None:
         out.append(("MFU", mfu))
     if (peak := peak_memory_text(peak_memory_mib)) is not None:

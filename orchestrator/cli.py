@@ -167,38 +167,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.all or (not args.job and not jobs):
         rows = [store.status(j.id) for j in jobs]
         if args.json:
-            print(json.dumps(rows, indent=2))
+            print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
             return 0
         table = Table("job", "state", "epoch", "step", "accuracy", "updated")
         for r in rows:
-            acc = f"{r['accuracy']:.2%}" if r.get("accuracy") is not None else "-"
-            table.add_row(
-                r["id"], r["state"], str(r["epoch"]), str(r["step"]), acc, r["updated_at"]
-            )
+            acc = f"{r.accuracy:.2%}" if r.accuracy is not None else "-"
+            table.add_row(r.id, r.state, str(r.epoch), str(r.step), acc, r.updated_at.isoformat())
         console.print(table if rows else "no jobs yet")
         return 0
     job_id = args.job or jobs[0].id  # newest job by default
     status = store.status(job_id)
     if args.json:
-        print(json.dumps(status, indent=2))
+        print(json.dumps(status.model_dump(mode="json"), indent=2))
         return 0
     table = Table(show_header=False, box=None)
     for key in ("id", "state", "message", "epoch", "step", "accuracy", "lr", "freeze_boundary"):
-        value = status.get(key)
+        value = getattr(status, key)
         if key == "accuracy" and value is not None:
             value = f"{value:.2%}"
         table.add_row(key, "-" if value is None else escape(str(value)))
     # device use, where the workers measured it (never on the CPU: no rows then)
-    if (mfu := mfu_text(status.get("mfu"))) is not None:
+    if (mfu := mfu_text(status.mfu)) is not None:
         table.add_row("mfu", mfu)
-    if (peak := peak_memory_text(status.get("peak_memory_mib"))) is not None:
+    if (peak := peak_memory_text(status.peak_memory_mib)) is not None:
         table.add_row("peak memory", peak)
     layout = store.current_layout(job_id)
     if layout:
         table.add_row("layout", layout.describe())
-    ckpt = status.get("checkpoint")
+    ckpt = status.checkpoint
     if ckpt:
-        table.add_row("checkpoint", f"{ckpt['path']} (step {ckpt['step']})")
+        table.add_row("checkpoint", f"{ckpt.path} (step {ckpt.step})")
     console.print(table)
     return 0
 

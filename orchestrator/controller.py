@@ -329,8 +329,8 @@ class Controller:
         if raw is None or self.etcd.get(keys.launch(self.job_id)) is None:
             return False
         a = Assignment.model_validate_json(raw)
-        running = [g for g in self.store.generations(self.job_id) if g["state"] == "running"]
-        if not running or running[-1]["number"] != a.generation:
+        running = [g for g in self.store.generations(self.job_id) if g.state == "running"]
+        if not running or running[-1].number != a.generation:
             return False
         raw_join = self.etcd.get(keys.join(self.job_id))
         joined = JoinRequest.model_validate_json(raw_join) if raw_join else None
@@ -711,7 +711,7 @@ class Controller:
             except BadReport as exc:
                 self._reject_report(key, value, str(exc))
         events = [e for _, e in parsed]
-        metrics = [e.payload() | {"time": e.time} for e in events if isinstance(e, Metrics)]
+        metrics = [e for e in events if isinstance(e, Metrics)]
         if metrics:
             self.store.add_metrics(self.job_id, metrics)
         self.roster.reported(events)  # last_report_at, one statement

@@ -70,9 +70,9 @@ class Roster:
     def load(self, generation: int) -> None:
         """What the store holds for a generation (a restarted controller taking it over)."""
         for w in self.store.workers(self.job_id):
-            if w["generation"] == generation:
+            if w.generation == generation:
                 keep = ("state", "lease", "exit_code", "signal", "detail")
-                self._rows[(generation, w["rank"])] = {k: w[k] for k in keep}
+                self._rows[(generation, w.rank)] = {k: getattr(w, k) for k in keep}
 
     def _ranks(self, generation: int) -> list[int]:
         return sorted(r for g, r in self._rows if g == generation)

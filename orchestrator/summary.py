@@ -44,14 +44,14 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from core.state import Layout
 
 if TYPE_CHECKING:
-    from store import Store
+    from store import EventRow, GenerationRow, MetricRow, RecordedLayout, Store
 
 __all__ = [
     "Bought",
@@ -103,8 +103,8 @@ class Bought:
     train_s: float  # wall time from the first to the last recorded step
 
 
-def _unix(t: datetime | float) -> float:
-    return t.timestamp() if isinstance(t, datetime) else float(t)
+def _unix(t: datetime) -> float:
+    return t.timestamp()
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -112,51 +112,50 @@ def _median(values: Iterable[float | None]) -> float | None:
     return statistics.median(finite) if finite else None
 
 
-def _first_step_from(metrics: Sequence[dict[str, Any]], t: float) -> int | None:
+def _first_step_from(metrics: Sequence[MetricRow], t: float) -> int | None:
     """The lowest step whose metric row was recorded at or after unix time `t`."""
-    steps = [m["step"] for m in metrics if m["time"] >= t]
+    steps = [m.step for m in metrics if m.time >= t]
     return min(steps) if steps else None
 
 
-def _freeze_steps(events: Iterable[dict[str, Any]]) -> dict[int, int]:
+def _freeze_steps(events: Iterable[EventRow]) -> dict[int, int]:
     """Freeze boundary -> the step after which the decision reaching it was taken (the latest
     such event, should a boundary have been reached twice after a recovery)."""
     found: dict[int, tuple[float, int]] = {}
     for e in events:
-        d = e.get("data") or {}
-        if e.get("kind") != "freeze" or "boundary" not in d or "step" not in d:
+        d = e.data or {}
+        if e.kind != "freeze" or "boundary" not in d or "step" not in d:
             continue
-        when = float(e.get("time", 0.0))
+        when = e.time
         if d["boundary"] not in found or when >= found[d["boundary"]][0]:
             found[d["boundary"]] = (when, int(d["step"]))
     return {boundary: step for boundary, (_, step) in found.items()}
 
 
 def effective_steps(
-    layouts: Sequence[tuple[Layout, str, datetime | float]],
-    metrics: Sequence[dict[str, Any]],
-    events: Iterable[dict[str, Any]] = (),
-    generations: Sequence[dict[str, Any]] = (),
+    layouts: Sequence[RecordedLayout],
+    metrics: Sequence[MetricRow],
+    events: Iterable[EventRow] = (),
+    generations: Sequence[GenerationRow] = (),
 ) -> list[int | None]:
     """For each of `layouts` (in the order given, as `Store.layouts` returns them: by version),
     the first step trained under it, or None (see the module docstring for the rules)."""
     freeze_at = _freeze_steps(events)
     gens = sorted(
-        (
-            _unix(g["started_at"]),
-            None if g.get("ended_at") is None else _unix(g["ended_at"]),
-        )
+        (_unix(g.started_at), None if g.ended_at is None else _unix(g.ended_at))
         for g in generations
     )
     out: list[int | None] = []
     previous: Layout | None = None
-    for layout, _reason, created in layouts:
+    for recorded in layouts:
+        layout = recorded.layout
         f = layout.freeze_boundary
         grew = previous is not None and f > previous.freeze_boundary
         if grew and f in freeze_at:
             out.append(freeze_at[f] + 1)
         else:
-            out.append(_first_step_from(metrics, _generation_start(gens, _unix(created))))
+            start = _generation_start(gens, _unix(recorded.created_at))
+            out.append(_first_step_from(metrics, start))
         previous = layout
     return out
 
@@ -174,31 +173,31 @@ def _generation_start(gens: Sequence[tuple[float, float | None]], created: float
     return min(later) if later else float("inf")
 
 
-def _step_seconds(metrics: Sequence[dict[str, Any]]) -> dict[int, float]:
+def _step_seconds(metrics: Sequence[MetricRow]) -> dict[int, float]:
     """Step -> wall seconds since the previous step's metric row (only where that step was
     recorded too and the clock moved forward)."""
-    times = {m["step"]: m["time"] for m in metrics}
+    times = {m.step: m.time for m in metrics}
     return {
         s: t - times[s - 1] for s, t in times.items() if s - 1 in times and t - times[s - 1] > 0
     }
 
 
 def layout_history(
-    layouts: Sequence[tuple[Layout, str, datetime | float]],
-    metrics: Sequence[dict[str, Any]],
-    events: Iterable[dict[str, Any]] = (),
-    generations: Sequence[dict[str, Any]] = (),
+    layouts: Sequence[RecordedLayout],
+    metrics: Sequence[MetricRow],
+    events: Iterable[EventRow] = (),
+    generations: Sequence[GenerationRow] = (),
 ) -> list[LayoutPeriod]:
     """One `LayoutPeriod` per layout version: the steps trained under it (from its effective
     step up to the next version's), their median samples/s and step time, the previous
     version's samples/s, and the pause the switch to it cost."""
     starts = effective_steps(layouts, metrics, events, generations)
-    rate = {m["step"]: m["samples_per_s"] for m in metrics}
+    rate = {m.step: m.samples_per_s for m in metrics}
     seconds = _step_seconds(metrics)
     all_steps = sorted(rate)
     periods: list[LayoutPeriod] = []
     before: float | None = None
-    for i, ((layout, reason, _), start) in enumerate(zip(layouts, starts, strict=True)):
+    for i, (recorded, start) in enumerate(zip(layouts, starts, strict=True)):
         later = [s for s in starts[i + 1 :] if s is not None]
         end = min(later) if later else None  # the next version takes over there
         if start is None:
@@ -213,8 +212,8 @@ def layout_history(
         median_rate = _median(rate[s] for s in steps)
         periods.append(
             LayoutPeriod(
-                layout=layout,
-                reason=reason,
+                layout=recorded.layout,
+                reason=recorded.reason,
                 from_step=steps[0] if steps else None,
                 steps=steps,
                 samples_per_s=median_rate,
@@ -228,9 +227,7 @@ def layout_history(
     return periods
 
 
-def what_it_bought(
-    history: Sequence[LayoutPeriod], metrics: Sequence[dict[str, Any]]
-) -> Bought | None:
+def what_it_bought(history: Sequence[LayoutPeriod], metrics: Sequence[MetricRow]) -> Bought | None:
     """The last trained version against the first (module docstring); None when fewer than two
     versions trained steps (the layout never changed while training)."""
     trained = [p for p in history if p.steps and p.samples_per_s]
@@ -242,7 +239,7 @@ def what_it_bought(
         if first.step_s is not None and p.step_s is not None:
             saved += len(p.steps) * (first.step_s - p.step_s)
         pauses += p.pause_s or 0.0
-    times = [m["time"] for m in metrics]
+    times = [m.time for m in metrics]
     return Bought(
         first=first.version,
         last=last.version,
@@ -350,16 +347,15 @@ def bought_line(history: Sequence[LayoutPeriod], bought: Bought | None) -> str:
     )
 
 
-def cache_line(events: Iterable[dict[str, Any]]) -> str | None:
+def cache_line(events: Iterable[EventRow]) -> str | None:
     """What AutoCache decided at the newest freeze boundary (the job's `cache_decided` events,
     one per rank that runs the frozen prefix), or None when nothing was frozen."""
-    decided = [e for e in events if e.get("kind") == "cache_decided" and e.get("data")]
+    decided = [(e, e.data) for e in events if e.kind == "cache_decided" and e.data]
     if not decided:
         return None
-    newest = max(decided, key=lambda e: (e["data"].get("boundary", 0), _unix(e.get("time", 0))))
-    d = newest["data"]
-    at = [e for e in decided if e["data"].get("boundary") == d.get("boundary")]
-    serving = sum(1 for e in at if e["data"].get("use"))
+    newest, d = max(decided, key=lambda ed: (ed[1].get("boundary", 0), ed[0].time))
+    at = [data for _, data in decided if data.get("boundary") == d.get("boundary")]
+    serving = sum(1 for data in at if data.get("use"))
     verb = (
         f"served the frozen blocks' output from the cache on {serving} of {len(at)} rank(s)"
         if serving

@@ -1,6 +1,6 @@
 """SQL schema of the store (SQLAlchemy 2 declarative models).
 
-Only `store.Store` uses these classes; everything else goes through its API. The
+Only the `store` package uses these classes; everything else goes through `store.Store`. The
 schema itself is created and changed by alembic (`migrations/`), never by `create_all`: the
 revisions, applied in order, give exactly these models, and `alembic check` guards that they
 stay in sync.
@@ -180,6 +180,9 @@ class Metric(Base):
     samples_per_s: Mapped[float | None] = mapped_column(Float)
     lr: Mapped[float] = mapped_column(Float)
     time: Mapped[datetime] = mapped_column(UTCDateTime())
+    # the freeze boundary the step trained under, as the worker reported it (revision 0007;
+    # NULL on rows written before it, whose boundary is derived from the layouts' times)
+    frozen: Mapped[int | None] = mapped_column(Integer)
     # JSON list: one gradient norm per block, null where not finite (revision 0005; NULL on
     # rows written before it)
     grad_norms: Mapped[str | None] = mapped_column(Text)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from core.protocol import Metrics
 from core.spec import JobSpec
 from core.state import Layout, StageLayout, TrainingState
 from store import Store, sqlite_url
@@ -110,14 +111,17 @@ def populate(store: Store, job_id: str = POPULATED_JOB_ID) -> None:
     rows = []
     for step in range(1, epochs * steps_per_epoch + 1):
         rows.append(
-            {
-                "step": step,
-                "epoch": (step - 1) // steps_per_epoch,
-                "loss": 2.3 * math.exp(-step / 15) + 0.1,
-                "samples_per_s": 900.0 + 10 * step,
-                "lr": 3e-3,
-                "time": T0 + step,
-            }
+            Metrics(
+                rank=0,
+                step=step,
+                epoch=(step - 1) // steps_per_epoch,
+                samples_consumed=0,
+                loss=2.3 * math.exp(-step / 15) + 0.1,
+                samples_per_s=900.0 + 10 * step,
+                lr=3e-3,
+                time=T0 + step,
+                frozen=2,  # under v2, recorded before the first step
+            )
         )
     store.add_metrics(job_id, rows)
     for epoch in range(epochs):

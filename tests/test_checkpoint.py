@@ -147,7 +147,7 @@ def test_controller_falls_back_to_previous_committed(
     assert state.checkpoint == str(older)
     assert [c.step for c in store.checkpoints("job-1")] == [1]
     assert store.checkpoints("job-1", state="corrupt")[0].step == 2
-    assert any(e["kind"] == "checkpoint_corrupt" for e in store.events("job-1"))
+    assert any(e.kind == "checkpoint_corrupt" for e in store.events("job-1"))
 
 
 # -- the interval rule ---------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def test_join_starts_a_generation_and_is_answered_once(ctrl: Controller, etcd, s
     assert a.layout.world_size == 2 and a.waiting is None and a.start.step == 0
     assert _assignment(etcd) == a
     assert ctrl.answer_join() is None  # the same request is not answered twice
-    assert [g["state"] for g in store.generations("job-ft")] == ["running"]
+    assert [g.state for g in store.generations("job-ft")] == ["running"]
 
 
 def test_node_loss_shrinks_and_a_rejoin_widens(ctrl: Controller, etcd, store) -> None:
@@ -102,18 +102,18 @@ def test_node_loss_shrinks_and_a_rejoin_widens(ctrl: Controller, etcd, store) ->
     widened = ctrl.answer_join()
     assert widened.generation == 3 and widened.layout.world_size == 2
     gens = store.generations("job-ft")
-    assert [(g["world_size"], g["state"]) for g in gens] == [
+    assert [(g.world_size, g.state) for g in gens] == [
         (2, "aborted"),
         (1, "aborted"),
         (2, "running"),
     ]
-    kinds = [e["kind"] for e in reversed(store.events("job-ft"))]
+    kinds = [e.kind for e in reversed(store.events("job-ft"))]
     assert kinds.count("generation_started") == 3
     assert "job_shrank" in kinds and "job_widened" in kinds
-    joined = [e for e in store.events("job-ft") if e["kind"] == "worker_joined"]
-    left = [e for e in store.events("job-ft") if e["kind"] == "worker_left"]
-    assert [e["data"]["node"] for e in joined] == ["c"]
-    assert sorted(e["data"]["node"] for e in left) == ["b"]
+    joined = [e for e in store.events("job-ft") if e.kind == "worker_joined"]
+    left = [e for e in store.events("job-ft") if e.kind == "worker_left"]
+    assert [e.data["node"] for e in joined] == ["c"]
+    assert sorted(e.data["node"] for e in left) == ["b"]
 
 
 def test_no_layout_fits_so_the_job_waits_for_capacity(store, etcd, tmp_path) -> None:
@@ -126,7 +126,7 @@ def test_no_layout_fits_so_the_job_waits_for_capacity(store, etcd, tmp_path) -> 
     assert a.layout is None and "waiting for capacity" in a.waiting
     assert "waiting for capacity" in store.get_job("job-ft").message
     assert ctrl.check_workers() == []  # a waiting generation is never aborted
-    assert "waiting_for_capacity" in [e["kind"] for e in store.events("job-ft")]
+    assert "waiting_for_capacity" in [e.kind for e in store.events("job-ft")]
 
 
 def test_a_lost_lease_aborts_the_generation(ctrl: Controller, etcd, store) -> None:
@@ -138,8 +138,8 @@ def test_a_lost_lease_aborts_the_generation(ctrl: Controller, etcd, store) -> No
     leases[1].revoke()  # rank 1 dies (its lease is gone)
     assert ctrl.check_workers() == [1]
     assert etcd.get(keys.abort("job-ft")) == str(a.generation)
-    assert store.generations("job-ft")[-1]["state"] == "aborted"
-    assert "generation_aborted" in [e["kind"] for e in store.events("job-ft")]
+    assert store.generations("job-ft")[-1].state == "aborted"
+    assert "generation_aborted" in [e.kind for e in store.events("job-ft")]
 
 
 def test_a_final_report_racing_the_leases_is_not_an_abort(ctrl, etcd, store) -> None:
@@ -163,8 +163,8 @@ def _report(etcd: EtcdClient, generation: int, rank: int, kind: str, seq: int = 
 def _ends(store: Store) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for e in reversed(store.events("job-ft", limit=200)):
-        if e["kind"] in ("worker_died", "worker_lost", "worker_failed", "peer_lost"):
-            out.setdefault(e["kind"], []).append(e["rank"])
+        if e.kind in ("worker_died", "worker_lost", "worker_failed", "peer_lost"):
+            out.setdefault(e.kind, []).append(e.rank)
     return out
 
 
@@ -183,23 +183,23 @@ def test_the_dead_rank_is_named_not_the_peer_that_reported_first(ctrl, etcd, sto
     leases[0].revoke()
     ctrl.tick()  # aborted at once, with what is known
     gen = store.generations("job-ft")[-1]
-    assert gen["state"] == "aborted"
-    assert gen["reason"] == "rank 0 only lost its peer; the failed process is not identified yet"
+    assert gen.state == "aborted"
+    assert gen.reason == "rank 0 only lost its peer; the failed process is not identified yet"
     assert _ends(store) == {"peer_lost": [0]}
     deadline = time.monotonic() + 10  # rank 1's lease lapses within about its TTL
     while "worker_lost" not in _ends(store) and time.monotonic() < deadline:
         time.sleep(0.2)
         ctrl.tick()
     assert _ends(store) == {"peer_lost": [0], "worker_lost": [1]}
-    reason = store.generations("job-ft")[-1]["reason"]
+    reason = store.generations("job-ft")[-1].reason
     assert reason.startswith("rank 1 (pid 101 on b) vanished: its lease lapsed"), reason
     assert reason.endswith("rank 0 only lost its peer")
-    assert not [e for e in store.events("job-ft") if e["kind"] == "worker_failed"]
+    assert not [e for e in store.events("job-ft") if e.kind == "worker_failed"]
     # the workers table says the same: rank 1 lost (lease lapsed), rank 0 a victim that let go
     w0, w1 = store.workers("job-ft")
-    assert (w1["state"], w1["lease"], w1["pid"], w1["host"]) == ("lost", "lapsed", 101, "b")
-    assert "lease lapsed" in w1["detail"] and w1["exit_code"] is w1["signal"] is None
-    assert (w0["state"], w0["lease"], w0["detail"]) == ("peer_lost", "released", GONE)
+    assert (w1.state, w1.lease, w1.pid, w1.host) == ("lost", "lapsed", 101, "b")
+    assert "lease lapsed" in w1.detail and w1.exit_code is w1.signal is None
+    assert (w0.state, w0.lease, w0.detail) == ("peer_lost", "released", GONE)
 
 
 def test_an_exit_report_names_the_dead_rank_and_how(ctrl, etcd, store) -> None:
@@ -214,20 +214,20 @@ def test_an_exit_report_names_the_dead_rank_and_how(ctrl, etcd, store) -> None:
     assert etcd.get(keys.abort("job-ft")) == str(a.generation)
     assert etcd.get_prefix(keys.exits("job-ft")) == []  # drained
     gen = store.generations("job-ft")[-1]
-    assert (gen["state"], gen["reason"]) == (
+    assert (gen.state, gen.reason) == (
         "aborted",
         "rank 1 (pid 101 on b) killed by signal 9 (SIGKILL)",
     )
-    died_event = next(e for e in store.events("job-ft") if e["kind"] == "worker_died")
-    assert died_event["rank"] == 1 and died_event["data"]["signal"] == signal.SIGKILL
+    died_event = next(e for e in store.events("job-ft") if e.kind == "worker_died")
+    assert died_event.rank == 1 and died_event.data["signal"] == signal.SIGKILL
     _report(etcd, a.generation, 0, "peer_lost", error=GONE)
     ctrl.tick()  # the victim's report arrives after the abort: the reason is completed
-    reason = store.generations("job-ft")[-1]["reason"]
+    reason = store.generations("job-ft")[-1].reason
     assert reason == "rank 1 (pid 101 on b) killed by signal 9 (SIGKILL); rank 0 only lost its peer"
     w0, w1 = store.workers("job-ft")
-    assert (w1["state"], w1["exit_code"], w1["signal"]) == ("died", None, signal.SIGKILL)
-    assert w1["detail"] == "killed by signal 9 (SIGKILL)"
-    assert (w0["state"], w0["detail"]) == ("peer_lost", GONE)
+    assert (w1.state, w1.exit_code, w1.signal) == ("died", None, signal.SIGKILL)
+    assert w1.detail == "killed by signal 9 (SIGKILL)"
+    assert (w0.state, w0.detail) == ("peer_lost", GONE)
 
 
 def test_every_rank_failing_alike_while_starting_fails_the_job(ctrl, etcd, store) -> None:
@@ -247,11 +247,11 @@ def test_every_rank_failing_alike_while_starting_fails_the_job(ctrl, etcd, store
     assert ctrl.answer_join() is None
     assert ctrl.finish(0) == "failed"
     gens = store.generations("job-ft")
-    assert [(g["number"], g["state"]) for g in gens] == [(1, "failed")]
-    assert error in gens[0]["reason"]
+    assert [(g.number, g.state) for g in gens] == [(1, "failed")]
+    assert error in gens[0].reason
     job = store.get_job("job-ft")
     assert job.state == "failed" and error in job.message
-    assert "job_failed_at_start" in [e["kind"] for e in store.events("job-ft")]
+    assert "job_failed_at_start" in [e.kind for e in store.events("job-ft")]
 
 
 @pytest.mark.parametrize("outcome", ["applied", "superseded", "rejected"])
@@ -266,19 +266,19 @@ def test_what_became_of_a_freeze_request_is_audited(ctrl, etcd, store, outcome) 
             source="manual" if outcome == "applied" else "auto", reason="decision 2",
             request=request, outcome=outcome, outcome_reason=why)  # fmt: skip
     ctrl.tick()
-    audit = [e for e in store.events("job-ft") if e["kind"] == f"freeze_{outcome}"]
-    assert len(audit) == 1 and why in audit[0]["message"] and "ana@lab" in audit[0]["message"]
-    assert audit[0]["data"]["boundary"] == boundary
+    audit = [e for e in store.events("job-ft") if e.kind == f"freeze_{outcome}"]
+    assert len(audit) == 1 and why in audit[0].message and "ana@lab" in audit[0].message
+    assert audit[0].data["boundary"] == boundary
     assert etcd.get(keys.freeze_override("job-ft")) is None  # retired: never applied twice
-    requested = [e for e in store.events("job-ft") if e["kind"] == "freeze_requested"]
+    requested = [e for e in store.events("job-ft") if e.kind == "freeze_requested"]
     assert len(requested) == 1
 
 
 def test_a_malformed_freeze_request_does_not_stop_the_controller(ctrl, etcd, store) -> None:
     etcd.put(keys.freeze_override("job-ft"), "{not json")
     ctrl.tick()
-    requested = [e for e in store.events("job-ft") if e["kind"] == "freeze_requested"]
-    assert len(requested) == 1 and requested[0]["data"]["request"] == {"raw": "{not json"}
+    requested = [e for e in store.events("job-ft") if e.kind == "freeze_requested"]
+    assert len(requested) == 1 and requested[0].data["request"] == {"raw": "{not json"}
 
 
 def test_a_restarted_controller_takes_over_the_running_generation(
@@ -290,8 +290,8 @@ def test_a_restarted_controller_takes_over_the_running_generation(
     assert successor.attach()
     assert successor.assignment == a and successor.generation == a.generation
     assert successor.answer_join() is None  # the running generation's request is answered
-    assert [g["state"] for g in store.generations("job-ft")] == ["running"]
-    assert "controller_attached" in [e["kind"] for e in store.events("job-ft")]
+    assert [g.state for g in store.generations("job-ft")] == ["running"]
+    assert "controller_attached" in [e.kind for e in store.events("job-ft")]
     # nothing to take over once the generation ended
     store.end_generation("job-ft", a.generation, "completed")
     assert not Controller(store, etcd, "job-ft").attach()
@@ -372,10 +372,10 @@ def test_falling_back_to_an_older_checkpoint_takes_its_freeze_boundary_back(
     assert a.layout.freeze_boundary == 0 and a.layout.version > frozen.version
     assert [c.step for c in store.checkpoints("job-ft")] == [4]
     assert store.checkpoints("job-ft", state="corrupt")[0].step == 8
-    corrupt = [e for e in store.events("job-ft") if e["kind"] == "checkpoint_corrupt"]
-    assert "meta.json" in corrupt[0]["message"]
-    layout, reason, _ = store.layouts("job-ft")[-1]
-    assert layout == a.layout and "freeze boundary 0" in reason
+    corrupt = [e for e in store.events("job-ft") if e.kind == "checkpoint_corrupt"]
+    assert "meta.json" in corrupt[0].message
+    newest = store.layouts("job-ft")[-1]
+    assert newest.layout == a.layout and "freeze boundary 0" in newest.reason
 
 
 def test_sigterm_starts_the_grace_timer_even_inside_a_collective(tmp_path: Path) -> None:
@@ -444,9 +444,9 @@ def test_a_malformed_or_unknown_report_is_rejected_not_fatal(
         ctrl.tick()
         ctrl.tick()
     assert any("rejecting the malformed worker report" in r.message for r in caplog.records)
-    rejected = [e for e in store.events("job-ft") if e["kind"] == "worker_report_rejected"]
-    assert len(rejected) == 1 and rejected[0]["data"]["error"].startswith(field)
-    kinds = [e["kind"] for e in store.events("job-ft")]
+    rejected = [e for e in store.events("job-ft") if e.kind == "worker_report_rejected"]
+    assert len(rejected) == 1 and rejected[0].data["error"].startswith(field)
+    kinds = [e.kind for e in store.events("job-ft")]
     assert "generation_resumed" in kinds and "worker_leaving" in kinds
     assert etcd.get_prefix(keys.events("job-ft")) == []
 
@@ -464,11 +464,11 @@ def test_a_request_filed_by_hand_without_its_fields_is_audited_and_rejected(
             reason="decision 2", request={"raw": raw}, outcome="rejected",
             outcome_reason="layers must be an integer")  # fmt: skip
     ctrl.tick()
-    requested = [e for e in store.events("job-ft") if e["kind"] == "freeze_requested"]
-    assert len(requested) == 1 and requested[0]["data"]["request"] == {"raw": raw}
-    assert "unreadable request" in requested[0]["message"]
-    rejected = [e for e in store.events("job-ft") if e["kind"] == "freeze_rejected"]
-    assert len(rejected) == 1 and "unreadable request" in rejected[0]["message"]
+    requested = [e for e in store.events("job-ft") if e.kind == "freeze_requested"]
+    assert len(requested) == 1 and requested[0].data["request"] == {"raw": raw}
+    assert "unreadable request" in requested[0].message
+    rejected = [e for e in store.events("job-ft") if e.kind == "freeze_rejected"]
+    assert len(rejected) == 1 and "unreadable request" in rejected[0].message
     assert etcd.get(keys.freeze_override("job-ft")) is None
 
 
@@ -478,8 +478,8 @@ def test_a_malformed_join_request_is_rejected_not_fatal(ctrl, etcd, store, caplo
         ctrl.tick()
         ctrl.tick()
     assert any("malformed join request" in r.message for r in caplog.records)
-    rejected = [e for e in store.events("job-ft") if e["kind"] == "join_request_rejected"]
-    assert len(rejected) == 1 and rejected[0]["data"]["error"].startswith("world")
+    rejected = [e for e in store.events("job-ft") if e.kind == "join_request_rejected"]
+    assert len(rejected) == 1 and rejected[0].data["error"].startswith("world")
     _join(etcd, 2, ["a:1", "b:2"])  # a good one is answered as usual
     assert ctrl.answer_join() is not None
 
@@ -488,7 +488,7 @@ def test_a_malformed_join_request_is_rejected_not_fatal(ctrl, etcd, store, caplo
 
 
 def _rows(store: Store, *keys: str) -> list[tuple]:
-    return [tuple(w[k] for k in keys) for w in store.workers("job-ft")]
+    return [tuple(getattr(w, k) for k in keys) for w in store.workers("job-ft")]
 
 
 def _started(etcd: EtcdClient, generation: int, rank: int, host: str, **extra) -> None:
@@ -527,7 +527,7 @@ def test_worker_rows_follow_a_generation_from_assignment_to_its_end(ctrl, etcd, 
         (g, 0, "a:1", "a", 100, "assigned", "unknown"),
         (g, 1, "b:2", "b", 101, "assigned", "unknown"),
     ]
-    assert all(w["started_at"] is w["last_report_at"] is None for w in store.workers("job-ft"))
+    assert all(w.started_at is w.last_report_at is None for w in store.workers("job-ft"))
 
     leases = [_register(etcd, g, r, ttl=5) for r in (0, 1)]
     ctrl.tick()
@@ -541,8 +541,8 @@ def test_worker_rows_follow_a_generation_from_assignment_to_its_end(ctrl, etcd, 
     _started(etcd, g, 1, "b", time=1000.5)  # stdout not a file: no log
     ctrl.tick()
     assert _rows(store, "state", "host", "stages", "replica", "log", "started_at") == [
-        ("running", "a", [0], 0, "/w/workers-n0.log", 1000.0),
-        ("running", "b", [1], 0, None, 1000.5),
+        ("running", "a", (0,), 0, "/w/workers-n0.log", 1000.0),
+        ("running", "b", (1,), 0, None, 1000.5),
     ]
     assert _rows(store, "last_report_at") == [(1000.0,), (1000.5,)]
 
@@ -555,10 +555,10 @@ def test_worker_rows_follow_a_generation_from_assignment_to_its_end(ctrl, etcd, 
         ctrl.drain()
     assert len(watched) == 1, watched
     assert _rows(store, "last_report_at") == [(1000.0,), (1003.0,)]
-    assert [m["grad_norms"] for m in store.metrics("job-ft")] == [
-        [0.0, 0.5, None, 2.0],
+    assert [m.grad_norms for m in store.metrics("job-ft")] == [
+        (0.0, 0.5, None, 2.0),
         None,
-        [0.0, 0.25, 1.0, 1.5],
+        (0.0, 0.25, 1.0, 1.5),
     ]
 
     _report(etcd, g, 0, "done", seq=1, outcome="done", time=1004.0)
@@ -578,8 +578,8 @@ def test_metrics_bring_mfu_and_peak_memory_to_the_store_and_the_progress(ctrl, e
     _metrics(etcd, g, 1, 1, mfu=0.41, peak_memory_mib=[12288.0, 9216.5])  # a control point
     _metrics(etcd, g, 1, 2, mfu=0.43)  # between control points: no peaks
     ctrl.drain()
-    assert [(m["mfu"], m["peak_memory_mib"]) for m in store.metrics("job-ft")] == [
-        (0.41, [12288.0, 9216.5]),
+    assert [(m.mfu, m.peak_memory_mib) for m in store.metrics("job-ft")] == [
+        (0.41, (12288.0, 9216.5)),
         (0.43, None),
     ]
     p = ctrl.progress
@@ -588,12 +588,12 @@ def test_metrics_bring_mfu_and_peak_memory_to_the_store_and_the_progress(ctrl, e
     _metrics(etcd, g, 1, 3, peak_memory_mib=[13000.0, None])  # no MFU (e.g. an unknown peak)
     _metrics(etcd, g, 1, 4)  # a worker that reports neither
     ctrl.drain()
-    assert [(m["mfu"], m["peak_memory_mib"]) for m in store.metrics("job-ft")][2:] == [
-        (None, [13000.0, None]),
+    assert [(m.mfu, m.peak_memory_mib) for m in store.metrics("job-ft")][2:] == [
+        (None, (13000.0, None)),
         (None, None),
     ]
     assert (p.step, p.mfu, p.peak_memory_mib) == (4, None, [13000.0, None])
-    assert store.status("job-ft")["peak_memory_mib"] == [13000.0, None]
+    assert store.status("job-ft").peak_memory_mib == (13000.0, None)
 
 
 def test_a_failed_rank_keeps_its_error_and_gets_its_exit_status(ctrl, etcd, store) -> None:
@@ -611,10 +611,10 @@ def test_a_failed_rank_keeps_its_error_and_gets_its_exit_status(ctrl, etcd, stor
     _report(etcd, g, 0, "aborted", seq=1, why="the controller aborted the generation")
     ctrl.tick()
     w0, w1 = store.workers("job-ft")
-    assert (w1["state"], w1["exit_code"], w1["signal"]) == ("failed", 1, None)
-    assert (w1["detail"], w1["lease"]) == ("ValueError: bad batch", "released")
-    assert (w0["state"], w0["lease"]) == ("aborted", "released")
-    assert w0["detail"] == "the controller aborted the generation"
+    assert (w1.state, w1.exit_code, w1.signal) == ("failed", 1, None)
+    assert (w1.detail, w1.lease) == ("ValueError: bad batch", "released")
+    assert (w0.state, w0.lease) == ("aborted", "released")
+    assert w0.detail == "the controller aborted the generation"
 
 
 def test_a_graceful_leave_ends_every_rank_as_left(ctrl, etcd, store) -> None:
@@ -644,7 +644,7 @@ def test_a_graceful_leave_is_a_re_formation_not_a_loss(ctrl, etcd, store) -> Non
     ctrl.tick()
     assert _ends(store) == {}  # nobody lost, nobody died
     first = store.generations("job-ft")[0]
-    assert first["reason"] == "re-formed: rank(s) [1] asked to leave (step 7)"
+    assert first.reason == "re-formed: rank(s) [1] asked to leave (step 7)"
 
 
 def test_a_restarted_controller_keeps_the_worker_rows(ctrl, etcd, store) -> None:

@@ -148,12 +148,12 @@ def test_a_one_rank_job_trains_on_cuda_through_the_cli(tmp_path: Path) -> None:
     job = store.list_jobs()[0]
     assert job.state == "completed", job
     metrics = store.metrics(job.id)
-    assert metrics and all(m["loss"] is not None for m in metrics)
-    peaks = [m["peak_memory_mib"] for m in metrics if m["peak_memory_mib"]]
+    assert metrics and all(m.loss is not None for m in metrics)
+    peaks = [m.peak_memory_mib for m in metrics if m.peak_memory_mib]
     assert peaks and all(p[0] > 0 for p in peaks), peaks
     known = os.environ.get("PIPETRANSFORMER_PEAK_TFLOPS") or "H100" in torch.cuda.get_device_name()
     if known:
-        assert all(m["mfu"] is not None and 0 < m["mfu"] < 1 for m in metrics[1:])
+        assert all(m.mfu is not None and 0 < m.mfu < 1 for m in metrics[1:])
     status = cli("status", "--workdir", str(work), "--json")
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["state"] == "completed"

@@ -318,5 +318,5 @@ def test_running_job_live_and_freeze_override(tmp_path: Path, browser) -> None:
     finally:
         store.close()
     # one request, by the signed-in user, audited and applied (the refused attempts filed none)
-    assert [e["data"]["request"]["who"] for e in requested] == ["alice (dashboard)"]
-    assert [e["data"]["boundary"] for e in applied] == [2]
+    assert [e.data["request"]["who"] for e in requested] == ["alice (dashboard)"]
+    assert [e.data["boundary"] for e in applied] == [2]

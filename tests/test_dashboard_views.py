@@ -16,8 +16,19 @@ from dashboard.views import (
     spec_yaml,
     worker_rows,
 )
+from store.rows import EventRow, MetricRow, WorkerRow
 
 T0 = 1_800_000_000.0
+
+
+def event(id: int, time: float, kind: str, message: str, data: dict | None) -> EventRow:
+    return EventRow(id=id, time=time, kind=kind, rank=None, message=message, data=data)
+
+
+def metric(step: int, **fields: float | None) -> MetricRow:
+    """A metric row with only what the header reads (the rest left plain)."""
+    plain = {"epoch": 0, "loss": None, "samples_per_s": None, "lr": 0.0, "time": T0 + step}
+    return MetricRow(step=step, **(plain | fields))
 
 
 def request(rid: str, layers: int, who: str = "alice (dashboard)", t: float = T0) -> dict:
@@ -29,41 +40,23 @@ def request(rid: str, layers: int, who: str = "alice (dashboard)", t: float = T0
 def test_freeze_requests_follow_each_request_to_its_outcome() -> None:
     a, b, c = request("a1", 2), request("b2", 3, t=T0 + 50), request("c3", 5, t=T0 + 90)
     events = [  # newest first, as Store.events returns them
-        {
-            "id": 6,
-            "time": T0 + 95,
-            "kind": "freeze_requested",
-            "message": "",
-            "data": {"request": c},
-        },
-        {
-            "id": 5,
-            "time": T0 + 80,
-            "kind": "freeze_rejected",
-            "message": "request b2 by alice: layers=3 is below the current boundary 4",
-            "data": {"request": b, "step": 40, "outcome": "rejected", "boundary": 4},
-        },
-        {
-            "id": 4,
-            "time": T0 + 60,
-            "kind": "freeze_requested",
-            "message": "",
-            "data": {"request": b},
-        },
-        {
-            "id": 3,
-            "time": T0 + 30,
-            "kind": "freeze_applied",
-            "message": "request a1 by alice: moved boundary 0 -> 2",
-            "data": {"request": a, "step": 20, "outcome": "applied", "boundary": 2},
-        },
-        {
-            "id": 2,
-            "time": T0 + 1,
-            "kind": "freeze_requested",
-            "message": "",
-            "data": {"request": a},
-        },
+        event(6, T0 + 95, "freeze_requested", "", {"request": c}),
+        event(
+            5,
+            T0 + 80,
+            "freeze_rejected",
+            "request b2 by alice: layers=3 is below the current boundary 4",
+            {"request": b, "step": 40, "outcome": "rejected", "boundary": 4},
+        ),
+        event(4, T0 + 60, "freeze_requested", "", {"request": b}),
+        event(
+            3,
+            T0 + 30,
+            "freeze_applied",
+            "request a1 by alice: moved boundary 0 -> 2",
+            {"request": a, "step": 20, "outcome": "applied", "boundary": 2},
+        ),
+        event(2, T0 + 1, "freeze_requested", "", {"request": a}),
     ]
     rows = freeze_requests(events)
     assert [(r["request"], r["status"]) for r in rows] == [
@@ -91,13 +84,13 @@ def test_a_request_not_yet_audited_shows_as_pending() -> None:
     assert [(r["request"], r["status"], r["who"]) for r in rows] == [("d4", "pending", "bob")]
     assert "not audited" in rows[0]["outcome"]
     # once audited, it is listed once
-    audited = {
-        "id": 1,
-        "time": T0 + 2,
-        "kind": "freeze_requested",
-        "message": "",
-        "data": {"request": FreezeRequest.model_validate_json(pending).model_dump(mode="json")},
-    }
+    audited = event(
+        1,
+        T0 + 2,
+        "freeze_requested",
+        "",
+        {"request": FreezeRequest.model_validate_json(pending).model_dump(mode="json")},
+    )
     assert len(freeze_requests([audited], pending)) == 1
     # text filed by hand that is no request
     assert freeze_requests([], "{not json")[0]["reason"] == "unreadable request"
@@ -169,7 +162,7 @@ def test_worker_rows_say_how_each_rank_ended() -> None:
             "log": None,
         },
     ]
-    rows = worker_rows(workers, now=T0 + 120)
+    rows = worker_rows([WorkerRow(**w) for w in workers], now=T0 + 120)
     assert [(r["generation"], r["rank"]) for r in rows] == [(2, 0), (2, 1), (1, 0), (1, 1)]
     live, assigned, _, died = rows
     assert live["last report"] == "2 s ago" and live["stage"] == "0,1" and live["lease"] == "held"
@@ -189,8 +182,8 @@ def test_small_formatters() -> None:
 def test_event_rows_name_the_controller() -> None:
     rows = event_rows(
         [
-            {"time": T0, "kind": "job_created", "rank": None, "message": "m", "data": None},
-            {"time": T0, "kind": "worker_started", "rank": 1, "message": "m", "data": {}},
+            EventRow(id=1, time=T0, kind="job_created", rank=None, message="m", data=None),
+            EventRow(id=2, time=T0, kind="worker_started", rank=1, message="m", data={}),
         ]
     )
     assert [r["from"] for r in rows] == ["controller", "rank 1"]
@@ -204,10 +197,10 @@ def test_spec_yaml_round_trips() -> None:
 
 
 def test_device_use_in_the_header_only_when_known() -> None:
-    cpu = [{"step": s, "samples_per_s": 10.0, "mfu": None} for s in range(3)]
+    cpu = [metric(s, samples_per_s=10.0, mfu=None) for s in range(3)]
     assert device_use(cpu, None) == []  # a CPU run: the header is as it was
-    assert device_use([{"step": 1}], [None, None]) == []  # older rows; no rank said
-    gpu = [{"step": 1, "mfu": 0.40}, {"step": 2, "mfu": None}, {"step": 3, "mfu": 0.424}]
+    assert device_use([metric(1)], [None, None]) == []  # older rows; no rank said
+    gpu = [metric(1, mfu=0.40), metric(2, mfu=None), metric(3, mfu=0.424)]
     assert device_use(gpu, [11000.0, 12595.2]) == [
         ("MFU", "41.2 %"),  # over the recent window, like the header's samples/s
         ("Peak GPU memory", "12.3 GiB (rank 1)"),

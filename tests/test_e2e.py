@@ -40,23 +40,23 @@ def test_run_records_job_layout_metrics_and_checkpoint(trained_run: RealRun) -> 
     layout = store.current_layout(job.id)
     assert [(s.start, s.end, s.ranks) for s in layout.stages] == [(0, 1, [0]), (1, 2, [1])]
 
-    steps = [m["step"] for m in store.metrics(job.id)]
+    steps = [m.step for m in store.metrics(job.id)]
     assert steps == list(range(1, 2 * STEPS_PER_EPOCH + 1))
-    assert all(m["loss"] > 0 and m["samples_per_s"] > 0 for m in store.metrics(job.id))
+    assert all(m.loss > 0 and m.samples_per_s > 0 for m in store.metrics(job.id))
 
     evals = store.evaluations(job.id)
-    assert [e["epoch"] for e in evals] == [1, 2]
-    assert all(0.0 <= e["accuracy"] <= 1.0 for e in evals)
-    assert job.accuracy == evals[-1]["accuracy"]
+    assert [e.epoch for e in evals] == [1, 2]
+    assert all(0.0 <= e.accuracy <= 1.0 for e in evals)
+    assert job.accuracy == evals[-1].accuracy
 
     ckpts = store.checkpoints(job.id)
     assert [c.step for c in ckpts] == [2 * STEPS_PER_EPOCH, STEPS_PER_EPOCH]
     for c in ckpts:
         assert verify_checkpoint(c.path, c.checksum) == c.size_bytes > 0
 
-    kinds = [e["kind"] for e in store.events(job.id)]
+    kinds = [e.kind for e in store.events(job.id)]
     assert kinds.count("worker_started") == 2 and "job_completed" in kinds
-    assert [g["state"] for g in store.generations(job.id)] == ["completed"]
+    assert [g.state for g in store.generations(job.id)] == ["completed"]
 
 
 def test_status_json_reports_accuracy(trained_run: RealRun) -> None:
@@ -91,10 +91,10 @@ def _resume_and_check(workdir: Path, job_id: str, resumed_from: int, total: int)
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     job = store.get_job(job_id)
     assert job.state == "completed" and job.step == total
-    steps = [m["step"] for m in store.metrics(job_id)]
+    steps = [m.step for m in store.metrics(job_id)]
     assert steps == list(range(1, total + 1)), "every step recorded exactly once"
     gens = store.generations(job_id)
-    assert [g["state"] for g in gens][-1] == "completed" and len(gens) == 2
+    assert [g.state for g in gens][-1] == "completed" and len(gens) == 2
     return store
 
 
@@ -128,7 +128,7 @@ def test_sigkill_of_run_resumes_from_last_committed_checkpoint(tmp_path: Path) -
     finally:
         proc.kill()
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
-    pids = [e["data"]["pid"] for e in store.events("killed") if e["kind"] == "worker_started"]
+    pids = [e.data["pid"] for e in store.events("killed") if e.kind == "worker_started"]
 
     def workers_gone() -> bool:  # they die with `run` (parent-death signal), not linger
         alive = []
@@ -191,12 +191,12 @@ def test_autopipe_plans_from_measurement_and_records_the_layout(
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     history = store.layouts("auto")
-    assert [lay.version for lay, _, _ in history] == [1, 2]
-    planned, reason, _ = history[-1]
+    assert [h.layout.version for h in history] == [1, 2]
+    planned, reason = history[-1].layout, history[-1].reason
     assert planned.planner == "autopipe" and reason.startswith("autopipe:")
     assert planned.microbatches in (2, 4, 8, 16, 32) and 2 <= planned.microbatches <= 12
     assert store.current_layout("auto") == planned and store.get_job("auto").step == 3
-    assert any(e["kind"] == "layout_planned" for e in store.events("auto"))
+    assert any(e.kind == "layout_planned" for e in store.events("auto"))
     assert list((tmp_path / "cache").rglob("*.json")), "the measured profile is cached"
 
 
@@ -213,6 +213,6 @@ def test_a_job_with_dropout_trains_the_same_losses_twice(tmp_path: Path) -> None
         res = cli("run", str(spec), "--workdir", str(tmp_path / run), "--job-id", "drop")
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         store = Store.open(sqlite_url(tmp_path / run / "store.db"), migrate=False)
-        losses.append([m["loss"] for m in store.metrics("drop")])
+        losses.append([m.loss for m in store.metrics("drop")])
         store.close()
     assert len(losses[0]) == 6 and losses[0] == losses[1], losses

@@ -48,15 +48,15 @@ def _probe(workdir: Path, job_id: str, read):
 
 def _events(workdir: Path, job_id: str, kind: str):
     """For `wait_for`: the job's store events of `kind` (newest first)."""
-    return _probe(workdir, job_id, lambda s, j: [e for e in s.events(j) if e["kind"] == kind])
+    return _probe(workdir, job_id, lambda s, j: [e for e in s.events(j) if e.kind == kind])
 
 
 def _workers(store: Store, job_id: str) -> dict[int, dict]:
     """rank -> `worker_started` data of the newest generation's workers."""
     out: dict[int, dict] = {}
     for e in reversed(store.events(job_id, limit=1000)):  # oldest first: newer ones win
-        if e["kind"] == "worker_started":
-            out[e["rank"]] = e["data"]
+        if e.kind == "worker_started":
+            out[e.rank] = e.data
     return out
 
 
@@ -79,25 +79,25 @@ def _check_consistent(workdir: Path, job_id: str, db: str | None = None) -> Stor
     store = Store.open(db or sqlite_url(workdir / "store.db"), migrate=False)
     job = store.get_job(job_id)
     assert job.state == "completed" and job.step == TOTAL, job.message
-    steps = [m["step"] for m in store.metrics(job_id)]
+    steps = [m.step for m in store.metrics(job_id)]
     assert steps == list(range(1, TOTAL + 1)), "every step recorded exactly once"
     for c in store.checkpoints(job_id):  # every checkpoint still committed is intact
         assert verify_checkpoint(c.path, c.checksum) == c.size_bytes
     gens = store.generations(job_id)
-    assert gens[-1]["state"] == "completed"
-    assert all(g["state"] == "aborted" for g in gens[:-1])
+    assert gens[-1].state == "completed"
+    assert all(g.state == "aborted" for g in gens[:-1])
     return store
 
 
 def _kinds(store: Store, job_id: str) -> list[str]:
-    return [e["kind"] for e in reversed(store.events(job_id, limit=1000))]
+    return [e.kind for e in reversed(store.events(job_id, limit=1000))]
 
 
 def _resumed_steps(store: Store, job_id: str) -> list[int]:
     return [
-        e["data"]["start"]["step"]
+        e.data["start"]["step"]
         for e in reversed(store.events(job_id, limit=1000))
-        if e["kind"] == "generation_started"
+        if e.kind == "generation_started"
     ]
 
 
@@ -115,22 +115,22 @@ def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Pa
     assert "generation_aborted" in kinds
     assert kinds.count("generation_started") >= 2
     # the store names rank 1 as the process that died, and how; rank 0 only lost its peer
-    died = [e for e in store.events("k", limit=1000) if e["kind"] == "worker_died"]
-    assert [(e["rank"], e["data"]["pid"], e["data"]["signal"]) for e in died] == [
+    died = [e for e in store.events("k", limit=1000) if e.kind == "worker_died"]
+    assert [(e.rank, e.data["pid"], e.data["signal"]) for e in died] == [
         (1, workers[1]["pid"], signal.SIGKILL)
     ]
-    assert not [e for e in store.events("k", limit=1000) if e["kind"] == "worker_failed"]
+    assert not [e for e in store.events("k", limit=1000) if e.kind == "worker_failed"]
     first = store.generations("k")[0]
-    assert first["state"] == "aborted"
-    assert first["reason"].startswith(f"rank 1 (pid {workers[1]['pid']}"), first["reason"]
-    assert "killed by signal 9 (SIGKILL)" in first["reason"]
-    assert "rank 0" not in first["reason"] or "rank 0 only lost its peer" in first["reason"]
+    assert first.state == "aborted"
+    assert first.reason.startswith(f"rank 1 (pid {workers[1]['pid']}"), first.reason
+    assert "killed by signal 9 (SIGKILL)" in first.reason
+    assert "rank 0" not in first.reason or "rank 0 only lost its peer" in first.reason
     resumed = _resumed_steps(store, "k")[1]
     assert committed <= resumed <= TOTAL, "resumed from a checkpoint committed by then or later"
-    restarted = [e for e in store.events("k") if e["kind"] == "generation_started"][0]
-    assert restarted["time"] >= killed_at - 1
+    restarted = [e for e in store.events("k") if e.kind == "generation_started"][0]
+    assert restarted.time >= killed_at - 1
     # lost work is bounded by the checkpoint interval
-    assert store.metrics("k")[-1]["step"] == TOTAL
+    assert store.metrics("k")[-1].step == TOTAL
     assert resumed > 0 and resumed % STEPS_PER_EPOCH == 0
 
 
@@ -148,8 +148,8 @@ def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:
     finally:
         _finish(proc, log)
     store = _check_consistent(workdir, "t")
-    left_at = leaving["data"]["step"]
-    assert leaving["data"]["ranks"] == [1]
+    left_at = leaving.data["step"]
+    assert leaving.data["ranks"] == [1]
     assert left_at in [c.step for c in store.checkpoints("t")] or left_at < TOTAL - 2 * 23
     assert left_at in _resumed_steps(store, "t"), "the next generation resumes where it left"
 
@@ -169,7 +169,7 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
 
         def world_of_last_generation(store: Store, job: str) -> int | None:
             gens = store.generations(job)
-            return gens[-1]["world_size"] if gens[-1]["state"] == "running" else None
+            return gens[-1].world_size if gens[-1].state == "running" else None
 
         wait_for(
             lambda: _probe(workdir, "n", world_of_last_generation)() == 1,
@@ -190,8 +190,8 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
         )
 
         def widened_and_training(store: Store, job: str) -> bool:
-            resumed = [e for e in store.events(job) if e["kind"] == "generation_resumed"]
-            return resumed[0]["data"]["generation"] == store.generations(job)[-1]["number"]
+            resumed = [e for e in store.events(job) if e.kind == "generation_resumed"]
+            return resumed[0].data["generation"] == store.generations(job)[-1].number
 
         wait_for(_probe(workdir, "n", widened_and_training), 60, "a step after widening", log)
         proc.send_signal(signal.SIGINT)
@@ -205,14 +205,14 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
     job = store.get_job("n")
     assert job.state == "interrupted", job.message
     assert store.latest_checkpoint("n").step == job.step, "the stop checkpointed its step"
-    steps = [m["step"] for m in store.metrics("n")]
+    steps = [m.step for m in store.metrics("n")]
     assert steps == list(range(1, job.step + 1)), "every step recorded exactly once"
-    worlds = [g["world_size"] for g in store.generations("n")]
+    worlds = [g.world_size for g in store.generations("n")]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2
     kinds = _kinds(store, "n")
     assert "job_shrank" in kinds and "job_widened" in kinds and "worker_joined" in kinds
-    layouts = [e for e in store.events("n") if e["kind"] == "generation_started"]
-    assert any(e["data"]["world"] == 1 for e in layouts)
+    layouts = [e for e in store.events("n") if e.kind == "generation_started"]
+    assert any(e.data["world"] == 1 for e in layouts)
 
 
 def test_controller_sigkill_and_restart_carries_on(tmp_path: Path, etcd_factory) -> None:
@@ -319,8 +319,8 @@ def test_a_shard_torn_after_commit_falls_back_to_the_previous_checkpoint(tmp_pat
     finally:
         _finish(proc, log)
     store = _check_consistent(workdir, "torn")  # step 60's checkpoint was written again, whole
-    corrupt = [e for e in store.events("torn") if e["kind"] == "checkpoint_corrupt"]
-    assert len(corrupt) == 1 and shard.name in corrupt[0]["message"]
+    corrupt = [e for e in store.events("torn") if e.kind == "checkpoint_corrupt"]
+    assert len(corrupt) == 1 and shard.name in corrupt[0].message
     assert _resumed_steps(store, "torn")[:2] == [0, EVERY], "resumed from the one before"
 
 
@@ -344,7 +344,7 @@ def test_a_checkpoint_that_cannot_be_written_is_never_committed(tmp_path: Path) 
     finally:
         _finish(proc, log)
     store = _check_consistent(workdir, "unw")
-    assert failed[0]["data"]["step"] == 2 * EVERY and "not committed" in failed[0]["message"]
+    assert failed[0].data["step"] == 2 * EVERY and "not committed" in failed[0].message
     steps = [c.step for c in store.checkpoints("unw")]
     assert 2 * EVERY not in steps and EVERY in steps and TOTAL in steps
     assert _resumed_steps(store, "unw")[:2] == [0, EVERY]
@@ -363,6 +363,6 @@ def test_the_store_unreachable_for_seconds_is_ridden_out(tmp_path: Path, private
     finally:
         _finish(proc, log)
     store = _check_consistent(workdir, "db", db)
-    recovered = [e for e in store.events("db") if e["kind"] == "control_plane_recovered"]
-    assert recovered and all(e["data"]["service"] == "store" for e in recovered)
+    recovered = [e for e in store.events("db") if e.kind == "control_plane_recovered"]
+    assert recovered and all(e.data["service"] == "store" for e in recovered)
     assert len(store.generations("db")) == 1, "the workers never noticed"

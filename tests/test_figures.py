@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import math
+import time
 from datetime import UTC, datetime
+from typing import Any
 
 import plotly.graph_objects as go
 import pytest
 from plotly.subplots import make_subplots
 
+from core.protocol import Metrics
+from core.spec import JobSpec
 from core.state import Layout, StageLayout
 from dashboard.figures import (
     EMPTY_TEXT,
@@ -38,7 +42,10 @@ from dashboard.timeline import (
     decorate,
     step_at,
     timeline,
+    unix,
 )
+from store import Store
+from store.rows import EvaluationRow, GenerationRow, MetricRow, RecordedLayout
 from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 1_700_000_000.0
@@ -46,6 +53,19 @@ T0 = 1_700_000_000.0
 
 def at(t: float) -> datetime:
     return datetime.fromtimestamp(t, UTC)
+
+
+def mrow(step: int, time: float, **fields: Any) -> MetricRow:
+    """A metric row with what a test does not care about left plain."""
+    return MetricRow(
+        **({"step": step, "epoch": 0, "loss": None, "samples_per_s": None, "lr": 0.0} | fields),
+        time=time,
+    )
+
+
+def changed(row: MetricRow, **fields: Any) -> MetricRow:
+    """`row` with some fields changed (validated like a stored row)."""
+    return MetricRow.model_validate(row.model_dump() | fields)
 
 
 def cells(trace: go.Bar) -> set[tuple[int, str]]:
@@ -86,54 +106,65 @@ def peaks(step: int) -> list[float | None] | None:
 
 
 METRICS = [
-    {
-        "step": s,
-        "epoch": (s - 1) // 10,
-        "loss": 2.0 / s,
-        "samples_per_s": 100.0 * s,
-        "lr": 1e-3,
-        "time": step_time(s),
-        "grad_norms": norms(s),
-        "mfu": 0.3 + 0.01 * (s % 5),
-        "peak_memory_mib": peaks(s),
-    }
+    MetricRow(
+        step=s,
+        epoch=(s - 1) // 10,
+        loss=2.0 / s,
+        samples_per_s=100.0 * s,
+        lr=1e-3,
+        time=step_time(s),
+        grad_norms=norms(s),
+        mfu=0.3 + 0.01 * (s % 5),
+        peak_memory_mib=peaks(s),
+    )
     for s in range(1, 36)
 ]
 EVALS = [
-    {"epoch": e, "step": 10 * (e + 1), "accuracy": 0.5 + 0.1 * e, "loss": 1.0 - 0.2 * e}
-    | {"time": step_time(10 * (e + 1))}
+    EvaluationRow(
+        epoch=e,
+        step=10 * (e + 1),
+        accuracy=0.5 + 0.1 * e,
+        loss=1.0 - 0.2 * e,
+        time=step_time(10 * (e + 1)),
+    )
     for e in range(3)
 ]
 LAYOUTS = [
-    (two_stage_layout(1, 0), "initial", at(T0 + 1)),
-    (two_stage_layout(2, 2), "autofreeze: blocks 0-1 converged", at(T0 + 12.5)),
-    (packed_layout(3, 2), "re-planned for 2 ranks", at(T0 + 31)),
+    RecordedLayout(layout=two_stage_layout(1, 0), reason="initial", created_at=at(T0 + 1)),
+    RecordedLayout(
+        layout=two_stage_layout(2, 2),
+        reason="autofreeze: blocks 0-1 converged",
+        created_at=at(T0 + 12.5),
+    ),
+    RecordedLayout(
+        layout=packed_layout(3, 2), reason="re-planned for 2 ranks", created_at=at(T0 + 31)
+    ),
 ]
 GENERATIONS = [
-    {
-        "number": 1,
-        "world_size": 2,
-        "state": "aborted",
-        "started_at": at(T0),
-        "ended_at": at(T0 + 21),
-        "reason": "rank 1 died (SIGKILL)",
-    },
-    {
-        "number": 2,
-        "world_size": 2,
-        "state": "interrupted",
-        "started_at": at(T0 + 30),
-        "ended_at": at(T0 + 51),
-        "reason": None,
-    },
-    {
-        "number": 3,
-        "world_size": 2,
-        "state": "running",
-        "started_at": at(T0 + 60),
-        "ended_at": None,
-        "reason": None,
-    },
+    GenerationRow(
+        number=1,
+        world_size=2,
+        state="aborted",
+        started_at=at(T0),
+        ended_at=at(T0 + 21),
+        reason="rank 1 died (SIGKILL)",
+    ),
+    GenerationRow(
+        number=2,
+        world_size=2,
+        state="interrupted",
+        started_at=at(T0 + 30),
+        ended_at=at(T0 + 51),
+        reason=None,
+    ),
+    GenerationRow(
+        number=3,
+        world_size=2,
+        state="running",
+        started_at=at(T0 + 60),
+        ended_at=None,
+        reason=None,
+    ),
 ]
 TIMELINE = timeline(LAYOUTS, GENERATIONS, METRICS)
 
@@ -179,7 +210,7 @@ def test_smooth_refuses_weights_outside_0_1(weight: float) -> None:
 
 
 def test_step_at() -> None:
-    rows = [{"step": s, "time": T0 + 10 * s} for s in (3, 4, 5)]
+    rows = [mrow(s, T0 + 10 * s) for s in (3, 4, 5)]
     assert step_at([], T0) == 0  # no rows
     assert step_at(rows, T0) == 3  # before the first row: the first step
     assert step_at(rows, T0 + 30) == 3  # at a row's time: that row's step
@@ -190,7 +221,7 @@ def test_step_at() -> None:
 
 def test_step_at_rows_out_of_time_order() -> None:
     # A clock stepping back: still the first row, in step order, at or after t.
-    rows = [{"step": 1, "time": T0 + 10}, {"step": 2, "time": T0 + 5}, {"step": 3, "time": T0 + 20}]
+    rows = [mrow(1, T0 + 10), mrow(2, T0 + 5), mrow(3, T0 + 20)]
     assert step_at(rows, T0 + 7) == 1
     assert step_at(rows, T0 + 15) == 3
     assert step_at(rows, T0 + 25) == 3
@@ -300,13 +331,12 @@ def test_decorate_a_figure_with_two_y_axes() -> None:
 # ---- series figures --------------------------------------------------------------------------
 
 SMALL = [
-    {"step": s, "epoch": s // 3, "loss": 2.0 / s, "samples_per_s": 100.0 * s, "lr": 1e-3}
-    | {"time": T0 + s}
+    MetricRow(step=s, epoch=s // 3, loss=2.0 / s, samples_per_s=100.0 * s, lr=1e-3, time=T0 + s)
     for s in range(1, 7)
 ]
 SMALL_EVALS = [
-    {"epoch": 0, "step": 3, "accuracy": 0.5, "loss": 1.0, "time": T0 + 3},
-    {"epoch": 1, "step": 6, "accuracy": 0.8, "loss": None, "time": T0 + 6},
+    EvaluationRow(epoch=0, step=3, accuracy=0.5, loss=1.0, time=T0 + 3),
+    EvaluationRow(epoch=1, step=6, accuracy=0.8, loss=None, time=T0 + 6),
 ]
 
 
@@ -321,7 +351,7 @@ def test_loss_figure() -> None:
 
 
 def test_loss_figure_keeps_gaps_for_missing_loss() -> None:
-    rows = [dict(SMALL[0]), dict(SMALL[1], loss=None)]
+    rows = [SMALL[0], changed(SMALL[1], loss=None)]
     assert list(loss_figure(rows).data[0].y) == [2.0, None]
 
 
@@ -331,7 +361,7 @@ def test_loss_figure_smoothed_with_eval_loss() -> None:
     assert list(traces) == ["loss (raw)", "loss (smoothed)", "eval loss"]
     raw, smoothed, evals = fig.data
     assert raw.opacity < 1 and smoothed.opacity is None
-    assert list(smoothed.y) == pytest.approx(smooth([r["loss"] for r in SMALL], 0.5))
+    assert list(smoothed.y) == pytest.approx(smooth([r.loss for r in SMALL], 0.5))
     # Only evaluations with a loss, as markers at their steps.
     assert (list(evals.x), list(evals.y), evals.mode) == ([3], [1.0], "markers")
 
@@ -352,7 +382,7 @@ def test_throughput_figure() -> None:
 
 def test_throughput_figure_smoothed() -> None:
     rows = [
-        dict(r, samples_per_s=v) for r, v in zip(SMALL, [0, 4000, 0, 4000, None, 0], strict=True)
+        changed(r, samples_per_s=v) for r, v in zip(SMALL, [0, 4000, 0, 4000, None, 0], strict=True)
     ]
     raw, smoothed = throughput_figure(rows, smoothing=0.9).data
     assert list(raw.y) == [0, 4000, 0, 4000, None, 0]
@@ -366,11 +396,13 @@ def test_throughput_figure_smoothed() -> None:
 def test_has_values_tells_a_gpu_run_from_a_cpu_run() -> None:
     assert has_values(METRICS, "mfu") and has_values(METRICS, "peak_memory_mib")
     assert not has_values(SMALL, "mfu") and not has_values(SMALL, "peak_memory_mib")
-    assert not has_values([dict(SMALL[0], mfu=None)], "mfu") and not has_values([], "mfu")
+    assert not has_values([changed(SMALL[0], mfu=None)], "mfu") and not has_values([], "mfu")
 
 
 def test_mfu_figure_in_percent() -> None:
-    rows = [dict(r, mfu=v) for r, v in zip(SMALL, [0.4, 0.42, None, 0.41, 0.4, 0.43], strict=True)]
+    rows = [
+        changed(r, mfu=v) for r, v in zip(SMALL, [0.4, 0.42, None, 0.41, 0.4, 0.43], strict=True)
+    ]
     fig = mfu_figure(rows)
     assert len(fig.data) == 1
     assert list(fig.data[0].x) == [1, 2, 3, 4, 5, 6]
@@ -406,16 +438,16 @@ def test_peak_memory_figure_one_line_per_rank_in_gib() -> None:
 
 def test_peak_memory_figure_keeps_gaps_for_ranks_that_did_not_say() -> None:
     rows = [
-        dict(SMALL[0], peak_memory_mib=[1024.0, None, 3072.0]),
-        dict(SMALL[1], peak_memory_mib=None),  # between control points: skipped
-        dict(SMALL[2], peak_memory_mib=[2048.0]),  # a smaller world
-        dict(SMALL[3], peak_memory_mib=[None, None, float("nan")]),
+        changed(SMALL[0], peak_memory_mib=[1024.0, None, 3072.0]),
+        changed(SMALL[1], peak_memory_mib=None),  # between control points: skipped
+        changed(SMALL[2], peak_memory_mib=[2048.0]),  # a smaller world
+        changed(SMALL[3], peak_memory_mib=[None, None, float("nan")]),
     ]
     fig = peak_memory_figure(rows)
     assert [t.name for t in fig.data] == ["rank 0", "rank 2"]  # rank 1 never said
     assert [list(t.x) for t in fig.data] == [[1, 3, 4], [1, 3, 4]]
     assert [list(t.y) for t in fig.data] == [[1.0, 2.0, None], [3.0, None, None]]
-    assert notes(peak_memory_figure([dict(SMALL[0], peak_memory_mib=[None])])) == [EMPTY_TEXT]
+    assert notes(peak_memory_figure([changed(SMALL[0], peak_memory_mib=[None])])) == [EMPTY_TEXT]
 
 
 def test_accuracy_figure_with_target() -> None:
@@ -568,7 +600,7 @@ def test_grad_norm_zero_norm_is_frozen_without_layouts() -> None:
 
 def test_grad_norm_prefers_the_rows_own_boundary() -> None:
     # Rows that carry the boundary they trained under (`frozen`) need no layouts to draw it.
-    rows = [dict(r, frozen=0 if r["step"] < 8 else 2) for r in METRICS]
+    rows = [changed(r, frozen=0 if r.step < 8 else 2) for r in METRICS]
     fig = grad_norm_figure(rows)
     line = by_name(fig)["freeze boundary"]
     assert list(line.customdata) == [0] * 7 + [2] * 28
@@ -576,10 +608,10 @@ def test_grad_norm_prefers_the_rows_own_boundary() -> None:
 
 def test_grad_norm_skips_rows_without_norms() -> None:
     rows = [
-        dict(METRICS[0], grad_norms=None),
-        {k: v for k, v in METRICS[1].items() if k != "grad_norms"},
+        changed(METRICS[0], grad_norms=None),
+        changed(METRICS[1], grad_norms=None),  # not reported
     ]
-    rows += [dict(METRICS[2], grad_norms=[1.0, None, 2.0])]  # shorter than the model
+    rows += [changed(METRICS[2], grad_norms=[1.0, None, 2.0])]  # shorter than the model
     fig = grad_norm_figure(rows, LAYOUTS[:1])
     heat = by_name(fig)["grad norm"]
     assert list(heat.x) == [3]
@@ -589,7 +621,7 @@ def test_grad_norm_skips_rows_without_norms() -> None:
 
 
 def test_grad_norm_without_any_norms_is_empty() -> None:
-    rows = [{k: v for k, v in r.items() if k != "grad_norms"} for r in METRICS]
+    rows = [changed(r, grad_norms=None) for r in METRICS]
     fig = grad_norm_figure(rows, LAYOUTS)
     assert len(fig.data) == 0 and notes(fig) == [EMPTY_TEXT]
 
@@ -679,8 +711,8 @@ def test_layout_history_figure() -> None:
 
 
 def test_compare_figure_lines_jobs_up_by_time_since_their_start() -> None:
-    early = [{"step": s, "loss": 1.0 / s, "time": T0 + 2 * s} for s in range(1, 4)]
-    late = [{"step": s, "loss": 2.0 / s, "time": T0 + 3600 + 5 * s} for s in range(1, 3)]
+    early = [mrow(s, T0 + 2 * s, loss=1.0 / s) for s in range(1, 4)]
+    late = [mrow(s, T0 + 3600 + 5 * s, loss=2.0 / s) for s in range(1, 3)]
     fig = compare_figure({"a": early, "b": late}, "loss", x="time", title="Loss")
     a, b = fig.data
     assert (a.name, list(a.x)) == ("a", [0.0, 2.0, 4.0])
@@ -692,7 +724,10 @@ def test_compare_figure_lines_jobs_up_by_time_since_their_start() -> None:
 
 
 def test_compare_figure_smooths_each_job() -> None:
-    rows = [{"step": s, "accuracy": v, "time": T0 + s} for s, v in enumerate([0.2, 0.6, 0.4])]
+    rows = [
+        EvaluationRow(epoch=0, step=s, accuracy=v, loss=None, time=T0 + s)
+        for s, v in enumerate([0.2, 0.6, 0.4])
+    ]
     fig = compare_figure({"a": rows, "b": []}, "accuracy", smoothing=0.5, title="Accuracy")
     (a,) = fig.data  # a job with no rows gets no trace
     assert list(a.y) == pytest.approx(smooth([0.2, 0.6, 0.4], 0.5))
@@ -724,3 +759,64 @@ def test_empty_inputs_give_an_empty_figure_with_a_note(build) -> None:
     assert len(fig.data) == 0
     assert notes(fig) == [EMPTY_TEXT]
     assert len(fig.layout.shapes) == 0
+
+
+# ---- the boundary each step trained under, as the store keeps it --------------------------------
+
+
+def test_a_stored_boundary_change_is_drawn_at_its_step_not_at_the_layouts_time(
+    store: Store,
+) -> None:
+    # The workers froze blocks 0-1 after step 10 and trained step 11 on under layout v2; the
+    # controller drained their report (and recorded v2) only while step 14 was running. Every
+    # step's report says which boundary it trained under (`Metrics.frozen`); the store keeps it.
+    store.create_job("j", JobSpec(name="j"), "/w")
+    store.record_layout("j", two_stage_layout(1, 0), "initial")
+    time.sleep(0.05)  # v2 recorded well after v1: room for 20 steps between their stamps
+    store.record_layout("j", two_stage_layout(2, 2), "autofreeze: blocks 0-1 converged")
+    v1, v2 = (unix(rec.created_at) for rec in store.layouts("j"))
+    dt = (v2 - v1) / 13.5  # step s ends at v1 + s * dt: v2 is stamped during step 14
+
+    def boundary(step: int) -> int:
+        return 0 if step < 11 else 2
+
+    store.add_metrics(
+        "j",
+        [
+            Metrics(
+                rank=0,
+                step=s,
+                epoch=0,
+                samples_consumed=0,
+                loss=1.0 / s,
+                lr=1e-3,
+                samples_per_s=100.0,
+                time=v1 + s * dt,
+                frozen=boundary(s),
+                grad_norms=[0.0 if b < boundary(s) else 0.5 for b in range(6)],
+            )
+            for s in range(1, 21)
+        ],
+    )
+    metrics, layouts = store.metrics("j"), store.layouts("j")
+    assert [m.frozen for m in metrics] == [0] * 10 + [2] * 10
+    assert step_at(metrics, v2) == 14  # where v2's timestamp alone would put the change
+    step11 = metrics[10].time
+
+    # the layout bands: v2 from step 11, on both axes
+    tl = timeline(layouts, store.generations("j"), metrics)
+    assert [(b.version, b.start_step, b.end_step) for b in tl.bands] == [(1, 1, 11), (2, 11, None)]
+    assert [(b.start_time, b.end_time) for b in tl.bands] == [(v1, step11), (step11, None)]
+    fig = decorate(go.Figure(go.Scatter(x=[1, 20], y=[0, 1])), tl)
+    assert [(b.x0, b.x1) for b in rects(fig)] == [(1, 11), (11, 20)]
+
+    # the frozen-blocks line rises at step 11
+    (line,) = freeze_figure(layouts, metrics).data
+    assert list(line.x) == [1, 11, 20] and list(line.y) == [0, 2, 2]
+    (line,) = freeze_figure(layouts, metrics, x="time").data
+    assert list(line.x) == [at(v1), at(step11), at(metrics[-1].time)]
+
+    # the heat map's boundary line and frozen cells change at step 11
+    traces = by_name(grad_norm_figure(metrics, layouts))
+    assert list(traces["freeze boundary"].customdata) == [0] * 10 + [2] * 10
+    assert [traces["frozen"].z[1][i] for i in (9, 10)] == [None, 1]  # block 1, steps 10 and 11

@@ -273,9 +273,9 @@ def test_a_job_fine_tunes_from_another_jobs_checkpoint(tmp_path: Path) -> None:
     job = ft.get_job("ft")
     assert job.state == "completed" and job.step == 2
     assert job.spec.init.checkpoint == str(newest)  # the directory's newest, pinned
-    created = next(e for e in ft.events("ft", limit=100) if e["kind"] == "job_created")
-    assert created["data"]["init"]["checksum"] == job.spec.init.checksum
-    assert str(newest) in created["message"]
+    created = next(e for e in ft.events("ft", limit=100) if e.kind == "job_created")
+    assert created.data["init"]["checksum"] == job.spec.init.checksum
+    assert str(newest) in created.message
     start = _weights(newest, job.spec)
     end = _weights(ft.latest_checkpoint("ft").path, job.spec)
     fresh = build_model(job.spec.model, job.spec.training.seed).state_dict()
@@ -335,8 +335,8 @@ def test_a_checkpoint_gone_after_submission_fails_the_job_after_one_generation(
     assert "every rank failed the same way while starting" in job.message
     assert "CheckpointError" in job.message and str(source) in job.message
     gens = store.generations("ft")
-    assert [(g["number"], g["state"]) for g in gens] == [(1, "failed")]
-    failed = [e for e in store.events("ft", limit=200) if e["kind"] == "worker_failed"]
-    assert sorted(e["rank"] for e in failed) == [0, 1]
-    assert all(e["data"]["phase"] == "build" for e in failed)
+    assert [(g.number, g.state) for g in gens] == [(1, "failed")]
+    failed = [e for e in store.events("ft", limit=200) if e.kind == "worker_failed"]
+    assert sorted(e.rank for e in failed) == [0, 1]
+    assert all(e.data["phase"] == "build" for e in failed)
     assert took < 60, f"{took:.0f}s: it should not have gone through the restarts"

@@ -38,26 +38,26 @@ def test_manual_freeze_is_validated_audited_and_applied(
     finally:
         proc.kill()
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
-    kinds = [e["kind"] for e in store.events("fz", limit=500)]
+    kinds = [e.kind for e in store.events("fz", limit=500)]
     assert "freeze_requested" in kinds and "freeze_applied" in kinds
     history = store.layouts("fz")
-    frozen = [lay for lay, _, _ in history if lay.freeze_boundary == 2]
-    assert frozen, [lay.describe() for lay, _, _ in history]
+    frozen = [h.layout for h in history if h.layout.freeze_boundary == 2]
+    assert frozen, [h.layout.describe() for h in history]
     lay = frozen[0]
     assert lay.stages[0].start == 2, "frozen blocks left the pipeline"
     assert lay.world_size == 2
     # AutoCache decided on each rank running the frozen prefix, measuring where the job's cache
     # files live (not /tmp) at the share of rows its RAM tier holds
-    decided = [e for e in store.events("fz", limit=500) if e["kind"] == "cache_decided"]
-    assert decided and {e["data"]["boundary"] for e in decided} == {2}
+    decided = [e for e in store.events("fz", limit=500) if e.kind == "cache_decided"]
+    assert decided and {e.data["boundary"] for e in decided} == {2}
     for e in decided:
-        assert Path(e["data"]["directory"]).is_relative_to(workdir / "jobs" / "fz"), e["data"]
-        assert 0 < e["data"]["ram_fraction"] <= 1
-    applied = next(e for e in store.events("fz", limit=500) if e["kind"] == "freeze_applied")
-    assert applied["data"]["outcome"] == "applied" and applied["data"]["boundary"] == 2
+        assert Path(e.data["directory"]).is_relative_to(workdir / "jobs" / "fz"), e.data
+        assert 0 < e.data["ram_fraction"] <= 1
+    applied = next(e for e in store.events("fz", limit=500) if e.kind == "freeze_applied")
+    assert applied.data["outcome"] == "applied" and applied.data["boundary"] == 2
     job = store.get_job("fz")
     assert job.state == "completed" and job.freeze_boundary == 2
-    steps = [m["step"] for m in store.metrics("fz")]
+    steps = [m.step for m in store.metrics("fz")]
     assert steps == list(range(1, job.step + 1)), "no step lost or repeated across the re-layout"
     done = cli("freeze", "fz", "--layers", "3", "--workdir", str(workdir))
     assert done.returncode == 2 and "completed" in done.stderr

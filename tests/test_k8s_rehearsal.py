@@ -69,16 +69,16 @@ def _workers(store: Store) -> dict[int, dict[str, Any]]:
     """rank -> `worker_started` data of the newest generation's workers."""
     out: dict[int, dict[str, Any]] = {}
     for e in reversed(store.events(JOB, limit=1000)):  # oldest first: newer ones win
-        if e["kind"] == "worker_started":
-            out[e["rank"]] = e["data"]
+        if e.kind == "worker_started":
+            out[e.rank] = e.data
     return out
 
 
 def _running_world(store: Store) -> tuple[int, int] | None:
     """(generation number, world size) of the generation training now, if one is."""
     gens = store.generations(JOB)
-    if gens and gens[-1]["state"] == "running":
-        return gens[-1]["number"], gens[-1]["world_size"]
+    if gens and gens[-1].state == "running":
+        return gens[-1].number, gens[-1].world_size
     if store.get_job(JOB).state == "completed":
         raise AssertionError(
             f"the job completed before this phase (generations {gens}): raise EPOCHS so that "
@@ -96,9 +96,9 @@ def _alive(pod: rehearsal.Pod) -> bool:
 def _timeline(store: Store, since: float) -> str:
     """The job's events, oldest first, in seconds since `since` (unix time)."""
     return "\n".join(
-        f"  {e['time'] - since:6.1f}s {e['kind']}: {e['message'][:110]}"
+        f"  {e.time - since:6.1f}s {e.kind}: {e.message[:110]}"
         for e in reversed(store.events(JOB, limit=1000))
-        if e["kind"] not in QUIET_EVENTS
+        if e.kind not in QUIET_EVENTS
     )
 
 
@@ -229,17 +229,17 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             # -- what the store says, read from the root namespace through the bridge
             job = store.get_job(JOB)
             assert job.state == "completed" and job.step == TOTAL, job.message
-            steps = [m["step"] for m in store.metrics(JOB)]
+            steps = [m.step for m in store.metrics(JOB)]
             assert steps == list(range(1, TOTAL + 1)), "every step recorded exactly once"
             gens = store.generations(JOB)
-            worlds = [g["world_size"] for g in gens]
+            worlds = [g.world_size for g in gens]
             assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
-            assert gens[-1]["state"] == "completed", gens
-            kinds = [e["kind"] for e in reversed(store.events(JOB, limit=1000))]
+            assert gens[-1].state == "completed", gens
+            kinds = [e.kind for e in reversed(store.events(JOB, limit=1000))]
             assert "generation_aborted" in kinds and "worker_lost" in kinds, kinds
             assert "job_shrank" in kinds and "job_widened" in kinds and "worker_joined" in kinds
-            started = [e for e in store.events(JOB, limit=1000) if e["kind"] == "worker_started"]
-            assert {e["data"]["host"] for e in started} == set(trainers)
+            started = [e for e in store.events(JOB, limit=1000) if e.kind == "worker_started"]
+            assert {e.data["host"] for e in started} == set(trainers)
             # the checkpoints are on the shared volume, where the store says they are in a pod
             volume = cluster.volume("pipetransformer-workdir")
             committed = store.checkpoints(JOB)
@@ -263,8 +263,8 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
     wall = time.monotonic() - t0
     print(f"\nrehearsal wall time {wall:.1f}s (budget {BUDGET_S}s) on {socket.gethostname()}")
     for g in gens:
-        reason = f" ({g['reason'][:100]})" if g.get("reason") else ""
-        print(f"generation {g['number']}: {g['world_size']} workers, {g['state']}{reason}")
+        reason = f" ({g.reason[:100]})" if g.reason else ""
+        print(f"generation {g.number}: {g.world_size} workers, {g.state}{reason}")
     for pod in cluster.pods:
         peak = cluster.cgroups.peaks.get(pod.netns)
         if peak is not None:

@@ -4,8 +4,10 @@ JSON into its own type, and anything else is refused with the field that is wron
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from pydantic import ValidationError
 
 from core.protocol import (
     BadReport,
@@ -123,3 +125,43 @@ def test_started_names_its_log_file_when_it_has_one() -> None:
               "node": "h:1", "total_steps": 10}  # fmt: skip
     assert parse_event(json.dumps(fields)).log is None  # an older worker's report
     assert parse_event(json.dumps(fields | {"log": "/w/n0.log"})).log == "/w/n0.log"
+
+
+METRICS = {"rank": 0, "step": 1, "epoch": 0, "samples_consumed": 0, "loss": 0.5, "lr": 1e-3,
+           "samples_per_s": 100.0, "frozen": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"step": -1}, "step"),
+        ({"epoch": -1}, "epoch"),
+        ({"lr": -1e-3}, "lr"),
+        ({"lr": float("nan")}, "lr"),
+        ({"time": float("inf")}, "time"),
+        ({"frozen": -1}, "frozen"),
+        ({"mfu": -0.1}, "mfu"),
+        ({"grad_norms": [1.0, -0.5]}, "grad_norms.1"),
+        ({"peak_memory_mib": [-1.0]}, "peak_memory_mib.0"),
+    ],
+)
+def test_metrics_refuse_values_no_step_can_have(bad: dict, field: str) -> None:
+    # what the store's own checks refused before it took the protocol's reports
+    with pytest.raises(ValidationError, match=rf"(?m)^{re.escape(field)}$"):
+        Metrics.model_validate(METRICS | bad)
+
+
+def test_metrics_read_non_finite_values_as_unknown() -> None:
+    nan, inf = float("nan"), float("inf")
+    m = Metrics.model_validate(
+        METRICS
+        | {
+            "loss": nan,
+            "samples_per_s": inf,
+            "mfu": nan,
+            "grad_norms": [0.0, inf],
+            "peak_memory_mib": [nan, 1.0],
+        }  # fmt: skip
+    )
+    assert (m.loss, m.samples_per_s, m.mfu) == (None, None, None)
+    assert (m.grad_norms, m.peak_memory_mib) == ([0.0, None], [None, 1.0])

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from core.protocol import Metrics
 from core.readings import largest_peak, mfu_text, peak_memory_text
 from core.spec import JobSpec
+from core.state import Layout
 from orchestrator.cli import main
 from orchestrator.controller import Progress
 from orchestrator.progress import _fmt
@@ -26,7 +28,7 @@ from orchestrator.summary import (
     short_reason,
     what_it_bought,
 )
-from store import Store, sqlite_url
+from store import EventRow, GenerationRow, MetricRow, RecordedLayout, Store, sqlite_url
 from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 10_000.0  # small: unix-sized times would leave step gaps only ~1e-7 s precise
@@ -47,40 +49,63 @@ PACE = {1: (0.1, 640.0), 2: (0.05, 1280.0), 3: (0.025, 2560.0)}
 PAUSE = {11: 0.5, 21: 0.3}
 
 
-def relaid_metrics(t0: float = T0) -> list[dict]:
+def relaid_metrics(t0: float = T0) -> list[MetricRow]:
     rows, t = [], t0
     for step in range(1, 31):
         seconds, rate = PACE[1 + (step - 1) // 10]
         t += seconds + PAUSE.get(step, 0.0)
         rate = 100.0 if step == 5 else rate
+        frozen = 0 if step <= 10 else 2 if step <= 20 else 5
         rows.append(
-            {"step": step, "epoch": 0, "samples_per_s": rate, "time": t, "loss": 1.0, "lr": 1e-3}
+            MetricRow(
+                step=step, epoch=0, samples_per_s=rate, time=t, loss=1.0, lr=1e-3, frozen=frozen
+            )
         )
     return rows
 
 
-def freeze_event(step: int, previous: int, boundary: int, t: float) -> dict:
-    return {
-        "kind": "freeze",
-        "time": t,
-        "message": f"auto: blocks {previous}..{boundary - 1} frozen at step {step}",
-        "data": {"step": step, "previous": previous, "boundary": boundary, "source": "auto"},
-    }
+def reports(rows: list[MetricRow]) -> list[Metrics]:
+    """The worker reports the store keeps as `rows`."""
+    return [Metrics(rank=0, samples_consumed=0, **r.model_dump()) for r in rows]
+
+
+def event(kind: str, t: float, message: str = "", data: dict | None = None) -> EventRow:
+    return EventRow(id=0, time=t, kind=kind, rank=None, message=message, data=data)
+
+
+def layout(lay: Layout, reason: str, t: float) -> RecordedLayout:
+    return RecordedLayout(layout=lay, reason=reason, created_at=t)
+
+
+def generation(number: int, started: float, ended: float | None = None) -> GenerationRow:
+    state = "running" if ended is None else "aborted"
+    return GenerationRow(
+        number=number, world_size=2, state=state, started_at=started, ended_at=ended, reason=None
+    )
+
+
+def freeze_event(step: int, previous: int, boundary: int, t: float) -> EventRow:
+    return event(
+        "freeze",
+        t,
+        f"auto: blocks {previous}..{boundary - 1} frozen at step {step}",
+        {"step": step, "previous": previous, "boundary": boundary, "source": "auto"},
+    )
 
 
 def relaid_inputs(t0: float = T0):
     layouts = [
-        (two_stage_layout(1, 0), "initial", t0 - 5),
+        layout(two_stage_layout(1, 0), "initial", t0 - 5),
         # recorded some time after the steps they govern started: the freeze events decide
-        (two_stage_layout(2, 2), REASON_V2, t0 + 3.0),
-        (packed_layout(3), REASON_V3, t0 + 3.0),
+        layout(two_stage_layout(2, 2), REASON_V2, t0 + 3.0),
+        layout(packed_layout(3), REASON_V3, t0 + 3.0),
     ]
     events = [  # newest first, as the store returns them
         freeze_event(20, 2, 5, t0 + 2.0),
         freeze_event(10, 0, 2, t0 + 1.1),
-        {"kind": "checkpoint_committed", "time": t0 + 1.2, "message": "step 10", "data": None},
+        event("checkpoint_committed", t0 + 1.2, "step 10"),
     ]
-    generations = [{"number": 1, "started_at": t0 - 1, "ended_at": None}]
+    generations = [generation(1, t0 - 1)]
     return layouts, relaid_metrics(t0), events, generations
 
 
@@ -118,7 +143,7 @@ def test_two_relayouts_what_it_bought() -> None:
     # 10 steps x (0.1 - 0.05) + 10 steps x (0.1 - 0.025) - the 0.8 s the two switches cost
     assert bought.pauses_s == pytest.approx(0.8)
     assert bought.saved_s == pytest.approx(0.5 + 0.75 - 0.8)
-    assert bought.train_s == pytest.approx(metrics[-1]["time"] - metrics[0]["time"])
+    assert bought.train_s == pytest.approx(metrics[-1].time - metrics[0].time)
     line = bought_line(history, bought)
     assert line.startswith("after freezing 5 of 6 blocks: 4.0x samples/s (v3 vs v1)")
     assert "saved: 0 s" in line and "re-layouts took 0.8 s" in line
@@ -156,7 +181,7 @@ def test_short_reason() -> None:
 
 def test_static_job_has_one_row_and_says_the_layout_never_changed() -> None:
     metrics = relaid_metrics()[:10]
-    history = layout_history([(two_stage_layout(1, 0), "initial", T0 - 5)], metrics)
+    history = layout_history([layout(two_stage_layout(1, 0), "initial", T0 - 5)], metrics)
     assert len(history) == 1
     (only,) = history
     assert (only.from_step, len(only.steps), only.samples_per_s, only.before) == (1, 10, 640, None)
@@ -172,10 +197,10 @@ def test_layout_planned_at_startup_supersedes_the_initial_one() -> None:
     metrics = relaid_metrics()[:10]
     measured = two_stage_layout(2, 0)
     layouts = [
-        (two_stage_layout(1, 0), "initial", T0 - 5),
-        (measured, "autopipe 2x1 [0-2|3-5] m=4", T0 + 0.35),  # drained after steps 1-2
+        layout(two_stage_layout(1, 0), "initial", T0 - 5),
+        layout(measured, "autopipe 2x1 [0-2|3-5] m=4", T0 + 0.35),  # drained after steps 1-2
     ]
-    generations = [{"number": 1, "started_at": T0 - 1, "ended_at": None}]
+    generations = [generation(1, T0 - 1)]
     history = layout_history(layouts, metrics, (), generations)
     assert [p.from_step for p in history] == [None, 1]
     assert history[0].steps == () and history[0].samples_per_s is None
@@ -188,19 +213,18 @@ def test_reformed_world_takes_effect_at_its_generation() -> None:
     # world just before generation 2 opened; generation 2 re-ran steps 9-10 (already recorded,
     # so kept from generation 1) and went on from step 11
     first = relaid_metrics()[:10]
-    end1 = first[-1]["time"] + 2.0
+    end1 = first[-1].time + 2.0
     second = [
-        {"step": s, "epoch": 0, "samples_per_s": 300.0, "time": end1 + 1 + 0.2 * (s - 8)}
+        MetricRow(
+            step=s, epoch=0, loss=None, lr=1e-3, samples_per_s=300.0, time=end1 + 1 + 0.2 * (s - 8)
+        )
         for s in range(11, 16)
     ]
     layouts = [
-        (two_stage_layout(1, 0), "initial", T0 - 5),
-        (packed_layout(2, 0), "re-formed for 1 worker(s)", end1 + 0.1),
+        layout(two_stage_layout(1, 0), "initial", T0 - 5),
+        layout(packed_layout(2, 0), "re-formed for 1 worker(s)", end1 + 0.1),
     ]
-    generations = [
-        {"number": 1, "started_at": T0 - 1, "ended_at": end1},
-        {"number": 2, "started_at": end1 + 0.2, "ended_at": None},
-    ]
+    generations = [generation(1, T0 - 1, end1), generation(2, end1 + 0.2)]
     history = layout_history(layouts, first + second, (), generations)
     assert [p.from_step for p in history] == [1, 11]
     assert history[1].steps == tuple(range(11, 16))
@@ -226,9 +250,9 @@ def _job(store: Store, job_id: str) -> float:
 def test_history_from_store_with_two_relayouts(store: Store) -> None:
     t0 = _job(store, "relaid")
     metrics = relaid_metrics(t0)
-    store.add_metrics("relaid", metrics)
+    store.add_metrics("relaid", reports(metrics))
     for e in reversed(relaid_inputs(t0)[2]):
-        store.add_event("relaid", e["kind"], e["message"], data=e["data"], time=e["time"])
+        store.add_event("relaid", e.kind, e.message, data=e.data, time=e.time)
     store.record_layout("relaid", two_stage_layout(2, 2), reason=REASON_V2)
     store.record_layout("relaid", packed_layout(3), reason=REASON_V3)
     history, bought = history_from_store(store, "relaid")
@@ -242,7 +266,7 @@ def test_history_from_store_with_two_relayouts(store: Store) -> None:
 
 def test_history_from_store_static_job(store: Store) -> None:
     t0 = _job(store, "static")
-    store.add_metrics("static", relaid_metrics(t0)[:10])
+    store.add_metrics("static", reports(relaid_metrics(t0)[:10]))
     history, bought = history_from_store(store, "static")
     assert [(p.version, p.from_step, len(p.steps), p.samples_per_s) for p in history] == [
         (1, 1, 10, 640.0)
@@ -253,12 +277,12 @@ def test_history_from_store_static_job(store: Store) -> None:
 def test_the_cache_line_says_what_autocache_decided_at_the_newest_boundary() -> None:
     from orchestrator.summary import cache_line
 
-    def decided(rank: int, boundary: int, use: bool, t: float) -> dict:
+    def decided(rank: int, boundary: int, use: bool, t: float) -> EventRow:
         reason = f"measured at F={boundary}, batch 32: recompute 2.00 ms vs cache 0.50 ms"
         data = {"boundary": boundary, "use": use, "reason": reason}
-        return {"kind": "cache_decided", "rank": rank, "time": t, "data": data}
+        return EventRow(id=0, kind="cache_decided", rank=rank, time=t, message="", data=data)
 
-    assert cache_line([{"kind": "freeze", "data": {"boundary": 1}}]) is None
+    assert cache_line([event("freeze", 0.0, data={"boundary": 1})]) is None
     events = [decided(0, 1, False, 1.0), decided(0, 5, True, 2.0), decided(1, 5, True, 2.1)]
     line = cache_line(events)
     assert line is not None and line.startswith("AutoCache at F=5: served")
@@ -319,13 +343,14 @@ def test_status_shows_mfu_and_peak_memory_only_when_known(
     with Store.open(url) as store:
         for job in ("cpu", "gpu"):
             store.create_job(job, JobSpec(name=job), str(tmp_path))
-        row = {"epoch": 0, "loss": 1.0, "samples_per_s": 10.0, "lr": 1e-3}
-        store.add_metrics("cpu", [row | {"step": 1, "time": T0 + 1}])
+        row = {"rank": 0, "epoch": 0, "samples_consumed": 0, "loss": 1.0, "samples_per_s": 10.0,
+               "lr": 1e-3, "frozen": 0}  # fmt: skip
+        store.add_metrics("cpu", [Metrics(**row, step=1, time=T0 + 1)])
         store.add_metrics(
             "gpu",
             [
-                row | {"step": 1, "time": T0 + 1, "mfu": 0.4, "peak_memory_mib": [1024.0, 3174.4]},
-                row | {"step": 2, "time": T0 + 2, "mfu": 0.412},  # between control points
+                Metrics(**row, step=1, time=T0 + 1, mfu=0.4, peak_memory_mib=[1024.0, 3174.4]),
+                Metrics(**row, step=2, time=T0 + 2, mfu=0.412),  # between control points
             ],
         )
 

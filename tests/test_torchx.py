@@ -251,7 +251,7 @@ def test_torchx_local_cwd_trains_a_job_into_the_store(tiny_spec: Path, tmp_path:
         assert job.state == "completed", f"{job.state}: {job.message}\n{out}"
         assert job.step == MAX_STEPS
 
-        steps = [m["step"] for m in store.metrics(job.id)]
+        steps = [m.step for m in store.metrics(job.id)]
         assert steps and max(steps) == MAX_STEPS and sorted(set(steps)) == steps, steps
 
         checkpoints = store.checkpoints(job.id)
@@ -260,5 +260,5 @@ def test_torchx_local_cwd_trains_a_job_into_the_store(tiny_spec: Path, tmp_path:
 
         # the epoch ended at step 6: held-out accuracy was measured and recorded
         evals = store.evaluations(job.id)
-        assert [e["step"] for e in evals] == [MAX_STEPS], evals
+        assert [e.step for e in evals] == [MAX_STEPS], evals
         assert job.accuracy is not None and 0.0 <= job.accuracy <= 1.0
