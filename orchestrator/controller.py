@@ -11,7 +11,7 @@ running generation from etcd and the store (`attach`).
 Its life is `Controller.run`: acquire the lease, attach or publish, launch, supervise, finish,
 release; callers say how the workers are launched (`Workers`), never in which order these go.
 
-Generations: every torchrun rendezvous round is one generation (orchestrator/generation.py holds
+Generations: every torchrun rendezvous round is one generation (orchestrator/generations.py holds
 what the controller knows of each). Its rank 0 files a JoinRequest; the controller ends the
 previous generation (aborted), plans for the new world and publishes the Assignment. A lost
 worker (lease gone without a final report) gets the generation aborted: the survivors watch
@@ -61,7 +61,6 @@ from core.protocol import (
     Left,
     Metrics,
     PeerLost,
-    RankEndReport,
     Started,
     UnreadableRequest,
     WorkerEvent,
@@ -72,8 +71,8 @@ from core.protocol import (
 )
 from core.spec import JobSpec
 from core.state import Layout, TrainingState
-from orchestrator.generation import Generation
-from orchestrator.postmortem import PostMortem, RankEnd, describe_status
+from orchestrator.generations import Generation, Generations
+from orchestrator.postmortem import PostMortem, describe_status
 from orchestrator.pretrained import resolve_init
 from orchestrator.roster import Roster
 from store import CheckpointInfo, Store, StoreUnavailable
@@ -178,13 +177,19 @@ class Controller:
         # the newest generation answered (None before the first), and every generation this
         # controller knows of by number: ended ones are still explained, and late reports of
         # their ranks still land in their post-mortems
-        self.current: Generation | None = None
-        self.generations: dict[int, Generation] = {}
+        self.generations = Generations(
+            store, roster=self.roster, job_id=job_id, explain_s=self.spec.runtime.lease_ttl_s + 3
+        )
         self.aborted_at: float | None = None  # wall time of the last abort (for recovery timing)
         self._keepalive: KeepAlive | None = None
         self._audited: set[str] = set()  # freeze requests and join requests already recorded
         self._outage: float | None = None  # since when etcd or the store has not answered
         self._report: str | None = None  # etcd key of the worker report being applied
+
+    @property
+    def current(self) -> Generation | None:
+        """The newest generation answered (None before the first)."""
+        return self.generations.current
 
     @property
     def generation(self) -> int:
@@ -341,7 +346,7 @@ class Controller:
             joined = None
         # open: the store says it is running (checked above). Its nodes are left unknown, as
         # the predecessor's view of membership changes is not this controller's to repeat.
-        self._open_generation(Generation.answered(a, pm, nodes=[]))
+        self.generations.open(Generation.answered(a, pm, nodes=[]))
         # rows the previous controller did not get to write, then what it wrote
         self.roster.assign(a.generation, pm.world, joined)
         self.roster.load(a.generation)
@@ -383,7 +388,7 @@ class Controller:
         previous = self.current
         if previous is not None and previous.open:
             # re-formed before its lease loss was seen (the agents noticed first)
-            self._end_explained(previous, "aborted", "re-formed by the agents")
+            self.generations.end(previous, "aborted", "re-formed by the agents")
             self.aborted_at = time.time()
         world = request.world
         start, ckpt, frozen = self.resume_point()
@@ -412,7 +417,7 @@ class Controller:
             waiting=waiting,
         )
         self._record_membership(previous.nodes if previous else [], request.nodes)
-        self._open_generation(Generation.answered(assignment, pm, request.nodes))
+        self.generations.open(Generation.answered(assignment, pm, request.nodes))
         self.etcd.put(keys.control(self.job_id), Control.RUN)
         self.etcd.put(keys.assignment(self.job_id), assignment.model_dump_json())
         how = f"from checkpoint at step {start.step}" if ckpt else "from scratch"
@@ -430,9 +435,6 @@ class Controller:
         self.progress = Progress(step=start.step, epoch=start.epoch, layout=layout)
         self.progress.waiting = waiting
         return assignment
-
-    def _open_generation(self, generation: Generation) -> None:
-        self.current = self.generations[generation.number] = generation
 
     def _record_membership(self, before: list[str], after: list[str]) -> None:
         """Nodes joined or left between generations: one worker event per node, and whether
@@ -490,7 +492,7 @@ class Controller:
         if self.progress.outcome or gen.leaving:
             return []
         for rank in sorted(gen.seen - alive):
-            self._vanished(pm, rank)
+            self.generations.vanished(pm, rank)
         self.abort(pm.summary())
         return gone
 
@@ -504,7 +506,7 @@ class Controller:
         self.aborted_at = time.time()
         self.etcd.put(keys.abort(self.job_id), str(gen))
         if current.open:
-            self._end_explained(current, "aborted", reason)
+            self.generations.end(current, "aborted", reason)
         self.store.add_event(
             self.job_id,
             "generation_aborted",
@@ -512,120 +514,21 @@ class Controller:
             data={"generation": gen, "reason": reason},
         )
 
-    # -- post-mortems: which rank died and how -------------------------------------------------
-
-    def _end_explained(self, gen: Generation, state: str, fallback: str) -> None:
-        """End a generation in the store with the best explanation known, and keep explaining
-        it for a while (a dead rank's lease lapses a TTL after its peers reported)."""
-        pm = gen.postmortem
-        reason = pm.summary() if pm.ends else fallback
-        self.store.end_generation(self.job_id, gen.number, state, reason=reason)
-        gen.open, gen.reason = False, reason
-        if not pm.complete:
-            gen.explain_until = time.monotonic() + self.spec.runtime.lease_ttl_s + 3
-
-    def _vanished(self, pm: PostMortem, rank: int) -> None:
-        how = "its lease lapsed with no report (the process or its node died, or it hung)"
-        self.roster.lease_gone(pm.generation, rank)
-        if pm.vanished(rank, how):
-            self._record_end(pm, rank)
-            self.roster.ended(pm.generation, pm.ends[rank])
-
-    def _record_end(self, pm: PostMortem, rank: int) -> None:
-        """One store event for how a rank's part in a generation ended (once per rank and
-        generation, whatever order the facts came in); leaving as told is not an event."""
-        end: RankEnd = pm.ends[rank]
-        kind = {
-            "died": "worker_died",
-            "vanished": "worker_lost",
-            "failed": "worker_failed",
-            "peer_lost": "peer_lost",
-        }.get(end.kind)
-        if kind is None:
-            return
-        m = end.member
-        data = {
-            "generation": pm.generation,
-            "pid": m.pid,
-            "host": m.host,
-            "exit_code": end.exit_code,
-            "signal": end.signal,
-            "phase": end.phase,
-            "error" if end.kind in ("failed", "peer_lost") else "how": end.detail,
-        }
-        self.store.add_event(
-            self.job_id,
-            kind,
-            f"{end.sentence()} [generation {pm.generation}]",
-            rank=rank,
-            data=data,
-            key=f"end:{pm.generation}:{rank}:{kind}",
-        )
+    # -- post-mortems: which rank died and how (recorded by Generations) -----------------------
 
     def _follow_up(self) -> None:
-        """Keep explaining ended generations: ranks whose presence key has gone without a word
-        (lapsed, or taken by a later generation's rank) vanished; an improved explanation
-        replaces the generation row's reason."""
-        explaining = [g for g in self.generations.values() if g.explain_until is not None]
-        if not explaining:
+        """Keep explaining ended generations (orchestrator/generations.py)."""
+        if not self.generations.explaining():
             return
         held = self._presence()
         self.drain()  # after reading the keys: a report put before a lease was revoked counts
-        now = time.monotonic()
-        for gen in explaining:
-            pm = gen.postmortem
-            for rank in sorted(set(pm.members) | set(range(pm.world))):
-                if held.get(rank) == gen.number:
-                    continue
-                if rank in pm.ends:
-                    # e.g. a dead rank's, after its exit status
-                    self.roster.lease_gone(gen.number, rank)
-                else:
-                    self._vanished(pm, rank)
-            self._write_reason(gen)
-            if pm.complete or (gen.explain_until is not None and now > gen.explain_until):
-                gen.explain_until = None
-
-    def _write_reason(self, gen: Generation) -> None:
-        pm = gen.postmortem
-        if gen.open or not pm.ends:
-            return
-        reason = pm.summary()
-        if reason != gen.reason:
-            self.store.explain_generation(self.job_id, gen.number, reason)
-            gen.reason = reason
-
-    def _apply_end(self, e: RankEndReport) -> None:
-        """A rank's own final report (failed / peer_lost / aborted / left)."""
-        gen = self.generations.get(e.generation)
-        if gen is None:  # one a predecessor ran: known from here on by its ranks' reports
-            gen = self.generations[e.generation] = Generation(PostMortem(e.generation, {}, 0))
-        pm = gen.postmortem
-        detail = e.error if isinstance(e, Failed | PeerLost) else e.why
-        phase = e.phase if isinstance(e, Failed | PeerLost) else None
-        if pm.report(e.rank, e.kind, detail, phase):
-            self._record_end(pm, e.rank)
-            aborted = isinstance(e, Aborted)
-            self.roster.ended(e.generation, pm.ends[e.rank], aborted=aborted, own_word=True)
-        self._write_reason(gen)
-        if isinstance(e, Failed):
-            self._check_fatal(gen)
+        self.generations.follow_up(held)
 
     def _apply_exit(self, report: WorkerExit) -> None:
-        """How a worker process ended, from its fork server: matched to its generation's rank by
-        host and pid."""
-        for number in sorted(self.generations, reverse=True):
-            gen = self.generations[number]
-            pm = gen.postmortem
-            rank = pm.rank_of(report.host, report.pid)
-            if rank is not None:
-                if pm.exited(rank, report.exit_code, report.signal):
-                    self._record_end(pm, rank)
-                if rank in pm.ends:  # a new verdict, or the status of a known end
-                    self.roster.ended(number, pm.ends[rank])
-                self._write_reason(gen)
-                return
-        # a worker that died before its generation was formed (no rank to blame in one)
+        """How a worker process ended, from its fork server: into its generation's post-mortem,
+        else an event (it died before its generation was formed: no rank to blame in one)."""
+        if self.generations.exited(report):
+            return
         rank = f"rank {report.rank} " if report.rank is not None else ""
         self.store.add_event(
             self.job_id,
@@ -856,9 +759,9 @@ class Controller:
                 self.roster.finished(e)
             case Failed():  # the agents restart the workers; the job fails when they stop
                 p.error = e.error
-                self._apply_end(e)
+                self._check_fatal(self.generations.rank_ended(e))
             case PeerLost() | Aborted() | Left():  # not this rank's fault
-                self._apply_end(e)
+                self.generations.rank_ended(e)
             case CacheDecided():
                 use = "serves" if e.use else "does not serve"
                 self._record_event(
