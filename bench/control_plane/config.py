@@ -1,0 +1,57 @@
+"""The benchmark's settings: `Config` (one per run, pickled to the host processes), the periods
+and timeouts it mirrors from the project's own code, the job it submits (`job_spec`), and
+`PhaseFailed`, how a size's phase says it failed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.spec import JobSpec
+from orchestrator.launch import HEARTBEAT_S
+
+JOB = "cps"
+MONITOR_S = 0.2  # torchrun --monitor-interval in orchestrator.launch.torchrun_command
+ABORT_POLL_S = 0.2  # trainer.process.AbortWatch's default
+JOIN_POLL_S = 0.05  # trainer.process.join's assignment poll
+AGENT_LEASE_S = 10  # `pipetransformer workers` launcher presence (orchestrator.cli.cmd_workers)
+CONTROLLER_TICK_S = 0.1  # Controller.supervise's default interval
+DEFAULT_SIZES = (8, 16, 64, 256)
+
+
+@dataclass
+class Config:
+    sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
+    hosts: int = 4  # processes the participants are spread over (capped at N)
+    seconds: float = 20.0  # steady window measured
+    warmup: float = 3.0  # steady seconds before the window opens
+    step_hz: float = 2.0  # Metrics reports per second per reporting rank
+    metrics_from: str = "replica"  # "replica" (each replica's last stage) or "loss-owner"
+    lease_ttl_s: int = 5  # runtime.lease_ttl_s (the spec's default)
+    join_timeout: int = 240  # torch's rendezvous join timeout (s)
+    startup_timeout: float = 180.0  # spawning the host processes (torch imports)
+    phase_timeout: float = 90.0  # join answer, steady start, stop
+    fsync: bool = True  # etcd fsyncs its WAL (as `pipetransformer run`'s embedded etcd)
+    store: str = "sqlite"  # or "postgresql" (a throwaway server from tests/fixtures_postgres)
+    heartbeat_s: int = HEARTBEAT_S  # rendezvous keep_alive_interval (orchestrator.launch)
+    # a rendezvous that fails: measure the steady state anyway, ranks handed out by the benchmark
+    # (no torchrun heartbeats or monitor polls then), so the controller's side is still seen
+    steady_without_rendezvous: bool = True
+
+
+def job_spec(world: int, lease_ttl_s: int) -> JobSpec:
+    """A small job whose re-formed layout is 2 pipeline ranks x world/2 replicas."""
+    return JobSpec.model_validate(
+        {
+            "name": "cps",
+            "model": {"depth": 4, "dim": 32, "heads": 4},
+            "training": {"epochs": 1, "global_batch_size": 16 * max(world, 2)},
+            "parallel": {"stages": 2, "replicas": 1, "microbatches": 4},
+            "runtime": {"lease_ttl_s": lease_ttl_s},
+        }
+    )
+
+
+class PhaseFailed(RuntimeError):
+    def __init__(self, phase: str, message: str) -> None:
+        super().__init__(f"{phase}: {message}")
+        self.phase = phase

@@ -1,0 +1,114 @@
+"""Samples into a row's figures: percentiles (`_dist`), the calls a size should make in its window
+(`_expected_calls`), the rendezvous's figures from the participants' timestamps and two etcd
+scrapes (`_rendezvous_figures`), and the clients' figures from what the host processes counted:
+latency per call kind, calls made / due, their CPU (`_client_figures`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.etcd_client import EtcdClient
+from core.state import Layout
+
+from .config import ABORT_POLL_S, MONITOR_S, Config
+from .etcd_metrics import _by, _total
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _dist(values: list[float], scale: float = 1.0, digits: int = 2) -> dict[str, float | None]:
+    def r(v: float | None) -> float | None:
+        return None if v is None else round(v * scale, digits)
+
+    return {
+        "p50": r(_pct(values, 0.5)),
+        "p95": r(_pct(values, 0.95)),
+        "max": r(max(values) if values else None),
+    }
+
+
+def _expected_calls(
+    n: int, layout: Layout, conf: Config, span: float, agents: bool = True
+) -> dict[str, float]:
+    reporters = layout.replicas if conf.metrics_from == "replica" else 1
+    return {
+        "abort_poll": n * span / ABORT_POLL_S,
+        "monitor": n * span / MONITOR_S if agents else 0.0,
+        "heartbeat": n * span / conf.heartbeat_s if agents else 0.0,
+        "report": reporters * span * conf.step_hz,
+    }
+
+
+def _rendezvous_figures(
+    row: dict[str, Any],
+    parts: list[dict[str, Any]],
+    n: int,
+    m0: dict[str, float],
+    m1: dict[str, float],
+    client: EtcdClient,
+    run_id: str,
+) -> None:
+    from orchestrator.rendezvous import state_key
+
+    start = min(p["t0"] for p in parts)
+    done = [p for p in parts if "t_rdzv" in p]
+    assigned = [p for p in parts if "t_assigned" in p]
+    complete = len(done) == n
+    row["rendezvous_completed"] = complete and len(assigned) == n
+    row["rendezvous_s"] = round(max(p["t_rdzv"] for p in done) - start, 3) if complete else None
+    row["ranks_assigned_s"] = (
+        round(max(p["t_assigned"] for p in assigned) - start, 3) if len(assigned) == n else None
+    )
+    row["rendezvous_participant_s"] = _dist([p["t_rdzv"] - p["t0"] for p in done], 1.0, 3)
+    row["rendezvous_rounds"] = sorted({p["round"] for p in done})
+    row["rendezvous_joined"] = len(done)
+    txn0 = _by(m0, "grpc_server_started_total", "grpc_method").get("Txn", 0.0)
+    txn1 = _by(m1, "grpc_server_started_total", "grpc_method").get("Txn", 0.0)
+    row["rendezvous_etcd_requests"] = int(
+        _total(m1, "grpc_server_started_total") - _total(m0, "grpc_server_started_total")
+    )
+    row["rendezvous_etcd_txns"] = int(txn1 - txn0)
+    received = "etcd_network_client_grpc_received_bytes_total"
+    row["rendezvous_etcd_mb_in"] = round((_total(m1, received) - _total(m0, received)) / 1e6, 2)
+    try:
+        blob = client.get(state_key(run_id))
+        row["rendezvous_state_bytes"] = None if blob is None else len(blob) * 3 // 4
+    except Exception:
+        row["rendezvous_state_bytes"] = None
+
+
+def _client_figures(
+    row: dict[str, Any],
+    stats: dict[int, dict[str, Any]],
+    n: int,
+    layout: Layout,
+    conf: Config,
+    span: float,
+    cpu: dict[str, Any],
+) -> None:
+    ops: dict[str, dict[str, Any]] = {}
+    for s in stats.values():
+        for op, o in s["ops"].items():
+            m = ops.setdefault(op, {"count": 0, "ok": 0, "lat": []})
+            m["count"] += o["count"]
+            m["ok"] += o["ok"]
+            m["lat"].extend(o["lat"])
+    expected = _expected_calls(n, layout, conf, span, row["rendezvous_completed"])
+    row["client_ms"] = {op: _dist(ops[op]["lat"], 1e3) for op in expected if op in ops}
+    row["achieved"] = {
+        op: round(ops.get(op, {"count": 0})["count"] / due, 3)
+        for op, due in expected.items()
+        if due
+    }
+    row["reports_per_s"] = round(ops.get("report", {"count": 0})["count"] / span, 1)
+    least = [s["min_participants"] for s in stats.values() if s["min_participants"] is not None]
+    # the participants' own synced views (torch prunes stale heartbeats locally on every sync)
+    row["rdzv_view_participants_min"] = min(least) if least else None
+    secs = [s["cpu_s"] / s["cpu_window_s"] for s in stats.values() if s.get("cpu_s") is not None]
+    cpu["agents"] = round(sum(secs), 3) if secs else None
+    row["host_threads"] = [s["threads"] for s in stats.values()]

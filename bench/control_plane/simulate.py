@@ -1,0 +1,251 @@
+"""The simulated participants: one torchrun agent and its one worker as threads of a host process
+(`_Participant`), making the etcd traffic the real ones make, with the project's own code. The
+agent: the etcd3 rendezvous handler, torchrun's rank assignment, its monitor loop's
+`num_nodes_waiting()`, the launcher's presence key; the worker: its presence lease, abort polls,
+`Started` and `Metrics` reports through the worker's `Reporter`. `_summarise` counts what a host's
+participants did in the steady window."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from core import keys
+from core.etcd_client import EtcdClient
+from core.protocol import Metrics, Started
+from core.state import Layout
+
+from .config import ABORT_POLL_S, AGENT_LEASE_S, MONITOR_S, Config
+
+
+class _WarningCounter(logging.Handler):
+    """Counts the warnings torch's rendezvous and our etcd client log (heartbeats that failed,
+    lease refreshes that failed or found the lease gone), and keeps them off stderr."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[tuple[float, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "keep-alive heartbeat" in msg:
+            kind = "rdzv_heartbeat_failed"
+        elif "expired" in msg and "lease" in msg:
+            kind = "lease_expired"
+        elif "refresh failed" in msg:
+            kind = "lease_refresh_failed"
+        else:
+            kind = "other_warning"
+        self.seen.append((record.created, kind, msg[:300]))
+
+
+class _Participant:
+    """One torchrun agent and its one worker, as threads."""
+
+    def __init__(self, handler: Any, worker_etcd: EtcdClient) -> None:
+        self.handler = handler
+        self.wc = worker_etcd
+        node = handler._this_node  # torch's (addr, pid, local_id) of this agent
+        self.node = f"{socket.gethostname()}:{node.pid}.{node.local_id}"
+        self.calls: list[tuple[float, str, float, bool]] = []  # (start, op, seconds, ok)
+        self.errors: list[tuple[float, str, str]] = []
+        self.views: list[tuple[float, int, int, int]] = []  # (t, waiting, participants, round)
+        self.result: dict[str, Any] = {"node": self.node}
+        self.presence: Any = None
+        self.agent_keepalive: Any = None
+        self.aborted_at: float | None = None
+        self.reporter: Any = None
+        self.rendezvoused = True  # False: its rendezvous failed, no agent polls to simulate
+        self.threads: list[threading.Thread] = []
+
+    @property
+    def agent_etcd(self) -> EtcdClient:
+        return self.handler._state_holder._backend._client
+
+    def call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.time()
+        p0 = time.perf_counter()
+        try:
+            value = fn(*args, **kwargs)
+        except Exception as exc:
+            self.calls.append((t0, op, time.perf_counter() - p0, False))
+            self.errors.append((t0, op, f"{type(exc).__name__}: {exc}"[:300]))
+            return None
+        self.calls.append((t0, op, time.perf_counter() - p0, True))
+        return value
+
+
+def _time_heartbeats(p: _Participant) -> None:
+    """Record every rendezvous heartbeat (torch's timer calls `handler._keep_alive()`)."""
+    original = p.handler._keep_alive
+
+    def timed() -> None:
+        t0, p0 = time.time(), time.perf_counter()
+        original()
+        p.calls.append((t0, "heartbeat", time.perf_counter() - p0, True))
+
+    p.handler._keep_alive = timed
+
+
+class _OneWorkerSpec:
+    role = "trainer"
+    local_world_size = 1
+
+
+def _rendezvous(p: _Participant) -> None:
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    p.result["t0"] = time.time()
+    try:
+        info = p.handler.next_rendezvous()
+        p.result["t_rdzv"] = time.time()
+        p.result.update(
+            rank=info.rank, world=info.world_size, round=p.handler._state_holder.state.round
+        )
+        # what torchrun's agent does next with the rendezvous store (no `self` needed)
+        workers = SimpleElasticAgent._assign_worker_ranks(
+            None, info.store, info.rank, info.world_size, _OneWorkerSpec
+        )
+        p.result["t_assigned"] = time.time()
+        p.result["global_rank"] = workers[0].global_rank
+    except Exception as exc:
+        p.result["error"] = f"{type(exc).__name__}: {exc}".rstrip(": ")[:500]
+
+
+def _periodic(stop: threading.Event, tasks: list[list[Any]]) -> None:
+    """Run each [next_due, period, fn] at its period (late calls run once, no catch-up burst)."""
+    while not stop.is_set():
+        now = time.monotonic()
+        task = min(tasks, key=lambda t: t[0])
+        if task[0] > now:
+            stop.wait(task[0] - now)
+            continue
+        task[2]()
+        task[0] = max(task[0] + task[1], time.monotonic())
+
+
+def _agent_loop(p: _Participant, stop: threading.Event, job: str) -> None:
+    lease = p.call("agent_lease", p.agent_etcd.lease, AGENT_LEASE_S)
+    if lease is not None:
+        key = f"{keys.agents(job)}{p.node.replace(':', '-')}"
+        p.call("agent_put", p.agent_etcd.put, key, "", lease)
+        p.agent_keepalive = p.agent_etcd.keep_alive(lease)
+
+    if not p.rendezvoused:
+        return
+
+    def monitor() -> None:  # torchrun's monitor loop asks whether nodes wait to join
+        waiting = p.call("monitor", p.handler.num_nodes_waiting)
+        state = p.handler._state_holder.state
+        if waiting is not None:
+            p.views.append((time.time(), waiting, len(state.participants), state.round))
+
+    _periodic(stop, [[time.monotonic(), MONITOR_S, monitor]])
+
+
+def _worker_loop(
+    p: _Participant,
+    stop: threading.Event,
+    ready: threading.Barrier,
+    job: str,
+    generation: int,
+    layout: Layout,
+    conf: Config,
+) -> None:
+    from trainer.process import Reporter, hold_presence
+
+    rank = p.result["rank"]
+    pipe = layout.pipeline_ranks
+    try:
+        p.presence = p.call(
+            "presence", hold_presence, p.wc, job, rank, generation, conf.lease_ttl_s
+        )
+        p.reporter = Reporter(p.wc, job, generation, rank)
+        stages = [s.index for s in layout.stages if rank in s.ranks]
+        p.call(
+            "report",
+            p.reporter.emit,
+            Started,
+            stages=stages,
+            replica=rank // pipe,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            node=p.node,
+            total_steps=10**6,
+        )
+    finally:
+        try:
+            ready.wait(timeout=conf.phase_timeout)
+        except threading.BrokenBarrierError:
+            pass
+    abort_key = keys.abort(job)
+
+    def abort_watch() -> None:
+        value = p.call("abort_poll", p.wc.get, abort_key)
+        if value == str(generation) and p.aborted_at is None:
+            p.aborted_at = time.time()
+
+    tasks = [[time.monotonic(), ABORT_POLL_S, abort_watch]]
+    reports = rank % pipe == pipe - 1 and (conf.metrics_from == "replica" or rank < pipe)
+    if reports and conf.step_hz > 0:
+        step = [0]
+        batch = 16 * layout.world_size
+        norms = [0.5] * layout.num_blocks
+
+        def train_step() -> None:
+            step[0] += 1
+            k = step[0]
+            p.call(
+                "report",
+                p.reporter.emit,
+                Metrics,
+                step=k,
+                epoch=0,
+                samples_consumed=k * batch,
+                loss=2.3 / (1 + 0.01 * k),
+                lr=1e-3,
+                samples_per_s=batch * conf.step_hz,
+                frozen=0,
+                grad_norms=norms,
+            )
+
+        tasks.append([time.monotonic() + 1.0 / conf.step_hz, 1.0 / conf.step_hz, train_step])
+    _periodic(stop, tasks)
+
+
+def _summarise(parts: list[_Participant], t0: float, t1: float) -> dict[str, Any]:
+    ops: dict[str, dict[str, Any]] = {}
+    errors: Counter[str] = Counter()
+    samples: list[str] = []
+    for p in parts:
+        for start, op, secs, ok in p.calls:
+            if t0 <= start < t1:
+                o = ops.setdefault(op, {"count": 0, "ok": 0, "lat": []})
+                o["count"] += 1
+                o["ok"] += ok
+                o["lat"].append(round(secs, 6))
+        for _when, op, msg in p.errors:
+            errors[op] += 1  # anywhere in the steady phase, not only the window
+            if len(samples) < 3:
+                samples.append(f"{op}: {msg}")
+    views = [v for p in parts for v in p.views if t0 <= v[0] < t1]
+    all_views = [v for p in parts for v in p.views]
+    return {
+        "ops": ops,
+        "errors": dict(errors),
+        "error_samples": samples,
+        "max_waiting": max((v[1] for v in all_views), default=0),
+        "min_participants": min((v[2] for v in all_views), default=None),
+        "rounds": sorted({v[3] for v in all_views}),
+        "window_views": len(views),
+        "presence_expired": sum(bool(p.presence and p.presence.expired.is_set()) for p in parts),
+        "agent_lease_expired": sum(
+            bool(p.agent_keepalive and p.agent_keepalive.expired.is_set()) for p in parts
+        ),
+        "aborted": sum(p.aborted_at is not None for p in parts),
+    }
