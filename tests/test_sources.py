@@ -1,0 +1,346 @@
+"""Users' data sources (trainer/sources): image folders, tables, text, SQuAD windows and metrics,
+and exactly-once reading through a DataLoader driven by the elastic sampler. Every asset is made
+here in tmp_path (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from core.sampler import IGNORE, ElasticSampler
+from trainer.sources import DataError
+from trainer.sources.dataset import ElasticBatches, SampleKey, SourceDataset, elastic_loader
+from trainer.sources.image_folder import (
+    Augmentation,
+    ImagePreprocessor,
+    decode_image,
+    open_image_folder,
+    preprocess,
+)
+from trainer.sources.tabular import Columns, open_split, open_splits
+from trainer.sources.text import TextEncoder, squad_features, squad_metrics
+
+# --- assets ----------------------------------------------------------------------------------
+
+WORDS = (
+    "the a an cat dog sat on mat what where who is was did answer paris france capital city "
+    "of in river seine flows through big small red blue green house tree"
+).split()
+
+
+def _image(seed: int, size: tuple[int, int] = (23, 17)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    root = tmp_path / "images"
+    for k, cls in enumerate(["zebra", "ant"]):  # sorted: ant=0, zebra=1
+        (root / cls).mkdir(parents=True)
+        _image(10 * k).save(root / cls / "one.png")
+        _image(10 * k + 1).save(root / cls / "two.jpg", quality=95)
+    return root
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A tokenizer (BERT WordPiece from a tiny vocab), a config.json and a ViT image processor."""
+    d = tmp_path / "model"
+    d.mkdir()
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "?", ".", ","]
+    (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    from transformers import BertTokenizerFast
+
+    BertTokenizerFast(vocab=str(d / "vocab.txt")).save_pretrained(str(d))
+    (d / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": len(vocab)}))
+    (d / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "ViTImageProcessor",
+                "size": {"height": 12, "width": 10},
+                "resample": 3,
+                "do_resize": True,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.485, 0.456, 0.406],
+                "image_std": [0.229, 0.224, 0.225],
+            }
+        )
+    )
+    return d
+
+
+# --- image folder ----------------------------------------------------------------------------
+
+
+def test_image_folder_labels_decode_and_memory_map(image_folder: Path, tmp_path: Path) -> None:
+    ds = open_image_folder(image_folder, cache_dir=tmp_path / "cache")
+    assert ds.features["label"].names == ["ant", "zebra"]
+    assert ds.cache_files, "the index is memory-mapped arrow"
+    rows = ds.cast_column("image", datasets.Image(decode=False))
+    names = [(Path(r["image"]["path"]).parent.name, r["label"]) for r in rows]
+    assert sorted(names) == [("ant", 0), ("ant", 0), ("zebra", 1), ("zebra", 1)]
+    suffixes = set()
+    for r in rows:
+        im = decode_image(r["image"])
+        assert im.mode == "RGB" and im.size == (23, 17)
+        suffixes.add(Path(r["image"]["path"]).suffix)
+    assert suffixes == {".png", ".jpg"}
+    png = next(r for r in rows if r["image"]["path"].endswith("ant/one.png"))
+    assert np.array_equal(np.asarray(decode_image(png["image"])), np.asarray(_image(10)))
+    # the same listing reuses the index
+    assert (
+        open_image_folder(image_folder, cache_dir=tmp_path / "cache").cache_files == ds.cache_files
+    )
+
+
+def test_preprocess_matches_transformers_image_processor(model_dir: Path) -> None:
+    """Tolerance: 1e-5 absolute on normalised values (both resize with Pillow; the arithmetic
+    differs only in float rounding)."""
+    images = [_image(3), _image(4, (40, 31))]
+    ours = preprocess(images, model_dir, backend="native")
+    theirs = preprocess(images, model_dir, backend="transformers")
+    assert ours.shape == (2, 3, 12, 10) and ours.dtype == torch.float32
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+    single = preprocess(images[0], json.loads((model_dir / "preprocessor_config.json").read_text()))
+    assert single.shape == (3, 12, 10) and torch.allclose(single, ours[0], atol=1e-6)
+    assert ImagePreprocessor(model_dir, backend="auto").processor is not None
+
+
+def test_augmentation_reproducible_per_seed_epoch_id(
+    image_folder: Path, tmp_path: Path, model_dir: Path
+) -> None:
+    ds = open_image_folder(image_folder, cache_dir=tmp_path / "cache")
+    plain = SourceDataset(ds, Columns(image="image"), image=ImagePreprocessor(model_dir))
+    aug = SourceDataset(
+        ds, Columns(image="image"), image=ImagePreprocessor(model_dir), augmentation=Augmentation(7)
+    )
+    assert plain.deterministic and not aug.deterministic
+    a = aug[SampleKey(1, epoch=0)].inputs
+    assert torch.equal(a, aug[SampleKey(1, epoch=0)].inputs)
+    assert a.shape == (3, 12, 10)
+    other = SourceDataset(
+        ds, Columns(image="image"), image=ImagePreprocessor(model_dir), augmentation=Augmentation(7)
+    )
+    assert torch.equal(a, other[SampleKey(1, epoch=0)].inputs)
+    assert not torch.equal(a, aug[SampleKey(1, epoch=1)].inputs)
+    assert torch.equal(plain[SampleKey(1, 0)].inputs, plain[SampleKey(1, 1)].inputs)
+
+
+def test_unreadable_image_names_the_file(
+    image_folder: Path, tmp_path: Path, model_dir: Path
+) -> None:
+    bad = image_folder / "ant" / "broken.jpg"
+    bad.write_bytes(b"not an image at all")
+    with pytest.raises(DataError, match="broken.jpg"):
+        open_image_folder(image_folder, cache_dir=tmp_path / "c1", verify=True)
+    ds = open_image_folder(image_folder, cache_dir=tmp_path / "c2")  # lazy: fails on read
+    src = SourceDataset(ds, Columns(image="image"), image=ImagePreprocessor(model_dir))
+    i = [Path(p["path"]).name for p in src.table["image"]].index("broken.jpg")
+    with pytest.raises(DataError, match=r"broken\.jpg"):
+        src[i]
+
+
+# --- tables ----------------------------------------------------------------------------------
+
+
+def _rows(n: int, offset: int = 0) -> dict[str, list]:
+    return {
+        "sentence": [f"the cat sat on mat {i}" for i in range(offset, offset + n)],
+        "other": [f"what is {i}" for i in range(offset, offset + n)],
+        "y": [i % 3 for i in range(offset, offset + n)],
+    }
+
+
+def _write(tmp_path: Path, fmt: str, name: str, rows: dict[str, list]) -> Path:
+    ds = datasets.Dataset.from_dict(rows)
+    path = tmp_path / f"{name}.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(pa.table(rows), path)
+    elif fmt == "jsonl":
+        ds.to_json(str(path), lines=True)
+    elif fmt == "csv":
+        ds.to_csv(str(path), index=False)
+    return path
+
+
+COLS = Columns(text="sentence", text_pair="other", label="y")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "csv"])
+def test_files_read_with_named_columns_and_splits(tmp_path: Path, fmt: str) -> None:
+    files = {
+        "fit": [_write(tmp_path, fmt, "a", _rows(5)), _write(tmp_path, fmt, "b", _rows(4, 5))],
+        "holdout": _write(tmp_path, fmt, "c", _rows(3, 100)),
+    }
+    out = open_splits(
+        files, COLS, splits=("fit", "holdout"), num_labels=3, cache_dir=tmp_path / "hf"
+    )
+    assert [len(out["fit"]), len(out["holdout"])] == [9, 3]
+    assert out["fit"][6]["sentence"] == "the cat sat on mat 6"
+    for ds in out.values():
+        assert ds.cache_files, f"{fmt}: memory-mapped arrow, not an in-memory table"
+
+
+def test_save_to_disk_and_arrow(tmp_path: Path) -> None:
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict(_rows(6)),
+            "test": datasets.Dataset.from_dict(_rows(2)),
+        }
+    )
+    dd.save_to_disk(str(tmp_path / "dd"))
+    out = open_splits(tmp_path / "dd", COLS, num_labels=3)
+    assert len(out["train"]) == 6 and out["train"].cache_files
+    one = open_split(tmp_path / "dd" / "train", "train", COLS, 3)  # a Dataset directory
+    assert len(one) == 6 and one.cache_files
+    arrow = Path(out["test"].cache_files[0]["filename"])
+    assert len(open_split(arrow, "test", COLS, 3).cache_files) == 1
+    with pytest.raises(DataError, match="no split 'validation'"):
+        open_splits(tmp_path / "dd", COLS, splits=("train", "validation"))
+
+
+def test_table_errors_name_file_column_row(tmp_path: Path) -> None:
+    a = _write(tmp_path, "parquet", "a", _rows(4))
+    bad_rows = _rows(5)
+    bad_rows["y"][3] = 7
+    b = _write(tmp_path, "parquet", "b", bad_rows)
+    with pytest.raises(
+        DataError, match=r"b\.parquet: column 'y' row 3 holds label 7, outside \[0, 3\)"
+    ):
+        open_split([a, b], "train", COLS, num_labels=3)
+    neg = _rows(3)
+    neg["y"][0] = -1
+    with pytest.raises(DataError, match=r"n\.jsonl: column 'y' row 0 holds label -1"):
+        open_split(_write(tmp_path, "jsonl", "n", neg), "train", COLS, num_labels=3)
+    with pytest.raises(DataError, match=r"a\.parquet.*no column 'label'"):
+        open_split(a, "train", Columns(text="sentence", label="label"), 3)
+    empty = tmp_path / "e.parquet"
+    pq.write_table(
+        pa.table({"sentence": pa.array([], pa.string()), "y": pa.array([], pa.int64())}), empty
+    )
+    with pytest.raises(DataError, match=r"split 'test' \(.*e\.parquet\) is empty"):
+        open_split(empty, "test", Columns(text="sentence", label="y"), 3)
+    with pytest.raises(DataError, match="missing.csv does not exist"):
+        open_split(tmp_path / "missing.csv", "train", COLS, 3)
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def test_single_and_pair_tokenisation(model_dir: Path) -> None:
+    enc = TextEncoder(model_dir, max_length=12)
+    one = enc.encode("the cat sat")
+    assert one.shape == (3, 12) and one.dtype == torch.int64
+    cls, sep = enc.tokenizer.cls_token_id, enc.tokenizer.sep_token_id
+    assert one[0, 0] == cls and one[0, 4] == sep and one[0, 5:].eq(0).all()  # padded
+    assert one[2].tolist() == [1] * 5 + [0] * 7 and one[1].eq(0).all()
+    pair = enc.encode("what is the capital", "paris is")
+    assert pair.shape == (3, 12)
+    assert pair[1].tolist() == [0] * 6 + [1] * 3 + [0] * 3  # second segment typed 1
+    assert pair[2].sum() == 9
+    long = enc.encode(" ".join(["cat"] * 40), " ".join(["dog"] * 40))
+    assert long[2].all() and long[0, -1] == sep  # truncated to max_length
+
+
+def test_tokenizer_vocab_mismatch(model_dir: Path) -> None:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "vocab_size": 30522}))
+    with pytest.raises(DataError, match=r"has \d+ tokens but .*config.json has vocab_size 30522"):
+        TextEncoder(model_dir, max_length=8)
+    TextEncoder(model_dir, max_length=8, allow_larger_embedding=True)
+
+
+def test_text_source_dataset(tmp_path: Path, model_dir: Path) -> None:
+    ds = open_split(_write(tmp_path, "parquet", "t", _rows(4)), "train", COLS, 3)
+    src = SourceDataset(ds, COLS, text=TextEncoder(model_dir, max_length=16))
+    s = src[2]
+    assert s.inputs.shape == (3, 16) and s.label == 2 and s.id == 2
+
+
+# --- SQuAD -----------------------------------------------------------------------------------
+
+
+def test_squad_windows_point_at_the_answer(model_dir: Path) -> None:
+    enc = TextEncoder(model_dir, max_length=24)
+    filler = " ".join(["the big red house"] * 6)
+    context = f"{filler} paris is the capital of france . {filler}"
+    start = context.index("paris")
+    ex = {
+        "id": "q1",
+        "question": "what is the capital of france ?",
+        "context": context,
+        "answers": {"text": ["paris"], "answer_start": [start]},
+    }
+    feats = squad_features(enc, [ex], stride=6)
+    assert len(feats) > 2 and all(f.example_id == "q1" for f in feats)
+    tok = enc.tokenizer
+    hits = 0
+    for f in feats:
+        assert f.inputs.shape == (3, 24)
+        ctx = [o for o in f.offsets if o is not None]
+        if ctx[0][0] <= start and ctx[-1][1] >= start + len("paris"):
+            hits += 1
+            span = f.inputs[0, f.start : f.end + 1].tolist()
+            assert tok.decode(span) == "paris"
+            assert context[f.offsets[f.start][0] : f.offsets[f.end][1]] == "paris"
+        else:
+            assert f.start == f.end == 0 and f.inputs[0, 0] == tok.cls_token_id
+    assert hits >= 1
+    # consecutive windows overlap by the stride
+    first, second = feats[0].offsets, feats[1].offsets
+    a = [o for o in first if o is not None]
+    b = [o for o in second if o is not None]
+    assert a[-6:] == b[:6]
+
+
+def test_squad_metrics_official_definitions() -> None:
+    refs = {"a": ["The Eiffel Tower"], "b": ["Paris", "paris, France"], "c": ["blue whale"]}
+    preds = {"a": "eiffel tower!", "b": "France", "c": "a red whale"}
+    m = squad_metrics(preds, refs)
+    # a: exact after normalisation; b: best F1 = 2*(1/1*1/2)/(1+1/2) = 2/3; c: F1 = 1/2
+    assert m["exact_match"] == pytest.approx(100 / 3)
+    assert m["f1"] == pytest.approx(100 * (1 + 2 / 3 + 1 / 2) / 3)
+    assert squad_metrics({"a": "Eiffel Tower"}, {"a": ["the eiffel tower"]}) == {
+        "exact_match": 100.0,
+        "f1": 100.0,
+    }
+    assert squad_metrics({"a": "nothing"}, {"a": ["something"]}) == {"exact_match": 0.0, "f1": 0.0}
+    hf = squad_metrics(
+        [{"id": "x", "prediction_text": "an apple"}],
+        [{"id": "x", "answers": {"text": ["apple"], "answer_start": [0]}}],
+    )
+    assert hf["exact_match"] == 100.0
+
+
+# --- exactly once through a DataLoader -------------------------------------------------------
+
+
+def test_dataloader_exactly_once_across_replica_change(tmp_path: Path, model_dir: Path) -> None:
+    n = 37
+    ds = open_split(_write(tmp_path, "parquet", "p", _rows(n)), "train", COLS, 3)
+    src = SourceDataset(ds, COLS, text=TextEncoder(model_dir, max_length=8))
+    sampler = ElasticSampler(n, global_batch=8, seed=5)
+    seen: list[int] = []
+    cursor = 0
+    for replicas, steps in ((2, 2), (4, None)):  # 2 replicas for 2 steps, then 4 to the end
+        plans = [ElasticBatches(sampler, 3, cursor, replicas, r, steps) for r in range(replicas)]
+        for plan in plans:
+            for batch in elastic_loader(src, plan, num_workers=2):
+                assert batch.inputs.shape == (8 // replicas, 3, 8)
+                real = batch.label != IGNORE
+                seen.extend(batch.id[real].tolist())
+        assert len({p.end_cursor for p in plans}) == 1
+        cursor = plans[0].end_cursor
+    assert cursor == n
+    assert sorted(seen) == list(range(n))
