@@ -5,6 +5,7 @@ here in tmp_path (nothing is downloaded)."""
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import datasets
@@ -344,3 +345,30 @@ def test_dataloader_exactly_once_across_replica_change(tmp_path: Path, model_dir
         cursor = plans[0].end_cursor
     assert cursor == n
     assert sorted(seen) == list(range(n))
+
+
+def test_source_pickles_small_and_reads_the_same(tmp_path: Path, model_dir: Path) -> None:
+    """What DataLoader workers get under spawn/forkserver: the memory-mapped file, not the rows."""
+    rows = _rows(2000)
+    rows["sentence"] = [s + " " + "x" * 200 for s in rows["sentence"]]  # ~0.4 MB of text
+    ds = open_split(_write(tmp_path, "parquet", "big", rows), "train", COLS, 3)
+    src = SourceDataset(ds, COLS, text=TextEncoder(model_dir, max_length=8))
+    blob = pickle.dumps(src)
+    assert len(blob) < 200_000, len(blob)
+    back = pickle.loads(blob)
+    assert torch.equal(back[1234].inputs, src[1234].inputs) and back[1234].id == 1234
+
+
+def test_image_column_in_parquet(tmp_path: Path, model_dir: Path) -> None:
+    """Hugging Face image data sets in parquet keep the encoded image bytes in the column."""
+    ds = datasets.Dataset.from_dict(
+        {"img": [_image(1), _image(2)], "label": [1, 0]},
+        features=datasets.Features(
+            {"img": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}
+        ),
+    )
+    ds.to_parquet(str(tmp_path / "im.parquet"))
+    table = open_split(tmp_path / "im.parquet", "train", Columns(image="img"), 2)
+    src = SourceDataset(table, Columns(image="img"), image=ImagePreprocessor(model_dir))
+    s = src[0]
+    assert s.label == 1 and torch.allclose(s.inputs, preprocess(_image(1), model_dir), atol=1e-6)
