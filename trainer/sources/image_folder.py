@@ -196,7 +196,7 @@ class ImageProcessing:
             height=height,
             width=width,
             do_resize=flag("do_resize", d.do_resize),
-            resample=int(config.get("resample", d.resample)),
+            resample=int(d.resample if config.get("resample") is None else config["resample"]),
             do_rescale=flag("do_rescale", d.do_rescale),
             rescale_factor=float(config.get("rescale_factor", d.rescale_factor)),
             do_normalize=flag("do_normalize", d.do_normalize),

@@ -122,17 +122,20 @@ def squad_features(
     features: list[QAFeature] = []
     for ex in examples:
         ex_id, question, context = str(ex["id"]), ex["question"].lstrip(), ex["context"]
-        enc = tok(
-            question,
-            context,
-            truncation="only_second",
-            max_length=encoder.max_length,
-            stride=stride,
-            return_overflowing_tokens=True,
-            return_offsets_mapping=True,
-            padding="max_length",
-            return_token_type_ids=True,
-        )
+        try:
+            enc = tok(
+                question,
+                context,
+                truncation="only_second",
+                max_length=encoder.max_length,
+                stride=stride,
+                return_overflowing_tokens=True,
+                return_offsets_mapping=True,
+                padding="max_length",
+                return_token_type_ids=True,
+            )
+        except Exception as exc:  # e.g. a question longer than max_length - stride
+            raise DataError(f"example {ex_id}: cannot split into windows: {exc}") from exc
         answers = ex.get("answers") or {}
         texts, starts = list(answers.get("text", [])), list(answers.get("answer_start", []))
         for w in range(len(enc["input_ids"])):
