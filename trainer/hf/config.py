@@ -101,8 +101,13 @@ def parse_architecture(raw: dict[str, Any]) -> HFArchitecture:
         "depth": _int(raw, "num_hidden_layers"),
         "hidden_size": hidden,
         "heads": heads,
-        "num_labels": 2 if task == "question-answering" else num_labels_of(raw),
+        "num_labels": num_labels_of(raw),
     }
+    if task == "question-answering" and common["num_labels"] != 2:
+        raise ValueError(
+            f"config.json: question answering needs `num_labels` 2 (start and end logits), "
+            f"got {common['num_labels']}"
+        )
     if model_type in IMAGE_FAMILIES:
         return HFArchitecture(
             **common,
