@@ -4,12 +4,13 @@ models made here with `save_pretrained`, then loaded unit by unit and compared w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     BertConfig,
     BertForQuestionAnswering,
@@ -238,7 +239,7 @@ def test_sharded_checkpoint(tmp_path):
 def test_new_label_count_skips_and_reinitialises_the_head(tmp_path, kind):
     directory = make_checkpoint(kind, tmp_path, num_labels=3)
     arch = read_architecture(directory)
-    new = HFArchitecture(**{**arch.__dict__, "num_labels": 50})
+    new = dataclasses.replace(arch, num_labels=50)
     torch.manual_seed(3)
     loaded = load_units(directory, new, ["head"])
     out = {"vit": "classifier", "bert": "classifier", "roberta": "classifier.out_proj"}[kind]
@@ -262,8 +263,6 @@ def test_missing_and_unexpected_keys_are_named(tmp_path):
     tensors = load_file(path)
     tensors["bert.encoder.layer.1.extra.weight"] = torch.zeros(1)
     del tensors["bert.encoder.layer.1.output.dense.bias"]
-    from safetensors.torch import save_file
-
     save_file(tensors, path, metadata={"format": "pt"})
     arch = read_architecture(directory)
     with pytest.raises(ValueError) as info:
