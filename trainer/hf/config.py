@@ -1,0 +1,142 @@
+"""What a Hugging Face checkpoint directory holds, read from its `config.json` alone (plain JSON,
+no network, no `transformers` import): the family (vit, deit, bert, roberta), the task its
+`architectures` entry names, and the sizes a pipeline plan needs, as a frozen `HFArchitecture`.
+Anything else is refused with a `ValueError` naming the field and what is allowed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Family = Literal["vit", "deit", "bert", "roberta"]
+Task = Literal["image-classification", "sequence-classification", "question-answering"]
+
+# (model_type, architectures[0]) -> task; the only combinations the units are built for
+ARCHITECTURES: dict[str, dict[str, Task]] = {
+    "vit": {"ViTForImageClassification": "image-classification"},
+    "deit": {"DeiTForImageClassification": "image-classification"},
+    "bert": {
+        "BertForSequenceClassification": "sequence-classification",
+        "BertForQuestionAnswering": "question-answering",
+    },
+    "roberta": {"RobertaForSequenceClassification": "sequence-classification"},
+}
+IMAGE_FAMILIES = ("vit", "deit")
+TEXT_FAMILIES = ("bert", "roberta")
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """A checkpoint's model as the pipeline sees it. Image fields are set for vit/deit, text
+    fields for bert/roberta; the others are None. `num_labels` is the head's output count (2 for
+    question answering: start and end logits)."""
+
+    family: Family
+    task: Task
+    architecture: str
+    depth: int
+    hidden_size: int
+    heads: int
+    num_labels: int
+    image_size: int | None = None
+    patch_size: int | None = None
+    num_channels: int | None = None
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+    type_vocab_size: int | None = None
+
+    @property
+    def is_text(self) -> bool:
+        return self.family in TEXT_FAMILIES
+
+    def unit_names(self) -> list[str]:
+        """The partition units in model order: `embed`, `blocks.0` .. `blocks.<depth-1>`, `head`."""
+        return ["embed", *(f"blocks.{i}" for i in range(self.depth)), "head"]
+
+
+def _int(raw: dict[str, Any], field: str, default: int | None = None) -> int:
+    value = raw.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json: `{field}` must be a positive integer, got {value!r}")
+    return value
+
+
+def num_labels_of(raw: dict[str, Any]) -> int:
+    """The label count a config.json gives: `id2label`'s size if present (what `transformers`
+    writes), else `num_labels`, else 2 (the `transformers` default)."""
+    if isinstance(raw.get("id2label"), dict) and raw["id2label"]:
+        return len(raw["id2label"])
+    return _int(raw, "num_labels", 2)
+
+
+def parse_architecture(raw: dict[str, Any]) -> HFArchitecture:
+    """An `HFArchitecture` from a parsed config.json."""
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"config.json: unsupported `model_type` {model_type!r}; "
+            f"allowed: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    allowed = ARCHITECTURES[model_type]
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in allowed:
+        raise ValueError(
+            f"config.json: unsupported `architectures` {archs!r} for model_type {model_type!r}; "
+            f"allowed: one of {', '.join(sorted(allowed))}"
+        )
+    architecture = archs[0]
+    task = allowed[architecture]
+    hidden, heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
+    if hidden % heads:
+        raise ValueError(
+            f"config.json: `hidden_size` {hidden} is not a multiple of "
+            f"`num_attention_heads` {heads}"
+        )
+    common: dict[str, Any] = {
+        "family": model_type,
+        "task": task,
+        "architecture": architecture,
+        "depth": _int(raw, "num_hidden_layers"),
+        "hidden_size": hidden,
+        "heads": heads,
+        "num_labels": num_labels_of(raw),
+    }
+    if task == "question-answering" and common["num_labels"] != 2:
+        raise ValueError(
+            f"config.json: question answering needs `num_labels` 2 (start and end logits), "
+            f"got {common['num_labels']}"
+        )
+    if model_type in IMAGE_FAMILIES:
+        return HFArchitecture(
+            **common,
+            image_size=_int(raw, "image_size"),
+            patch_size=_int(raw, "patch_size"),
+            num_channels=_int(raw, "num_channels", 3),
+        )
+    return HFArchitecture(
+        **common,
+        vocab_size=_int(raw, "vocab_size"),
+        max_position_embeddings=_int(raw, "max_position_embeddings"),
+        type_vocab_size=_int(raw, "type_vocab_size", 2),
+    )
+
+
+def read_config_json(directory: str | Path) -> dict[str, Any]:
+    """A checkpoint directory's config.json, parsed."""
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no config.json in the checkpoint directory") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return raw
+
+
+def read_architecture(directory: str | Path) -> HFArchitecture:
+    """The `HFArchitecture` of the checkpoint in `directory` (its config.json only)."""
+    return parse_architecture(read_config_json(directory))
