@@ -43,7 +43,6 @@ import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING
 
 from rich.table import Table
@@ -103,10 +102,6 @@ class Bought:
     train_s: float  # wall time from the first to the last recorded step
 
 
-def _unix(t: datetime) -> float:
-    return t.timestamp()
-
-
 def _median(values: Iterable[float | None]) -> float | None:
     finite = [v for v in values if v is not None]
     return statistics.median(finite) if finite else None
@@ -142,7 +137,7 @@ def effective_steps(
     the first step trained under it, or None (see the module docstring for the rules)."""
     freeze_at = _freeze_steps(events)
     gens = sorted(
-        (_unix(g.started_at), None if g.ended_at is None else _unix(g.ended_at))
+        (g.started_at.timestamp(), None if g.ended_at is None else g.ended_at.timestamp())
         for g in generations
     )
     out: list[int | None] = []
@@ -154,7 +149,7 @@ def effective_steps(
         if grew and f in freeze_at:
             out.append(freeze_at[f] + 1)
         else:
-            start = _generation_start(gens, _unix(recorded.created_at))
+            start = _generation_start(gens, recorded.created_at.timestamp())
             out.append(_first_step_from(metrics, start))
         previous = layout
     return out
