@@ -27,7 +27,9 @@ from pydantic import (
 
 from core.specfile import MAX_BYTES, SpecFileError, parse_yaml, read_spec_file
 
-DATASETS = ("digits", "synthetic", "synthetic-text")
+DATASETS = ("digits", "synthetic", "synthetic-text", "image-folder", "table")
+SOURCES = ("image-folder", "table")  # a user's files, read through the model's own preprocessing
+MAX_LOADER_WORKERS = 64
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 
 
@@ -100,15 +102,68 @@ MAX_PATH = 4_096
 Seed = Annotated[NonNegativeInt, Field(le=MAX_SEED)]
 
 
+TEXT_FAMILIES = ("bert", "roberta")
+PRETRAINED_ONLY = ("deit", "roberta")
+
+
+class PretrainedSpec(_Strict):
+    """A Hugging Face checkpoint to start from: a directory `save_pretrained` wrote (config.json
+    and safetensors weights, with its tokenizer or image processor), or a hub id found in the
+    local Hugging Face cache (nothing is downloaded). Its config.json decides the architecture.
+
+    `path` and `fingerprint` are filled in at submission (`orchestrator/pretrained.py`): the
+    directory as the controller and workers see it, and a digest of its config.json and
+    safetensors headers, so the workers load exactly the checkpoint that was checked."""
+
+    source: Annotated[str, Field(min_length=1, max_length=MAX_PATH)] = Field(
+        ...,
+        description="a checkpoint directory, or a hub id ('org/name') in the local Hugging Face "
+        "cache",
+    )
+    revision: Annotated[str, Field(min_length=1, max_length=MAX_NAME * 2)] | None = Field(
+        None, description="hub ids only: a branch, tag or commit of the cached repository"
+    )
+    path: Annotated[str, Field(max_length=MAX_PATH)] | None = Field(
+        None, description="filled in at submission: the resolved local directory"
+    )
+    fingerprint: Annotated[str, Field(max_length=MAX_NAME * 2)] | None = Field(
+        None, description="filled in at submission: digest of config.json and weight headers"
+    )
+    commit: Annotated[str, Field(max_length=MAX_NAME)] | None = Field(
+        None, description="filled in at submission for hub ids: the cached snapshot's commit"
+    )
+
+    @property
+    def resolved(self) -> bool:
+        return self.path is not None
+
+
+def _pretrained_shorthand(value: Any) -> Any:
+    # `pretrained: ./vit` is `pretrained: {source: ./vit}`
+    return {"source": value} if isinstance(value, str) else value
+
+
 class ModelSpec(_Strict):
-    """A transformer encoder whose blocks (`blocks.<i>`) are the partition units: a ViT over small
-    images (`family: vit`) or a BERT-style text encoder (`family: bert`).
+    """A transformer encoder whose blocks (`blocks.<i>`) are the partition units.
 
-    Shared: dim, depth, heads, mlp_ratio, num_classes, dropout. ViT only: image_size, patch_size,
-    channels. BERT only (required for it): vocab_size, seq_len. The other family's fields are
-    ignored (not validated), so a spec dumped with every field parses back unchanged."""
+    Built here from a seeded initialisation: a ViT over small images (`family: vit`) or a
+    BERT-style text encoder (`family: bert`). Shared: dim, depth, heads, mlp_ratio, num_classes,
+    dropout. ViT only: image_size, patch_size, channels. BERT only (required for it):
+    vocab_size, seq_len. The other family's fields are ignored (not validated), so a spec dumped
+    with every field parses back unchanged.
 
-    family: Literal["vit", "bert"] = "vit"
+    Or from a Hugging Face checkpoint (`pretrained`): ViT, DeiT, BERT or RoBERTa; its config.json
+    decides family, task, dim, depth, heads, mlp_ratio and the input fields, which the spec then
+    leaves out (a value that contradicts the checkpoint is an error naming the field). The spec
+    still chooses `num_classes` (another label count than the checkpoint's gets a new head) and,
+    for text, `seq_len` (tokens per input; default 128)."""
+
+    pretrained: Annotated[PretrainedSpec | None, BeforeValidator(_pretrained_shorthand)] = None
+    family: Literal["vit", "bert", "deit", "roberta"] = "vit"
+    task: Literal["classification", "question-answering"] = Field(
+        "classification",
+        description="question-answering: extractive spans (BERT checkpoints with a QA head)",
+    )
     image_size: Annotated[PositiveInt, Field(le=MAX_IMAGE_SIZE)] = 8
     patch_size: Annotated[PositiveInt, Field(le=MAX_IMAGE_SIZE)] = 2
     channels: Annotated[PositiveInt, Field(le=MAX_CHANNELS)] = 1
@@ -118,7 +173,8 @@ class ModelSpec(_Strict):
     seq_len: Annotated[PositiveInt, Field(le=MAX_SEQ_LEN)] | None = Field(
         None,
         validate_default=True,
-        description="bert: tokens per input sequence (a learned CLS vector is prepended)",
+        description="bert: tokens per input sequence (a learned CLS vector is prepended); "
+        "pretrained text models: tokens per input, [CLS] and [SEP] included (default 128)",
     )
     dim: Annotated[PositiveInt, Field(le=MAX_DIM)] = 64
     depth: Annotated[PositiveInt, Field(le=MAX_DEPTH)] = Field(
@@ -129,16 +185,58 @@ class ModelSpec(_Strict):
     num_classes: Annotated[PositiveInt, Field(le=MAX_CLASSES)] = 10
     dropout: Annotated[Number, Field(ge=0, lt=1)] = 0.0
 
+    @property
+    def pending(self) -> bool:
+        """A pretrained model whose checkpoint was not read yet: its architecture fields are
+        not known until submission resolves it."""
+        return self.pretrained is not None and not self.pretrained.resolved
+
+    @property
+    def is_text(self) -> bool:
+        return self.family in TEXT_FAMILIES
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in the hidden states between blocks: patches + CLS (vit; DeiT adds its
+        distillation token), seq_len + a prepended CLS (bert), seq_len (pretrained text, whose
+        tokenizer writes [CLS] itself)."""
+        if self.is_text:
+            return (self.seq_len or 0) + (0 if self.pretrained else 1)
+        return (self.image_size // self.patch_size) ** 2 + (2 if self.family == "deit" else 1)
+
+    @property
+    def width(self) -> int:
+        """Channels of the hidden states between stages: dim, plus one for pretrained text
+        models, whose stages carry the attention mask as an extra channel."""
+        return self.dim + (1 if self.is_text and self.pretrained else 0)
+
     @field_validator("vocab_size", "seq_len")
     @classmethod
     def _bert_needs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is None and info.data.get("family") == "bert":
+        if (
+            value is None
+            and info.data.get("family") == "bert"
+            and info.data.get("pretrained") is None
+        ):
             raise ValueError(f"required when family is 'bert' (set model.{info.field_name})")
         return value
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelSpec:
-        if self.family == "vit" and self.image_size % self.patch_size:
+        if self.pretrained is None:
+            if self.family in PRETRAINED_ONLY:
+                raise ValueError(
+                    f"family {self.family!r} comes from a checkpoint: set model.pretrained "
+                    "(or use 'vit' / 'bert' for a model built from a seed)"
+                )
+            if self.task != "classification":
+                raise ValueError(
+                    f"task {self.task!r} needs a pretrained BERT question-answering checkpoint "
+                    "(model.pretrained)"
+                )
+        if self.pending:
+            return self  # checked once the checkpoint has filled in the architecture
+        if not self.is_text and self.image_size % self.patch_size:
             raise ValueError(
                 f"patch_size ({self.patch_size}) must divide image_size ({self.image_size})"
             )
@@ -149,7 +247,33 @@ class ModelSpec(_Strict):
                 f"mlp_ratio ({self.mlp_ratio}) x dim ({self.dim}) leaves the MLP no hidden "
                 "units; raise mlp_ratio"
             )
+        if self.task == "question-answering" and self.num_classes != 2:
+            raise ValueError(
+                f"question answering predicts start and end: num_classes must be 2 "
+                f"(got {self.num_classes})"
+            )
         return self
+
+
+Paths = Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
+
+
+def _path_list(value: Any) -> Any:
+    # `train: a.parquet` is `train: [a.parquet]`
+    return [value] if isinstance(value, str) else value
+
+
+PathList = Annotated[list[Paths], BeforeValidator(_path_list), Field(min_length=1, max_length=1024)]
+ColumnName = Annotated[str, Field(min_length=1, max_length=MAX_NAME * 4)]
+
+
+class ColumnsSpec(_Strict):
+    """Which columns of a table hold what (`table` only; an image folder's are fixed)."""
+
+    image: ColumnName | None = Field(None, description="image models: the image column")
+    text: ColumnName | None = Field(None, description="text models: the (first) sentence")
+    text_pair: ColumnName | None = Field(None, description="sentence pairs: the second sentence")
+    label: ColumnName = Field("label", description="the integer class label")
 
 
 class DataSpec(_Strict):
@@ -157,6 +281,13 @@ class DataSpec(_Strict):
     `synthetic`: seeded random images/labels of the model's shape, for benchmarks (vit).
     `synthetic-text`: seeded token sequences of the model's seq_len; the label is whichever of the
     num_classes keyword tokens (ids 0 .. num_classes-1) occurs most often (bert).
+
+    Your own data, for a `model.pretrained` model (read through its image processor or
+    tokenizer, a row at a time, by `loader_workers` processes per rank):
+    `image-folder`: `train` and `test` are folders of `<class>/<image>` files (jpg, png);
+    `table`: `train` and `test` are parquet, arrow, JSON-lines or CSV files (or `save_to_disk`
+    directories), or `path` is a `save_to_disk` DatasetDict with splits `train_split` and
+    `test_split`; `columns` names the image or text column(s) and the label.
 
     `classes` (digits) keeps only those digits, relabelled 0 .. len(classes)-1 in the order given.
     The held-out split is drawn from the whole data set first and then filtered, so jobs with
@@ -171,6 +302,30 @@ class DataSpec(_Strict):
         None,
         max_length=10,
         description="digits only: the digits to keep (at least 2), relabelled in this order",
+    )
+    train: PathList | None = Field(
+        None, description="image-folder / table: the training split's folder or file(s)"
+    )
+    test: PathList | None = Field(
+        None, description="image-folder / table: the held-out split's folder or file(s)"
+    )
+    path: Paths | None = Field(None, description="table: a save_to_disk DatasetDict directory")
+    train_split: Annotated[str, Field(min_length=1, max_length=MAX_NAME)] = "train"
+    test_split: Annotated[str, Field(min_length=1, max_length=MAX_NAME)] = "test"
+    columns: ColumnsSpec = ColumnsSpec()
+    augment: bool = Field(
+        False,
+        description="image sources: random resized crop and horizontal flip, drawn per epoch "
+        "and sample from data.seed (AutoCache then stays off: a frozen prefix sees new inputs)",
+    )
+    loader_workers: Annotated[NonNegativeInt, Field(le=MAX_LOADER_WORKERS)] = Field(
+        2, description="data-loading processes per first-stage rank (0: in the training process)"
+    )
+    image_backend: Literal["auto", "native", "transformers"] = Field(
+        "auto",
+        description="image preprocessing: 'native' (resize, rescale, normalise from the "
+        "processor's config), 'transformers' (the model's processor class), 'auto' (the class "
+        "where it loads)",
     )
 
     @model_validator(mode="after")
@@ -189,7 +344,39 @@ class DataSpec(_Strict):
                 raise ValueError(
                     f"data.classes must list at least 2 different digits (got {self.classes})"
                 )
+        if self.dataset not in SOURCES:
+            given = [f for f in ("train", "test", "path") if getattr(self, f) is not None]
+            if given or self.augment:
+                raise ValueError(
+                    f"data.{(given or ['augment'])[0]} is for dataset 'image-folder' or 'table' "
+                    f"(got {self.dataset!r}); remove it"
+                )
+            return self
+        if self.path is not None:
+            if self.dataset != "table":
+                raise ValueError("data.path (a DatasetDict) is for dataset 'table'")
+            if self.train is not None or self.test is not None:
+                raise ValueError(
+                    "give either data.path (a DatasetDict) or data.train and data.test, not both"
+                )
+        elif self.train is None or self.test is None:
+            missing = "data.train" if self.train is None else "data.test"
+            raise ValueError(
+                f"dataset {self.dataset!r} needs {missing} (the split's "
+                f"{'folder' if self.dataset == 'image-folder' else 'file(s)'})"
+            )
+        if self.dataset == "image-folder" and (
+            len(self.train or []) > 1 or len(self.test or []) > 1
+        ):
+            raise ValueError(
+                "an image folder split is one folder: give one path for data.train and data.test"
+            )
         return self
+
+    @property
+    def is_source(self) -> bool:
+        """Data read from a user's files (not built in)."""
+        return self.dataset in SOURCES
 
     @property
     def num_classes(self) -> int | None:
@@ -200,6 +387,14 @@ class DataSpec(_Strict):
 
     def model_problem(self, model: ModelSpec) -> str | None:
         """Why this data set cannot feed `model` (a message naming the fields), or None."""
+        if self.is_source:
+            return self._source_problem(model)
+        if model.pretrained is not None:
+            return (
+                f"data.dataset {self.dataset!r} is built for the seeded models; a pretrained "
+                "model reads your files through its own preprocessing: use 'image-folder' or "
+                "'table'"
+            )
         if self.dataset in ("digits", "synthetic") and model.family != "vit":
             return (
                 f"data.dataset {self.dataset!r} is images and needs model.family 'vit' "
@@ -233,6 +428,38 @@ class DataSpec(_Strict):
                     f"dataset 'synthetic-text' needs room for the keywords: model.seq_len "
                     f"({model.seq_len}) must be at least 2 x model.num_classes ({2 * k})"
                 )
+        return None
+
+    def _source_problem(self, model: ModelSpec) -> str | None:
+        if model.pretrained is None:
+            return (
+                f"data.dataset {self.dataset!r} reads your files through the model's own image "
+                "processor or tokenizer and needs model.pretrained (a Hugging Face checkpoint)"
+            )
+        if model.pending:
+            return None  # the family is known once the checkpoint is read
+        cols = self.columns
+        if model.task == "question-answering":
+            return (
+                "question answering trains on SQuAD features, which data sources do not "
+                "produce yet; use a sequence-classification checkpoint"
+            )
+        if model.is_text:
+            if self.dataset == "image-folder":
+                return f"data.dataset 'image-folder' is images; model.family is {model.family!r}"
+            if cols.text is None:
+                return "a text model reads data.columns.text (and text_pair for pairs); set it"
+            if cols.image is not None:
+                return "data.columns.image is for image models; remove it"
+        else:
+            if self.dataset == "table" and cols.image is None:
+                return "an image model reads data.columns.image from a table; set it"
+            if cols.text is not None or cols.text_pair is not None:
+                return "data.columns.text / text_pair are for text models; remove them"
+            if self.dataset == "image-folder" and cols != ColumnsSpec():
+                return "an image folder's columns are fixed (image, label); remove data.columns"
+        if self.augment and model.is_text:
+            return "data.augment is for image models"
         return None
 
 
@@ -634,21 +861,27 @@ class JobSpec(_Strict):
         if problem := self.data.model_problem(self.model):
             raise ValueError(problem)
         p, t = self.parallel, self.training
-        if p.num_stages > self.model.depth:
+        if self.model.pending:
+            pass  # the depth checks below wait until the checkpoint has filled in the model
+        elif p.num_stages > self.model.depth:
             raise ValueError(
                 f"parallel.stages x parallel.virtual_stages ({p.stages} x {p.virtual_stages}) "
                 f"exceeds model.depth ({self.model.depth}): each stage needs at least one block; "
                 "lower stages or raise depth"
             )
         fz = self.freeze
-        if fz.policy != "off" and fz.keep_trainable >= self.model.depth:
+        if self.model.pending:
+            pass
+        elif fz.policy != "off" and fz.keep_trainable >= self.model.depth:
             raise ValueError(
                 f"freeze.keep_trainable ({fz.keep_trainable}) must be less than model.depth "
                 f"({self.model.depth}) when freeze.policy is {fz.policy!r}: at least one block "
                 "must be freezable; lower freeze.keep_trainable or raise model.depth"
             )
         beyond = [
-            u for u in self.init.skip if u.startswith("blocks.") and int(u[7:]) >= self.model.depth
+            u
+            for u in self.init.skip
+            if u.startswith("blocks.") and int(u[7:]) >= self.model.depth and not self.model.pending
         ]
         if beyond:
             raise ValueError(

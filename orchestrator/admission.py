@@ -84,10 +84,8 @@ def hidden(m: ModelSpec) -> int:
 
 
 def tokens(m: ModelSpec) -> int:
-    """Tokens between blocks (trainer.models.num_tokens, without importing torch)."""
-    if m.family == "bert":
-        return (m.seq_len or 0) + 1
-    return (m.image_size // m.patch_size) ** 2 + 1
+    """Tokens between blocks."""
+    return m.tokens
 
 
 def block_params(m: ModelSpec) -> int:
@@ -97,7 +95,7 @@ def block_params(m: ModelSpec) -> int:
 
 def embed_params(m: ModelSpec) -> int:
     d = m.dim
-    if m.family == "bert":
+    if m.is_text:
         return (m.vocab_size or 0) * d + d + tokens(m) * d + 2 * d
     return m.channels * m.patch_size**2 * d + d + d + tokens(m) * d
 
@@ -120,7 +118,7 @@ def block_activation_bytes(m: ModelSpec, b: int) -> int:
 
 
 def embed_activation_bytes(m: ModelSpec, b: int) -> int:
-    if m.family == "bert":
+    if m.is_text:
         return 8 * b * (m.seq_len or 0) + F32 * b * tokens(m) * (m.dim + 2)
     return F32 * b * m.channels * m.image_size**2
 
@@ -131,7 +129,7 @@ def head_activation_bytes(m: ModelSpec, b: int) -> int:
 
 def input_bytes_per_sample(m: ModelSpec) -> int:
     """A sample as the data set holds it: its inputs and an int64 label."""
-    if m.family == "bert":
+    if m.is_text:
         return 8 * (m.seq_len or 0) + 8
     return F32 * m.channels * m.image_size**2 + 8
 
@@ -150,6 +148,8 @@ class DataSize:
 def data_size(spec: JobSpec) -> DataSize:
     data = spec.data
     tf = data.test_fraction
+    if data.is_source:  # read from files a batch at a time: nothing held, size known to workers
+        return DataSize(0, 0, 0, "your files, read as training goes")
     if data.dataset == "digits":
         kept = data.classes if data.classes is not None else range(10)
         # trainer/data.py holds out max(1, round(n_c x test_fraction)) images of each class
@@ -376,7 +376,9 @@ def admit(
     problems: list[tuple[str, str]] = []
     est = estimate(spec)
     data, gbs = est.data, spec.training.global_batch_size
-    if data.train_at_least < 1:
+    if spec.data.is_source:
+        pass  # the workers count the files and check them before training
+    elif data.train_at_least < 1:
         problems.append(
             (
                 "data.synthetic_samples",

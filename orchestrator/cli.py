@@ -35,10 +35,10 @@ from orchestrator.controller import (
 from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.local import admission_problems, job_etcd, train_here
-from orchestrator.pretrained import resolve_init
 from orchestrator.progress import ProgressView
 from orchestrator.report import print_summary
 from orchestrator.roles import TrainerPods, serve_node
+from orchestrator.sources import resolve_submission
 from store import DB_ENV, Store, UnknownJob, sqlite_url
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
@@ -114,10 +114,11 @@ def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True
     seat the job and a fine-tuning spec's checkpoint is checked here too; a controller role that
     may be continuing its job leaves that to `Controller.create`."""
     spec = _read_spec(spec_path)  # rejects a bad spec before anything starts
-    if problems := admission_problems(spec, here=fresh):
+    if fresh:  # the checkpoints and data it names, before admission sizes the model
+        spec = resolve_submission(spec)
+    # a pretrained model's size is known once Controller.create has read its checkpoint
+    if not spec.model.pending and (problems := admission_problems(spec, here=fresh)):
         raise SpecError(problems, spec_path or f"${keys.SPEC_ENV}")
-    if fresh:
-        spec = resolve_init(spec)
     job_id = check_job_id(args.job_id) if args.job_id else new_job_id(spec)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     store = open_store(args, create=True)

@@ -73,8 +73,8 @@ from core.spec import JobSpec
 from core.state import Layout, TrainingState
 from orchestrator.generations import Generation, Generations
 from orchestrator.postmortem import PostMortem, describe_status
-from orchestrator.pretrained import resolve_init
 from orchestrator.roster import Roster
+from orchestrator.sources import resolve_submission
 from store import CheckpointInfo, Store, StoreUnavailable
 
 log = logging.getLogger("pipetransformer.controller")
@@ -239,8 +239,9 @@ class Controller:
         job_id: str | None = None,
     ) -> Controller:
         """Record a new job (pending) with its initial layout. A fine-tuning spec's checkpoint is
-        checked and pinned first (SpecError, nothing stored, if it cannot be used)."""
-        spec = resolve_init(spec)
+        checked and pinned first, and a pretrained model and data files located (SpecError,
+        nothing stored, if one cannot be used)."""
+        spec = resolve_submission(spec)
         job_id = job_id or new_job_id(spec)
         store.create_job(job_id, spec, str(Path(workdir).resolve()))
         initial = plan_layout(spec)

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 import trainer.hf.load as hf_load
-from trainer.hf.config import HFArchitecture, read_architecture
+from core.hf_config import HFArchitecture, read_architecture
 from trainer.hf.load import load_units
 from trainer.hf.units import stack_text_inputs
 

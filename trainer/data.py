@@ -1,6 +1,8 @@
-"""Data sets, loaded whole into memory (they are small): scikit-learn's bundled handwritten
-digits, seeded synthetic images for benchmarks (both for the ViT), and a seeded synthetic
-sequence-classification task for the BERT-style encoder. Nothing is downloaded."""
+"""Data sets. Built in, loaded whole into memory (they are small): scikit-learn's bundled
+handwritten digits, seeded synthetic images for benchmarks (both for the ViT), and a seeded
+synthetic sequence-classification task for the BERT-style encoder. Nothing is downloaded. A
+user's files (`data.dataset: image-folder | table`) open as `trainer.sources.splits`, read a row
+at a time."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import importlib.metadata
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,14 +23,19 @@ class Split:
     inputs: torch.Tensor  # vit: float32 N x C x H x W images; bert: int64 N x seq_len token ids
     labels: torch.Tensor  # int64, N
 
+    deterministic = True  # a sample's inputs are the same every epoch (AutoCache may keep them)
+
     def __len__(self) -> int:
         return len(self.labels)
+
+    def read(self, indices: np.ndarray) -> torch.Tensor:
+        return self.inputs[indices]
 
 
 @dataclass(frozen=True)
 class Dataset:
-    train: Split
-    test: Split
+    train: Any  # a Split, or a data source's trainer.sources.splits.SourceSplit (same surface)
+    test: Any
 
 
 def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int):
@@ -102,6 +110,10 @@ def load_dataset(data: DataSpec, model: ModelSpec) -> Dataset:
     problem = data.model_problem(model)
     if problem:
         raise ValueError(problem)
+    if data.is_source:  # the `hf` extra's libraries: imported only for a job that reads files
+        from trainer.sources.splits import open_source_splits
+
+        return Dataset(*open_source_splits(data, model))
     if data.dataset == "digits":
         images, labels = _digits()
         inputs = (images.astype(np.float32) / 16.0 - 0.5) / 0.5  # pixels 0..16 -> -1..1

@@ -45,9 +45,7 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 
 
 def _tokens(spec: ModelSpec) -> int:
-    if spec.family == "bert":
-        return (spec.seq_len or 0) + 1
-    return (spec.image_size // spec.patch_size) ** 2 + 1
+    return spec.tokens
 
 
 def block_forward_flops(spec: ModelSpec) -> float:
@@ -61,14 +59,17 @@ def block_forward_flops(spec: ModelSpec) -> float:
 
 def embed_forward_flops(spec: ModelSpec) -> float:
     """Forward FLOPs of the embedding for one sample (a table lookup for BERT: 0)."""
-    if spec.family == "bert":
+    if spec.is_text:
         return 0.0
     patches = (spec.image_size // spec.patch_size) ** 2
     return float(2 * patches * spec.channels * spec.patch_size**2 * spec.dim)
 
 
 def head_forward_flops(spec: ModelSpec) -> float:
-    """Forward FLOPs of the classifier head for one sample (it reads the CLS token only)."""
+    """Forward FLOPs of the classifier head for one sample (it reads the CLS token only; a
+    question-answering head reads every token)."""
+    if spec.task == "question-answering":
+        return float(2 * spec.dim * 2 * spec.tokens)
     return float(2 * spec.dim * spec.num_classes)
 
 

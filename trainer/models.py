@@ -250,16 +250,16 @@ def build_stage(
 
 
 def num_tokens(spec: ModelSpec) -> int:
-    """Tokens in the hidden states between blocks: patches + CLS (vit), seq_len + CLS (bert)."""
-    if spec.family == "bert":
-        return spec.seq_len + 1
-    return (spec.image_size // spec.patch_size) ** 2 + 1
+    """Tokens in the hidden states between blocks (`ModelSpec.tokens`)."""
+    return spec.tokens
 
 
 def model_input_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
-    """Shape of one batch of model inputs: images [B, C, H, W] (vit), token ids [B, L] (bert)."""
-    if spec.family == "bert":
-        return (batch, spec.seq_len)
+    """Shape of one batch of model inputs: images [B, C, H, W] (vit, deit), token ids [B, L]
+    (bert built here), or ids, token types and attention mask stacked, [B, 3, L] (pretrained
+    text models, `trainer.hf.units.stack_text_inputs`)."""
+    if spec.is_text:
+        return (batch, 3, spec.seq_len) if spec.pretrained else (batch, spec.seq_len)
     return (batch, spec.channels, spec.image_size, spec.image_size)
 
 
@@ -267,19 +267,26 @@ def stage_input_shape(spec: ModelSpec, start: int, batch: int) -> tuple[int, ...
     """Shape of the tensor entering the stage that begins at block `start`."""
     if start == 0:
         return model_input_shape(spec, batch)
-    return (batch, num_tokens(spec), spec.dim)
+    return (batch, spec.tokens, spec.width)
 
 
 def stage_input_dtype(spec: ModelSpec, start: int) -> torch.dtype:
     """Dtype of the tensor entering the stage that begins at block `start`: int64 token ids for
-    the first bert stage, float32 otherwise (images, hidden states)."""
-    if start == 0 and spec.family == "bert":
+    the first text stage, float32 otherwise (images, hidden states)."""
+    if start == 0 and spec.is_text:
         return torch.int64
     return torch.float32
+
+
+def output_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
+    """The head's logits: [B, classes], or [B, T, 2] start and end logits (question answering)."""
+    if spec.task == "question-answering":
+        return (batch, spec.tokens, 2)
+    return (batch, spec.num_classes)
 
 
 def stage_output_shape(spec: ModelSpec, end: int, batch: int) -> tuple[int, ...]:
     """Shape of the tensor leaving the stage that ends at block `end` (logits on the last)."""
     if end == spec.depth:
-        return (batch, spec.num_classes)
-    return (batch, num_tokens(spec), spec.dim)
+        return output_shape(spec, batch)
+    return (batch, spec.tokens, spec.width)

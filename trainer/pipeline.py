@@ -42,12 +42,11 @@ from trainer.cache import ActivationCache, FrozenPrefix
 from trainer.device import Compute
 from trainer.models import (
     StageModule,
-    empty_unit,
-    init_unit,
     stage_input_dtype,
     stage_input_shape,
     stage_output_shape,
 )
+from trainer.units import empty_unit, initial_units
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -124,13 +123,12 @@ class RankModel(nn.Module):
         owned = {i for s in stages for i in range(s.start, s.end)}
         if owns_prefix:
             owned |= set(range(f))
-        with torch.device("meta"):
-            self.embed = empty_unit(spec, "embed") if owns_prefix else None
-            self.blocks = nn.ModuleDict(
-                {str(i): empty_unit(spec, f"blocks.{i}") for i in sorted(owned)}
-            )
-            has_head = any(s.end == spec.depth for s in stages)
-            self.head = empty_unit(spec, "head") if has_head else None
+        self.embed = empty_unit(spec, "embed") if owns_prefix else None
+        self.blocks = nn.ModuleDict(
+            {str(i): empty_unit(spec, f"blocks.{i}") for i in sorted(owned)}
+        )
+        has_head = any(s.end == spec.depth for s in stages)
+        self.head = empty_unit(spec, "head") if has_head else None
         self.materialise(seed, fresh)
         if f > 0:
             frozen = [self.embed] if self.embed is not None else []
@@ -173,12 +171,20 @@ class RankModel(nn.Module):
     @torch.no_grad()
     def materialise(self, seed: int, fresh: UnitSource | None = None) -> None:
         """Allocate the units on the device; give those for which `fresh(unit)` holds (default:
-        all) their seed-derived initial weights. The others are left for a checkpoint to fill."""
+        all) their initial weights (seed-derived, or the pretrained checkpoint's). The others are
+        left for a checkpoint to fill."""
         device = self.compute.device
-        for name, module in self.units().items():
+        held = self.units()
+        wanted = [name for name in held if fresh is None or fresh(name)]
+        initial = initial_units(self.spec, seed, wanted)
+        for name, module in held.items():
+            # buffers (BERT's position ids) are computed at build: keep them through to_empty
+            buffers = {k: b.clone() for k, b in module.named_buffers() if b.device.type != "meta"}
             module.to_empty(device=device)
-            if fresh is None or fresh(name):
-                init = init_unit(self.spec, seed, name)
+            for k, b in buffers.items():
+                module.get_buffer(k).copy_(b)
+            if name in initial:
+                init = initial[name]
                 for target, value in zip(module.parameters(), init.parameters(), strict=True):
                     target.copy_(value)
 
@@ -394,9 +400,15 @@ class MaskedCrossEntropy:
         self.denominator = 1
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum") / max(
-            self.denominator, 1
-        )
+        return masked_loss_sum(logits, target) / max(self.denominator, 1)
+
+
+def masked_loss_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of the real samples. Question answering (logits [B, T, 2], targets
+    [B, 2] start and end positions): the mean of the start and end losses, as `transformers`'
+    `BertForQuestionAnswering` computes it."""
+    loss = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum")
+    return loss / 2 if logits.dim() == 3 else loss
 
 
 def build_rank_pipeline(

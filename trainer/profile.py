@@ -1,6 +1,6 @@
 """Measured per-block profiles for the AutoPipe planner (the planner's only I/O edge).
 
-A short profiling pass runs the real model's units (`trainer.models.init_unit`: the embedding,
+A short profiling pass runs the real model's units (`trainer.units.initial_units`: the embedding,
 each block, the head, one on the device at a time) on the training device (the rank's own:
 profiling the GPU while training on the CPU, or the reverse, would plan for the wrong machine) at
 the job's precision, for one micro-batch of a given size: forward and backward time (median
@@ -47,7 +47,8 @@ from core.planner import Planned
 from core.spec import JobSpec, ModelSpec
 from core.state import Layout
 from trainer.device import synchronize
-from trainer.models import Precision, autocast, init_unit, model_input_shape
+from trainer.models import Precision, autocast
+from trainer.units import example_input, initial_units
 
 PROFILE_FORMAT = 4  # bump when what is measured changes, so old stored profiles are not reused
 _MIN_SAMPLE_S = 2e-3  # a timing sample averages calls until it lasts about this long
@@ -102,11 +103,7 @@ def profile_key(
 
 
 def _example_input(spec: ModelSpec, batch: int, dev: torch.device) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0)
-    shape = model_input_shape(spec, batch)
-    if spec.family == "bert":
-        return torch.randint(0, spec.vocab_size or 2, shape, generator=gen).to(dev)
-    return torch.randn(shape, generator=gen).to(dev)
+    return example_input(spec, batch, torch.Generator().manual_seed(0)).to(dev)
 
 
 def _saved_bytes(module: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -219,7 +216,7 @@ def _measure(
     def unit(name: str) -> nn.Module:
         # one unit on the device at a time (the weights `build_model` gives it): the planning
         # rank measures beside its own training state, and the whole model need not fit
-        return init_unit(spec, seed, name).to(dev).train()
+        return initial_units(spec, seed, [name])[name].to(dev).train()
 
     x = _example_input(spec, microbatch, dev)
     kw = {"repeats": repeats, "warmup": warmup, "precision": precision}

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from core.protocol import (
     RunOutcome,
     Started,
 )
-from core.sampler import IGNORE, ElasticSampler
+from core.sampler import IGNORE, Batch, ElasticSampler
 from core.spec import JobSpec
 from core.state import Layout, StageLayout
 from trainer.cache import DEFAULT_RAM_BYTES, ActivationCache, CachePolicy, choose_memory
@@ -50,15 +51,18 @@ from trainer.checkpointing import Checkpointing
 from trainer.collective import flag_from, from_rank0, ranks_where
 from trainer.data import Split, load_dataset
 from trainer.device import Compute, local_placement, peak_memory_mib, reset_peak_memory
+from trainer.feed import Feed
 from trainer.flops import mfu, peak_flops, training_flops_per_sample
 from trainer.freezing import Freezing
-from trainer.models import num_tokens
 from trainer.optim import lr_at, set_lr
-from trainer.pipeline import RankPipeline
+from trainer.pipeline import RankPipeline, masked_loss_sum
 from trainer.process import LeaveRequest, Reporter, node_id, stdout_log
 from trainer.profile import measured_layout
 from trainer.relayout import build_training, verify_once_per_node
 from trainer.train_state import TrainState
+
+if TYPE_CHECKING:
+    from trainer.sources.splits import SourceSplit
 
 log = logging.getLogger("pipetransformer.worker")
 
@@ -94,6 +98,12 @@ class Trainer:
         self.data = load_dataset(self.spec.data, self.spec.model)
         self.sampler = ElasticSampler(
             len(self.data.train), self.tspec.global_batch_size, self.tspec.seed
+        )
+        self.feed = Feed(
+            self.data.train,
+            self.sampler,
+            workers=self.spec.data.loader_workers,
+            pin_memory=ctx.compute.device.type == "cuda",
         )
         total = self.tspec.epochs * self.sampler.steps_per_epoch()
         self.total_steps = min(total, self.tspec.max_steps or total)
@@ -157,12 +167,20 @@ class Trainer:
         if prefix is None or mode == "off":
             return
         f = self.state.boundary
+        if not self.data.train.deterministic:
+            reason = (
+                "off: data.augment gives a sample new inputs every epoch, so a frozen "
+                "prefix's outputs cannot be reused"
+            )
+            log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, reason)
+            self.ctx.reporter.emit(CacheDecided, boundary=f, use=False, reason=reason)
+            return
         if self.cache is None:
             directory = activation_cache_dir(self.ctx.job_id, self.ctx.assignment.checkpoint_dir)
             self.cache = self._new_cache(directory)
         self.cache.set_boundary(f, prefix.fingerprints(f))
         batch = self.tspec.global_batch_size // self.layout.replicas
-        sample = self.data.train.inputs[:batch]
+        sample = self.data.train.read(np.arange(min(batch, len(self.data.train))))
         decision = self.cache.decide(CachePolicy(mode), prefix, sample, f)
         self.pipe.cache = self.cache if decision.use else None
         log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, decision.reason)
@@ -175,7 +193,7 @@ class Trainer:
         other workers share the node (they may serve the same samples after a re-layout); a
         node's only worker keeps them in memory and spills to the files what does not fit."""
         device, n = self.ctx.compute.device, len(self.data.train)
-        tier = min(DEFAULT_RAM_BYTES, n * num_tokens(self.spec.model) * self.spec.model.dim * 4)
+        tier = min(DEFAULT_RAM_BYTES, n * self.spec.model.tokens * self.spec.model.width * 4)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         memory = choose_memory(device, tier, free)
         shared = local_placement()[1] > 1
@@ -194,7 +212,7 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> RunOutcome:
-        ctx, spec, st = self.ctx, self.spec, self.state
+        ctx = self.ctx
         ctx.reporter.emit(
             Started,
             stages=[s.index for s in self.stages],
@@ -205,6 +223,13 @@ class Trainer:
             total_steps=self.total_steps,
             log=stdout_log(),
         )
+        try:
+            return self._loop()
+        finally:
+            self.feed.close()  # the data reader's processes
+
+    def _loop(self) -> RunOutcome:
+        ctx, spec, st = self.ctx, self.spec, self.state
         first = True
         while not self._finished():
             epoch_done = self.step()
@@ -237,8 +262,10 @@ class Trainer:
         pipe, st = self.pipe, self.state
         t0 = time.perf_counter()
         p = st.progress
-        b = self.sampler.batch(p.epoch, p.samples_consumed, self.layout.replicas, self.replica)
-        inputs, targets = _replica_inputs(pipe, self.data.train, b.indices, b.valid)
+        at = (p.epoch, p.samples_consumed, self.layout.replicas, self.replica)
+        b = self.sampler.batch(*at)
+        inputs = self.feed.inputs(*at, b) if pipe.is_first else None
+        targets = _targets(pipe, self.data.train.labels, b)
         lr = lr_at(p.step, self.total_steps, self.tspec)
         set_lr(self.optimizer, lr)
         loss = pipe.train_step(inputs, targets, b.global_valid, indices=b.indices)
@@ -298,7 +325,12 @@ class Trainer:
         """End of an epoch: held-out accuracy (reported from the last stage), and whether it
         reached the target (decided on the last stage, known everywhere)."""
         result = evaluate(
-            self.pipe, self.data.test, self.tspec.global_batch_size, self.layout, self.replica
+            self.pipe,
+            self.data.test,
+            self.tspec.global_batch_size,
+            self.layout,
+            self.replica,
+            self.spec.data.loader_workers,
         )
         if result is not None and self.replica == 0:
             accuracy, loss = result
@@ -385,37 +417,46 @@ def dropout_seed(seed: int, rank: int, step: int) -> int:
     return ((seed * 1_000_003 + rank) * 1_000_003 + step) % (1 << 63)
 
 
-def _replica_inputs(
-    pipe: RankPipeline, split: Split, indices: np.ndarray, valid: np.ndarray
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The inputs (first stage) and masked targets (last stage) this rank needs for a batch."""
-    inputs = split.inputs[indices] if pipe.is_first else None
-    targets = None
-    if pipe.is_last:
-        targets = split.labels[indices].clone()
-        targets[~torch.from_numpy(valid)] = IGNORE  # padding entries add no loss
-    return inputs, targets
+def _targets(pipe: RankPipeline, labels: torch.Tensor, b: Batch) -> torch.Tensor | None:
+    """The masked targets of a batch on the last stage (None elsewhere)."""
+    if not pipe.is_last:
+        return None
+    targets = labels[b.indices].clone()
+    targets[~torch.from_numpy(b.valid)] = IGNORE  # padding entries add no loss
+    return targets
 
 
 def evaluate(
-    pipe: RankPipeline, test: Split, global_batch: int, layout: Layout, replica: int
+    pipe: RankPipeline,
+    test: Split | SourceSplit,
+    global_batch: int,
+    layout: Layout,
+    replica: int,
+    loader_workers: int = 0,
 ) -> tuple[float, float] | None:
-    """Held-out (accuracy, mean loss), known on the last stage (None elsewhere)."""
+    """Held-out (accuracy, mean loss), known on the last stage (None elsewhere). Question
+    answering counts a feature correct when both its start and its end are."""
     sampler = ElasticSampler(len(test), global_batch, seed=0)
+    feed = Feed(test, sampler, workers=loader_workers, pin_memory=pipe.device.type == "cuda")
     correct = torch.zeros(2, device=pipe.device)  # correct count, summed loss
     cursor = 0
-    while cursor < len(test):
-        b = sampler.batch(0, cursor, layout.replicas, replica)
-        inputs, targets = _replica_inputs(pipe, test, b.indices, b.valid)
-        targets = pipe.to_device(targets)
-        logits = pipe.forward_only(inputs, targets)
-        if pipe.is_last:
-            mask = torch.from_numpy(b.valid).to(pipe.device)
-            correct[0] += (logits.argmax(-1)[mask] == targets[mask]).sum()
-            correct[1] += torch.nn.functional.cross_entropy(
-                logits, targets, ignore_index=IGNORE, reduction="sum"
-            )
-        cursor = b.next_cursor
+    try:
+        while cursor < len(test):
+            at = (0, cursor, layout.replicas, replica)
+            b = sampler.batch(*at)
+            inputs = feed.inputs(*at, b) if pipe.is_first else None
+            targets = pipe.to_device(_targets(pipe, test.labels, b))
+            logits = pipe.forward_only(inputs, targets)
+            if pipe.is_last:
+                mask = torch.from_numpy(b.valid).to(pipe.device)
+                hits = logits.argmax(1) == targets  # [B] classes; [B, 2] start and end
+                if hits.dim() > 1:
+                    hits = hits.all(-1)
+                correct[0] += hits[mask].sum()
+                correct[1] += masked_loss_sum(logits, targets)
+            cursor = b.next_cursor
+    finally:
+        feed.close()
     if not pipe.is_last:
         return None
     if pipe.groups.data_parallel is not None:

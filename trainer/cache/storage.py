@@ -32,7 +32,6 @@ from trainer.cache.memory import (
 )
 from trainer.cache.prefix import PrefixRunner
 from trainer.cache.stats import CacheStats
-from trainer.models import num_tokens
 
 if TYPE_CHECKING:
     from trainer.cache.policy import CacheDecision, CachePolicy
@@ -154,8 +153,8 @@ class ActivationCache:
     def for_model(
         cls, directory: str | Path, spec: ModelSpec, num_samples: int, **kwargs
     ) -> ActivationCache:
-        """A cache shaped for `spec`'s hidden states (`num_tokens(spec)` x `spec.dim`)."""
-        return cls(directory, num_samples, num_tokens(spec), spec.dim, **kwargs)
+        """A cache shaped for `spec`'s hidden states (`spec.tokens` x `spec.width`)."""
+        return cls(directory, num_samples, spec.tokens, spec.width, **kwargs)
 
     # -- levels -----------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from trainer.hf.config import HFArchitecture, parse_architecture, read_config_json
+from core.hf_config import HFArchitecture, parse_architecture, read_config_json
 from trainer.hf.units import build_unit, hf_config, unit_prefixes
 
 SINGLE_FILE = "model.safetensors"

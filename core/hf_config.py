@@ -1,10 +1,12 @@
 """What a Hugging Face checkpoint directory holds, read from its `config.json` alone (plain JSON,
-no network, no `transformers` import): the family (vit, deit, bert, roberta), the task its
-`architectures` entry names, and the sizes a pipeline plan needs, as a frozen `HFArchitecture`.
+no network, no `transformers` or torch import, so the controller reads it at submission too):
+the family (vit, deit, bert, roberta), the task its `architectures` entry names, and the sizes a
+pipeline plan needs, as a frozen `HFArchitecture`.
 Anything else is refused with a `ValueError` naming the field and what is allowed."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ class HFArchitecture:
     depth: int
     hidden_size: int
     heads: int
+    intermediate_size: int
     num_labels: int
     image_size: int | None = None
     patch_size: int | None = None
@@ -54,6 +57,36 @@ class HFArchitecture:
     def unit_names(self) -> list[str]:
         """The partition units in model order: `embed`, `blocks.0` .. `blocks.<depth-1>`, `head`."""
         return ["embed", *(f"blocks.{i}" for i in range(self.depth)), "head"]
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest token sequence the position table holds (text): RoBERTa's positions
+        start after its padding index, so two fewer."""
+        if self.max_position_embeddings is None:
+            return None
+        return self.max_position_embeddings - (2 if self.family == "roberta" else 0)
+
+    def spec_fields(self) -> dict[str, Any]:
+        """The job spec's `model` fields this checkpoint decides (core.spec.ModelSpec names);
+        `num_classes` is the checkpoint's label count, which a spec may change (a new head)."""
+        fields: dict[str, Any] = {
+            "family": self.family,
+            "task": "question-answering" if self.task == "question-answering" else "classification",
+            "dim": self.hidden_size,
+            "depth": self.depth,
+            "heads": self.heads,
+            "mlp_ratio": self.intermediate_size / self.hidden_size,
+            "num_classes": self.num_labels,
+        }
+        if self.is_text:
+            fields["vocab_size"] = self.vocab_size
+        else:
+            fields |= {
+                "image_size": self.image_size,
+                "patch_size": self.patch_size,
+                "channels": self.num_channels,
+            }
+        return fields
 
 
 def _int(raw: dict[str, Any], field: str, default: int | None = None) -> int:
@@ -101,6 +134,7 @@ def parse_architecture(raw: dict[str, Any]) -> HFArchitecture:
         "depth": _int(raw, "num_hidden_layers"),
         "hidden_size": hidden,
         "heads": heads,
+        "intermediate_size": _int(raw, "intermediate_size"),
         "num_labels": num_labels_of(raw),
     }
     if task == "question-answering" and common["num_labels"] != 2:
@@ -140,3 +174,51 @@ def read_config_json(directory: str | Path) -> dict[str, Any]:
 def read_architecture(directory: str | Path) -> HFArchitecture:
     """The `HFArchitecture` of the checkpoint in `directory` (its config.json only)."""
     return parse_architecture(read_config_json(directory))
+
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+_MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB
+
+
+def weight_files(directory: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, else the one file."""
+    directory = Path(directory)
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{index}: not valid JSON ({e})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no `weight_map` object")
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    if (directory / WEIGHTS_FILE).is_file():
+        return [directory / WEIGHTS_FILE]
+    if (directory / "pytorch_model.bin").is_file():
+        raise ValueError(
+            f"{directory}: only pytorch_model.bin (a pickle); load it in transformers and "
+            "save_pretrained it again to get model.safetensors"
+        )
+    raise ValueError(f"{directory}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX}")
+
+
+def fingerprint(directory: str | Path) -> str:
+    """A digest of a checkpoint's config.json and each safetensors file's size and header
+    (tensor names, dtypes, shapes, offsets): cheap at any model size, and it changes when the
+    checkpoint is replaced by another one (weights rewritten in place with the same layout are
+    not seen)."""
+    directory = Path(directory)
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    for path in weight_files(directory):
+        try:
+            with path.open("rb") as f:
+                raw = f.read(8)
+                n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+                if not 0 < n <= _MAX_HEADER:
+                    raise ValueError(f"{path}: not a safetensors file")
+                digest.update(path.name.encode() + path.stat().st_size.to_bytes(8, "little"))
+                digest.update(f.read(n))
+        except FileNotFoundError:
+            raise ValueError(f"{path}: missing (named by {WEIGHTS_INDEX})") from None
+    return digest.hexdigest()[:32]

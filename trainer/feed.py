@@ -1,0 +1,77 @@
+"""The first stage's inputs, step by step. An in-memory split (the built-in data sets) is indexed;
+a data source (`trainer.sources.splits.SourceSplit`) is read ahead by `torch.utils.data`
+DataLoader workers in exactly the order the elastic sampler hands out, from where the job is:
+a new reader starts at each epoch, re-layout (another replica count) or resume, from the cursor,
+so every sample is still read exactly once per epoch.
+
+`wait_s` and `steps` count the time the training loop waited for inputs, for the stall
+fraction (`bench/data_loading.py`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.sampler import Batch, ElasticSampler
+
+Position = tuple[int, int, int, int]  # epoch, cursor, replicas, replica
+
+
+class Feed:
+    """Inputs for the batches of one split as the sampler gives them to one replica."""
+
+    def __init__(
+        self, split: Any, sampler: ElasticSampler, workers: int = 0, pin_memory: bool = False
+    ) -> None:
+        self.split, self.sampler = split, sampler
+        self.workers, self.pin_memory = workers, pin_memory
+        self.streaming = hasattr(split, "dataset")  # a SourceSplit: rows are decoded
+        self._reader: Iterator[Any] | None = None
+        self._next: Position | None = None
+        self.wait_s = 0.0
+        self.steps = 0
+
+    def inputs(
+        self, epoch: int, cursor: int, replicas: int, replica: int, b: Batch
+    ) -> torch.Tensor:
+        """The inputs of batch `b`, which the sampler gave for (epoch, cursor, replicas, replica)."""
+        if not self.streaming:
+            return self.split.inputs[b.indices]
+        t0 = time.perf_counter()
+        if self._next != (epoch, cursor, replicas, replica):
+            self._start(epoch, cursor, replicas, replica)
+        assert self._reader is not None
+        sample = next(self._reader)
+        if not np.array_equal(sample.id.numpy(), b.indices):  # a bug, never a data problem
+            raise RuntimeError(
+                f"the data reader is out of step with the sampler at epoch {epoch} cursor "
+                f"{cursor}: read ids {sample.id[:4].tolist()}..., expected {b.indices[:4].tolist()}..."
+            )
+        self._next = (epoch, b.next_cursor, replicas, replica)
+        self.wait_s += time.perf_counter() - t0
+        self.steps += 1
+        return sample.inputs
+
+    def _start(self, epoch: int, cursor: int, replicas: int, replica: int) -> None:
+        from trainer.sources.dataset import ElasticBatches, elastic_loader
+
+        self.close()
+        batches = ElasticBatches(self.sampler, epoch, cursor, replicas, replica)
+        loader = elastic_loader(
+            self.split.dataset,
+            batches,
+            num_workers=self.workers,
+            pin_memory=self.pin_memory,
+            prefetch_factor=4 if self.workers else None,
+        )
+        self._reader = iter(loader)
+
+    def close(self) -> None:
+        """Stop the reader's worker processes (a new one starts where it is next asked)."""
+        reader, self._reader, self._next = self._reader, None, None
+        if reader is not None and hasattr(reader, "_shutdown_workers"):
+            reader._shutdown_workers()

@@ -1,0 +1,108 @@
+"""A job's data source opened as two splits for training (`data.dataset: image-folder | table`):
+each a `SourceSplit`, rows decoded through the pretrained model's own image processor or
+tokenizer when they are read, labels held whole (one int64 per row) for the last stage, which
+needs no inputs. Everything is checked before the first step: columns, nulls, label range, the
+class folders of both image splits, the tokenizer's vocabulary against the model's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+
+from core.spec import DataSpec, ModelSpec
+from trainer.sources import DataError
+from trainer.sources.dataset import SourceDataset
+from trainer.sources.image_folder import Augmentation, ImagePreprocessor, open_image_folder
+from trainer.sources.tabular import Columns, open_split, open_splits
+from trainer.sources.text import TextEncoder
+
+
+@dataclass
+class SourceSplit:
+    """One split: rows read on demand (`dataset`), labels in memory."""
+
+    dataset: SourceDataset
+    labels: torch.Tensor  # int64 [N]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether a row reads the same every time (no augmentation): AutoCache needs it."""
+        return self.dataset.deterministic
+
+    def read(self, indices: np.ndarray | list[int]) -> torch.Tensor:
+        """The inputs of some rows, read here (no loader processes)."""
+        return torch.stack([self.dataset[int(i)].inputs for i in indices])
+
+
+def _labels(table: datasets.Dataset, column: str) -> torch.Tensor:
+    if table._indices is None:  # the arrow column as it lies, without a Python list
+        values = table.data.column(column).to_numpy()
+    else:
+        values = np.asarray(table[column])
+    return torch.from_numpy(np.asarray(values, dtype=np.int64).copy())
+
+
+def _image_folders(data: DataSpec, model: ModelSpec) -> tuple[datasets.Dataset, datasets.Dataset]:
+    assert data.train is not None and data.test is not None
+    train = open_image_folder(data.train[0])
+    test = open_image_folder(data.test[0])
+    names = train.features["label"].names
+    if test.features["label"].names != names:
+        raise DataError(
+            f"the class folders of {data.test[0]} ({', '.join(test.features['label'].names)}) "
+            f"differ from {data.train[0]}'s ({', '.join(names)}); labels are the sorted folder "
+            "names, so both splits need the same folders"
+        )
+    if len(names) != model.num_classes:
+        raise DataError(
+            f"{data.train[0]} has {len(names)} class folders but model.num_classes is "
+            f"{model.num_classes}; set model.num_classes: {len(names)}"
+        )
+    return train, test
+
+
+def open_source_splits(data: DataSpec, model: ModelSpec) -> tuple[SourceSplit, SourceSplit]:
+    """The training and held-out splits of a data source, checked (DataError naming what)."""
+    pre = model.pretrained
+    if pre is None or pre.path is None:
+        raise ValueError("a data source needs a resolved model.pretrained (submit the job)")
+    cols = data.columns
+    if data.dataset == "image-folder":
+        columns = Columns(image="image", label="label")
+        train, test = _image_folders(data, model)
+    else:
+        columns = Columns(
+            image=cols.image, text=cols.text, text_pair=cols.text_pair, label=cols.label
+        )
+        if data.path is not None:
+            splits = open_splits(
+                data.path, columns, (data.train_split, data.test_split), model.num_classes
+            )
+            train, test = splits[data.train_split], splits[data.test_split]
+        else:
+            assert data.train is not None and data.test is not None
+            train = open_split(data.train, "train", columns, model.num_classes)
+            test = open_split(data.test, "test", columns, model.num_classes)
+    image = text = None
+    if model.is_text:
+        assert model.seq_len is not None
+        text = TextEncoder(pre.path, max_length=model.seq_len)
+    else:
+        image = ImagePreprocessor(pre.path, backend=data.image_backend)
+        if image.size != (model.image_size, model.image_size):
+            raise DataError(
+                f"the image processor in {pre.path} makes {image.size[0]}x{image.size[1]} "
+                f"images but the model takes {model.image_size}x{model.image_size}"
+            )
+    augment = Augmentation(seed=data.seed) if data.augment else None
+    out = []
+    for table, augmentation in ((train, augment), (test, None)):  # held-out: never augmented
+        dataset = SourceDataset(table, columns, image=image, text=text, augmentation=augmentation)
+        out.append(SourceSplit(dataset, _labels(table, columns.label or "label")))
+    return out[0], out[1]
