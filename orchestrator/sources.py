@@ -36,6 +36,15 @@ def _looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.count("/") > 1 or os.sep in source[:1]
 
 
+def hub_cache() -> str:
+    """The Hugging Face hub cache as the environment names it now (huggingface_hub reads it
+    once, at import): $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return cache
+    home = os.environ.get("HF_HOME") or os.path.join("~", ".cache", "huggingface")
+    return os.path.expanduser(os.path.join(home, "hub"))
+
+
 def locate_checkpoint(source: str, revision: str | None, cwd: Path) -> tuple[Path, str | None]:
     """The local directory of a checkpoint and, for a hub id, the cached snapshot's commit."""
     directory = _absolute(source, cwd)
@@ -57,15 +66,13 @@ def locate_checkpoint(source: str, revision: str | None, cwd: Path) -> tuple[Pat
             f"{source!r} is not a directory here, and hub ids need the `hf` extra "
             "(pip install 'pipetransformer[hf]')",
         ) from None
+    cache = hub_cache()
     try:
         # local_files_only: a job never downloads; offline clusters fetch ahead (README)
         path = Path(
-            snapshot_download(source, revision=revision, local_files_only=True)  # type: ignore[arg-type]
+            snapshot_download(source, revision=revision, cache_dir=cache, local_files_only=True)
         )
     except LocalEntryNotFoundError:
-        cache = (
-            os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-        )
         at = f" at revision {revision!r}" if revision else ""
         raise _problem(
             "model.pretrained.source",

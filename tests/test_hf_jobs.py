@@ -1,0 +1,280 @@
+"""Jobs on Hugging Face checkpoints and users' files: `model.pretrained` resolved at submission
+(a directory or a cached hub id; config.json decides the architecture; a contradicting field is
+an error naming it), the rank's model share built from the checkpoint's units equal to the
+`transformers` model, and real jobs through the CLI on an image folder and a parquet table of
+sentence pairs, with freezing, re-layout and AutoCache (off under augmentation). The models and
+data are made here by examples/assets.py (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from core.spec import SpecError, parse_spec
+from core.state import StageLayout
+from orchestrator.sources import resolve_submission
+from store import Store, sqlite_url
+from tests.fixtures_run import REPO, cli
+from trainer.pipeline import RankModel
+from trainer.units import CheckpointChanged, architecture
+
+sys.path.insert(0, str(REPO / "examples"))
+import assets  # noqa: E402  (examples/assets.py, shared with the CPU examples)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("assets")
+    return {
+        "vit": assets.make_vit(
+            root / "vit", image_size=16, patch_size=4, hidden=32, layers=3, heads=2, num_labels=5
+        ),
+        "images": assets.make_digit_images(root / "images", per_class=12, size=16),
+        "bert": assets.make_bert(root / "bert", hidden=32, layers=3, heads=2, max_positions=32),
+        "pairs": assets.make_pairs(root / "pairs", train=96, test=32),
+    }
+
+
+def _spec(model: dict, data: dict | None = None, **sections) -> dict:
+    return {"name": "hf", "model": model, "data": data or {}, **sections}
+
+
+def _image_data(made: dict[str, Path]) -> dict:
+    return {
+        "dataset": "image-folder",
+        "train": str(made["images"] / "train"),
+        "test": str(made["images"] / "test"),
+    }
+
+
+def _pair_data(made: dict[str, Path]) -> dict:
+    return {
+        "dataset": "table",
+        "train": str(made["pairs"] / "train.parquet"),
+        "test": str(made["pairs"] / "test.parquet"),
+        "columns": {"text": "sentence1", "text_pair": "sentence2"},
+    }
+
+
+# -- submission -------------------------------------------------------------------------------
+
+
+def test_config_json_decides_the_architecture(made: dict[str, Path]) -> None:
+    raw = _spec({"pretrained": str(made["vit"]), "num_classes": 10}, _image_data(made))
+    pending = parse_spec(raw)
+    assert pending.model.pending  # parsed before the checkpoint is read: nothing checked yet
+    spec = resolve_submission(pending)
+    m = spec.model
+    assert (m.family, m.dim, m.depth, m.heads, m.mlp_ratio) == ("vit", 32, 3, 2, 4.0)
+    assert (m.image_size, m.patch_size, m.channels, m.num_classes) == (16, 4, 3, 10)
+    assert m.tokens == 17 and m.width == 32
+    assert m.pretrained.path == str(made["vit"]) and len(m.pretrained.fingerprint) == 32
+    assert resolve_submission(spec) == spec  # idempotent: a stored spec is never re-resolved
+    again = parse_spec(json.loads(spec.to_json()))
+    assert again == spec and not again.model.pending
+
+
+def test_text_checkpoint_gets_a_sequence_length(made: dict[str, Path]) -> None:
+    spec = resolve_submission(
+        parse_spec(_spec({"pretrained": str(made["bert"])}, _pair_data(made)))
+    )
+    m = spec.model
+    assert (m.family, m.seq_len, m.num_classes, m.tokens, m.width) == ("bert", 32, 2, 32, 33)
+    with pytest.raises(SpecError) as err:
+        resolve_submission(
+            parse_spec(_spec({"pretrained": str(made["bert"]), "seq_len": 33}, _pair_data(made)))
+        )
+    assert err.value.problems[0][0] == "model.seq_len"
+
+
+@pytest.mark.parametrize(
+    "model,data,field,phrase",
+    [
+        ({"dim": 64}, None, "model.dim", "hidden_size gives 32"),
+        ({"depth": 3, "heads": 4}, None, "model.heads", "num_attention_heads gives 2"),
+        ({"family": "bert"}, None, "model.family", "model_type gives 'vit'"),
+        ({}, {"train": "nowhere/train"}, "data.train", "no such file or directory"),
+        ({"pretrained": "./not-here"}, None, "model.pretrained.source", "no such directory"),
+        ({"pretrained": "org/absent"}, None, "model.pretrained.source", "hf download org/absent"),
+    ],
+)
+def test_a_spec_that_contradicts_or_misses_names_the_field(
+    made: dict[str, Path],
+    model: dict,
+    data: dict | None,
+    field: str,
+    phrase: str,
+    tmp_path,
+    monkeypatch,
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    raw = _spec({"pretrained": str(made["vit"]), **model}, {**_image_data(made), **(data or {})})
+    with pytest.raises(SpecError) as err:
+        resolve_submission(parse_spec(raw))
+    fields = dict(err.value.problems)
+    assert field in fields and phrase in fields[field], err.value.problems
+
+
+def test_a_data_source_needs_a_pretrained_model(made: dict[str, Path]) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(_spec({}, _image_data(made)))
+    assert "needs model.pretrained" in str(err.value)
+
+
+def test_a_hub_id_resolves_from_the_local_cache(
+    made: dict[str, Path], tmp_path, monkeypatch
+) -> None:
+    """The cache layout huggingface_hub writes: refs/<branch> names a snapshot's commit."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--vit-tiny"
+    shutil.copytree(made["vit"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = resolve_submission(parse_spec(_spec({"pretrained": "acme/vit-tiny"}, _image_data(made))))
+    assert spec.model.pretrained.commit == commit
+    assert spec.model.pretrained.path == str(repo / "snapshots" / commit)
+    with pytest.raises(SpecError, match="at revision 'v2'"):
+        resolve_submission(
+            parse_spec(
+                _spec(
+                    {"pretrained": {"source": "acme/vit-tiny", "revision": "v2"}}, _image_data(made)
+                )
+            )
+        )
+
+
+def test_a_replaced_checkpoint_is_refused_by_the_workers(made: dict[str, Path], tmp_path) -> None:
+    copy = shutil.copytree(made["vit"], tmp_path / "vit")
+    data = _image_data(made)
+    spec = resolve_submission(parse_spec(_spec({"pretrained": str(copy), "num_classes": 7}, data)))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-5}))
+    with pytest.raises(CheckpointChanged, match="changed since the job was submitted"):
+        architecture(spec.model)
+
+
+# -- the rank's model share -------------------------------------------------------------------
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", ["vit", "bert"])
+def test_rank_model_equals_the_transformers_model(made: dict[str, Path], kind: str) -> None:
+    """The units a rank builds from the checkpoint, run as two pipeline stages, give the logits
+    of the `transformers` model loaded from the same directory (fp32, same kernels: rounding
+    only, so a tight tolerance)."""
+    from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+
+    data = _image_data(made) if kind == "vit" else _pair_data(made)
+    spec = resolve_submission(parse_spec(_spec({"pretrained": str(made[kind])}, data))).model
+    stages = [
+        StageLayout(index=0, start=0, end=1, ranks=[0]),
+        StageLayout(index=1, start=1, end=3, ranks=[0]),
+    ]
+    rank = RankModel(spec, seed=0, stages=stages, recompute=[False, False]).eval()
+    g = torch.Generator().manual_seed(0)
+    if kind == "vit":
+        x = torch.randn(4, 3, 16, 16, generator=g)
+        ref = AutoModelForImageClassification.from_pretrained(
+            made[kind], attn_implementation="sdpa"
+        )
+        want = ref.eval()(pixel_values=x).logits
+    else:
+        ids = torch.randint(5, 30, (4, 32), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 20:] = 0
+        types = torch.zeros_like(ids)
+        types[:, 10:] = 1
+        x = torch.stack([ids, types, mask], dim=1)
+        ref = AutoModelForSequenceClassification.from_pretrained(
+            made[kind], attn_implementation="sdpa"
+        )
+        want = ref.eval()(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    with torch.no_grad():
+        got = rank.stage_modules[1](rank.stage_modules[0](x))
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-5)
+    assert any(n.startswith("blocks.1.") for n, _ in rank.named_parameters())
+
+
+# -- real jobs --------------------------------------------------------------------------------
+
+
+def _run(tmp_path: Path, name: str, spec: dict) -> Store:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**spec, "name": name}))
+    res = cli("run", str(path), "--workdir", str(tmp_path / name), "--job-id", name, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return Store.open(sqlite_url(tmp_path / name / "store.db"), migrate=False)
+
+
+TRAIN = {
+    "training": {"epochs": 3, "global_batch_size": 16, "lr": 0.002, "warmup_steps": 2},
+    "parallel": {"stages": 2, "microbatches": 2},
+    "freeze": {"policy": "schedule", "alpha": 0.5, "keep_trainable": 1, "cache": "on"},
+    "checkpoint": {"every_epochs": 1, "keep": 2},
+}
+
+
+@pytest.mark.slow
+def test_an_image_folder_job_freezes_and_relays_out(made: dict[str, Path], tmp_path: Path) -> None:
+    """2 stages from a pretrained ViT with a new 10-label head, read by a loader process,
+    frozen by the schedule and re-laid out; with augmentation AutoCache stays off and says so."""
+    data = {**_image_data(made), "augment": True, "loader_workers": 1}
+    store = _run(
+        tmp_path,
+        "vit",
+        {"model": {"pretrained": str(made["vit"]), "num_classes": 10}, "data": data, **TRAIN},
+    )
+    job = store.get_job("vit")
+    assert job.state == "completed", job.message
+    assert job.spec.model.pretrained.path == str(made["vit"])
+    layouts = store.layouts("vit")
+    assert max(v.layout.freeze_boundary for v in layouts) >= 1
+    caches = [e for e in store.events("vit", limit=500) if e.kind == "cache_decided"]
+    assert caches and all(not e.data["use"] and "data.augment" in e.message for e in caches)
+    store.close()
+
+
+@pytest.mark.slow
+def test_a_sentence_pair_job_trains_and_caches(made: dict[str, Path], tmp_path: Path) -> None:
+    store = _run(
+        tmp_path,
+        "bert",
+        {
+            "model": {"pretrained": str(made["bert"]), "seq_len": 24},
+            "data": {**_pair_data(made), "loader_workers": 0},
+            **TRAIN,
+        },
+    )
+    job = store.get_job("bert")
+    assert job.state == "completed", job.message
+    assert job.spec.model.width == 33  # the attention mask travels as one extra channel
+    assert any(e.kind == "cache_decided" and e.data["use"] for e in store.events("bert", limit=500))
+    assert store.latest_checkpoint("bert") is not None
+    store.close()
+
+
+def test_bad_data_fails_the_job_with_the_file_and_row(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    import datasets
+
+    bad = tmp_path / "bad.parquet"
+    rows = assets.pair_rows(20, seed=3)
+    rows["label"][7] = 5  # beyond the 2 labels
+    datasets.Dataset.from_dict(rows).to_parquet(str(bad))
+    data = {**_pair_data(made), "train": str(bad)}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_spec({"pretrained": str(made["bert"])}, data, **TRAIN)))
+    res = cli("run", str(path), "--workdir", str(tmp_path / "bad"), "--job-id", "bad", timeout=300)
+    assert res.returncode != 0
+    assert "bad.parquet: column 'label' row 7 holds label 5, outside [0, 2)" in " ".join(
+        (res.stdout + res.stderr).split()
+    )
