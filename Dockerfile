@@ -23,7 +23,7 @@ ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX=""
 # extras of the project in the image: the Kubernetes client (torchx's kubernetes scheduler) and
 # PostgreSQL's driver (a store shared by pods: --db postgresql://..., `db upgrade`)
-ARG EXTRAS=kubernetes,postgres
+ARG EXTRAS=kubernetes,postgres,hf
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
