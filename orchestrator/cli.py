@@ -246,6 +246,48 @@ def cmd_freeze(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Find the job's committed checkpoint in the store, then have `python -m trainer.export`
+    write it as a directory `transformers` loads (the CLI never imports the data plane, and the
+    data plane never reads the store: docs/architecture.md, "Dependency rules")."""
+    import subprocess
+
+    store = open_store(args)
+    try:
+        job = store.get_job(args.job)
+        if job.spec.model.pretrained is None:
+            raise UsageError(
+                f"job {job.id} trained a seeded {job.spec.model.family} model, not a Hugging Face "
+                "checkpoint (model.pretrained): there is no transformers model to export it as"
+            )
+        every = store.checkpoints(job.id, state=None)
+    finally:
+        store.close()
+    committed = [c for c in every if c.state == "committed"]  # newest first
+    if not committed:
+        raise UsageError(f"job {job.id} ({job.state}) has no committed checkpoint yet")
+    ckpt = committed[0]
+    if args.step is not None:
+        found = [c for c in committed if c.step == args.step]
+        if not found:
+            steps = ", ".join(str(c.step) for c in reversed(committed))
+            gone = [c.state for c in every if c.step == args.step]
+            why = f" (that checkpoint is {gone[0]})" if gone else ""
+            raise UsageError(
+                f"job {job.id} has no committed checkpoint at step {args.step}{why}; "
+                f"committed steps: {steps}"
+            )
+        ckpt = found[0]
+    cmd = [sys.executable, "-m", "trainer.export", "--checkpoint", ckpt.path, "--to", args.to]
+    cmd += ["--spec-json", job.spec.to_json(), "--checksum", ckpt.checksum]
+    cmd += ["--source", f"pipetransformer job {job.id}, step {ckpt.step}"]
+    if args.force:
+        cmd.append("--force")
+    console.print(f"exporting job {job.id} at step {ckpt.step} ({ckpt.path})")
+    sys.stdout.flush()
+    return subprocess.run(cmd, check=False).returncode
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     """Schema migrations as their own step (a Kubernetes Job or init container runs this before
     the controller, so no two controllers race to migrate)."""
@@ -360,6 +402,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="manual override", help="kept in the audit trail")
     common(p)
     p.set_defaults(fn=cmd_freeze)
+
+    p = sub.add_parser(
+        "export",
+        help="write a committed checkpoint of a job on a Hugging Face model (model.pretrained) "
+        "as a directory transformers loads",
+        description="Write a committed checkpoint of a job on a Hugging Face model as a "
+        "`save_pretrained` directory: config.json (the pretrained model's, with the job's "
+        "labels), model.safetensors (float32) and the tokenizer or image processor files. The "
+        "checkpoint is verified against the checksum the store committed first.",
+    )
+    p.add_argument("job")
+    p.add_argument(
+        "--step", type=int, help="the committed checkpoint at this step (default: the newest)"
+    )
+    p.add_argument("--to", required=True, metavar="DIR", help="directory to write: new or empty")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a DIR that holds files: the export is written beside it and swapped in "
+        "whole once complete (never DIR containing the checkpoint, the pretrained model or the "
+        "current directory)",
+    )
+    common(p, etcd=False)
+    p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser(
         "dashboard",

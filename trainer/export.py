@@ -1,0 +1,331 @@
+"""A committed checkpoint of a job on a Hugging Face model (`model.pretrained`) written back as
+a directory `transformers` loads like any other (`from_pretrained`): `config.json` (the
+pretrained checkpoint's, with the job's label count), `model.safetensors` (every weight of the
+checkpoint) and the tokenizer or image processor files the model came with.
+
+`pipetransformer export` runs this as `python -m trainer.export` once it has found the job and
+its checkpoint in the store (the data plane never reaches the store, and the control plane
+never imports the data plane). It needs no process group.
+
+The checkpoint holds one flat tensor per unit (`model.embed`, `model.blocks.<i>`,
+`model.head`; trainer/checkpoint.py) whose members are the unit's parameters named
+`<unit>.<checkpoint key>`, the key being the pretrained checkpoint's own (trainer/hf/units.py);
+so the unit's meta-built parameters give the names and shapes to cut it up with, and dropping the
+unit prefix gives the names `transformers` loads. The tensors are written as they are
+(float32): nothing is converted.
+
+The output directory is written beside its destination and renamed into place when complete: an
+interrupted export leaves no half-written model under that name."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from core.hf_config import read_config_json
+from core.manifest import CheckpointError, checkpoint_checksum, verify_checkpoint
+from core.spec import JobSpec
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+# what a model directory holds besides config and weights, for its inputs: tokenizers (fast and
+# slow, sentencepiece), image processors and processors
+PROCESSOR_FILES = (
+    "tokenizer*.json",
+    "tokenizer.model",
+    "vocab*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "spiece.model",
+    "sentencepiece*.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "image_processor*.json",
+    "video_preprocessor_config.json",
+    "chat_template*",
+)
+
+
+class ExportError(ValueError):
+    """What stops an export, for the user: printed without a traceback."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    directory: Path
+    tensors: int
+    num_labels: int
+    copied: list[str]  # tokenizer / processor files taken from the pretrained directory
+    left_out: list[str]  # pretrained checkpoint keys the job's model has no unit for
+
+
+def parse_spec_arg(value: str) -> JobSpec:
+    """`--spec-json`: the job's resolved spec as JSON text, or the path of a file holding it."""
+    text = value if value.lstrip().startswith("{") else Path(value).read_text()
+    try:
+        return JobSpec.model_validate_json(text)
+    except ValidationError as exc:
+        raise ExportError(f"--spec-json is not a job spec: {exc}") from None
+
+
+def _pretrained_dir(spec: JobSpec) -> Path:
+    pre = spec.model.pretrained
+    if pre is None:
+        raise ExportError(
+            f"job {spec.name!r} trained a seeded model, not a Hugging Face checkpoint "
+            "(model.pretrained): there is no transformers model to export it as"
+        )
+    if pre.path is None:
+        raise ExportError("model.pretrained is not resolved: the spec was never submitted")
+    return Path(pre.path)
+
+
+def _check_destination(out: Path, force: bool, keep_clear: Iterable[Path]) -> None:
+    """Refuse a destination that holds anything (unless `force`), or one that is (or contains)
+    a directory the export reads or that must survive it."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--to {out} exists and is not a directory")
+    resolved = out.resolve()
+    for other in keep_clear:
+        other = other.resolve()
+        if resolved == other or resolved in other.parents:
+            raise ExportError(f"--to {out} would replace {other}; choose a new directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        held = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise ExportError(
+            f"--to {out} is not empty ({shown}); choose a new directory, or pass --force to "
+            "replace it"
+        )
+
+
+def _checkpoint_tensors(spec: JobSpec, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of the checkpoint under its checkpoint key (unit prefix removed),
+    read without a process group."""
+    from trainer.checkpoint import _load_packed, _SafeReader, _units
+    from trainer.units import architecture, empty_unit
+
+    names = architecture(spec.model).unit_names()
+    units = {name: empty_unit(spec.model, name) for name in names}  # meta: names and shapes
+    state = {f"{name}.{k}": v for name, unit in units.items() for k, v in unit.state_dict().items()}
+    stored = _SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
+    problems = []
+    for key, members in _units(state).items():
+        entry = stored.get(f"model.{key}")
+        size = sum(v.numel() for _, v in members)
+        if entry is None:
+            problems.append(f"it has no {key}")
+        elif not hasattr(entry, "size") or entry.size.numel() != size:
+            held = entry.size.numel() if hasattr(entry, "size") else "no tensor"
+            problems.append(f"its {key} holds {held} values, the job's model {size}")
+    if problems:
+        raise ExportError(
+            f"{checkpoint}: not a checkpoint of this job's model: {'; '.join(problems)}"
+        )
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        loaded = _load_packed(checkpoint, {"model": state}, None)["model"]
+    out = {}
+    for name in names:
+        prefix = name + "."
+        for key in units[name].state_dict():
+            # its own storage: the loaded tensors are views into one flat tensor per unit,
+            # which safetensors refuses to write as separate tensors
+            out[key] = loaded[prefix + key].clone()
+    return out
+
+
+def _label_names(spec: JobSpec, original: dict[str, Any], count: int) -> list[str]:
+    """The names of the job's labels: an image folder's class folders (sorted, as the data set
+    numbers them), else the pretrained checkpoint's names if it had as many, else LABEL_<i>."""
+    data = spec.data
+    if data.dataset == "image-folder" and data.train:
+        root = Path(data.train[0])  # trainer/sources/splits.py reads the first
+        if root.is_dir():
+            classes = sorted(
+                p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+            )
+            if len(classes) == count:
+                return classes
+    id2label = original.get("id2label")
+    if isinstance(id2label, dict) and len(id2label) == count:
+        try:
+            return [str(id2label[k]) for k in sorted(id2label, key=int)]
+        except (ValueError, KeyError):
+            pass
+    return [f"LABEL_{i}" for i in range(count)]
+
+
+def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
+    """The pretrained checkpoint's config.json with the job's label count and names, and the
+    dtype of the exported weights."""
+    config = json.loads(json.dumps(original))
+    if spec.model.task != "question-answering":  # question answering keeps its 2 outputs
+        labels = _label_names(spec, original, spec.model.num_classes)
+        config["id2label"] = {str(i): name for i, name in enumerate(labels)}
+        config["label2id"] = {name: i for i, name in enumerate(labels)}
+        if len(set(labels)) != len(labels):  # label2id needs distinct names
+            config["label2id"] = {f"LABEL_{i}": i for i in range(len(labels))}
+        if "num_labels" in config:
+            config["num_labels"] = len(labels)
+    for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, older ones torch_dtype
+        if key in config:
+            config[key] = "float32"
+    if "dtype" not in config and "torch_dtype" not in config:
+        config["dtype"] = "float32"
+    return config
+
+
+def _original_keys(directory: Path) -> set[str]:
+    from trainer.hf.load import checkpoint_index
+
+    return set(checkpoint_index(directory))
+
+
+def _processor_files(directory: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in directory.iterdir()
+        if p.is_file() and any(fnmatch(p.name, pattern) for pattern in PROCESSOR_FILES)
+    )
+
+
+def _share(directory: Path) -> None:
+    """The usual permissions (umask applied): mkdtemp makes the directory private, and
+    safetensors writes its file so too; a model directory is for sharing."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Put the finished `staging` directory at `out`, replacing what is there."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out)
+
+
+def export(
+    checkpoint: str | Path,
+    spec: JobSpec,
+    out: str | Path,
+    *,
+    checksum: str | None = None,
+    force: bool = False,
+    source: str | None = None,
+) -> Exported:
+    """Write the checkpoint at `checkpoint` of a job with `spec` to `out` (see the module
+    docstring). `checksum` is the one the store committed it with; without it the checkpoint is
+    checked against its own manifest. Raises ExportError (or CheckpointError) saying why not."""
+    from safetensors.torch import save_file
+
+    from trainer.units import CheckpointChanged
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    pretrained = _pretrained_dir(spec)
+    _check_destination(out, force, [checkpoint, pretrained, Path.cwd()])
+    if not (checkpoint / "manifest.json").is_file():
+        raise ExportError(f"{checkpoint}: no sealed checkpoint there (no manifest.json)")
+    verify_checkpoint(checkpoint, checksum or checkpoint_checksum(checkpoint))
+    try:
+        tensors = _checkpoint_tensors(spec, checkpoint)
+    except CheckpointChanged as exc:  # its config.json and tokenizer would not be the job's
+        raise ExportError(
+            f"{exc}. The export takes config.json and the tokenizer or image processor from "
+            "there: restore the checkpoint the job was submitted with"
+        ) from None
+    original = read_config_json(pretrained)
+    config = export_config(spec, original)
+    left_out = sorted(_original_keys(pretrained) - set(tensors))
+    copied = _processor_files(pretrained)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        metadata = {"format": "pt"}
+        if source:
+            metadata["source"] = source
+        save_file(tensors, str(staging / WEIGHTS), metadata=metadata)
+        (staging / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for path in copied:
+            shutil.copyfile(path, staging / path.name)  # follows links (a hub cache snapshot)
+        _share(staging)
+        _swap_in(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Exported(
+        directory=out,
+        tensors=len(tensors),
+        num_labels=len(config.get("id2label") or {}) or spec.model.num_classes,
+        copied=[p.name for p in copied],
+        left_out=left_out,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.export",
+        description="Write a committed checkpoint of a job on a Hugging Face model as a "
+        "directory transformers loads (what `pipetransformer export` runs).",
+    )
+    p.add_argument("--checkpoint", required=True, help="the committed checkpoint's directory")
+    p.add_argument(
+        "--spec-json", required=True, help="the job's resolved spec: JSON text or a file of it"
+    )
+    p.add_argument("--to", required=True, help="the directory to write (new or empty)")
+    p.add_argument("--checksum", help="the checksum the store committed the checkpoint with")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --to directory")
+    p.add_argument("--source", help="provenance kept in model.safetensors' metadata")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        spec = parse_spec_arg(args.spec_json)
+        done = export(
+            args.checkpoint,
+            spec,
+            args.to,
+            checksum=args.checksum,
+            force=args.force,
+            source=args.source,
+        )
+    except (ExportError, CheckpointError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"exported {done.tensors} tensors ({done.num_labels} labels) to {done.directory}"
+        + (f", with {', '.join(done.copied)}" if done.copied else "")
+    )
+    if done.left_out:
+        print(
+            f"not exported (the pretrained checkpoint has them, the job's model has no use for "
+            f"them): {', '.join(done.left_out)}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
