@@ -152,6 +152,7 @@ def test_architecture_read_from_config_json(tmp_path):
         depth=3,
         hidden_size=32,
         heads=4,
+        intermediate_size=64,
         num_labels=3,
         image_size=16,
         patch_size=4,

@@ -123,7 +123,8 @@ def _problems(model: dict, data: dict | None = None) -> dict[str, str]:
         ({"family": "bert", "vocab_size": 16, "seq_len": 0}, "model.seq_len", "greater than 0"),
         ({"family": "bert", "vocab_size": -1, "seq_len": 8}, "model.vocab_size", "greater than 0"),
         ({"family": "bert", "vocab_size": 8, "seq_len": 8, "dim": 30}, "model", "must divide dim"),
-        ({"family": "gpt"}, "model.family", "'vit' or 'bert'"),
+        ({"family": "gpt"}, "model.family", "'vit', 'bert', 'deit' or 'roberta'"),
+        ({"family": "deit"}, "model", "comes from a checkpoint: set model.pretrained"),
     ],
 )
 def test_bad_bert_specs_name_the_field(model: dict, field: str, phrase: str) -> None:
