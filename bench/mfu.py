@@ -14,6 +14,13 @@ synthetic batch that lives on the device, cross-entropy, gradient clipping and A
     <p>+compile          the same with every block torch.compile'd in place (`block.compile()`;
                          the embedding, head, loss and optimizer stay eager)
     <p>+compile-stage    the whole StageModule compiled as one graph (optional rows)
+    bf16+compile-cudagraphs  compiled blocks with mode="reduce-overhead" (CUDA graphs; issue 29)
+    bf16+compile-autotune    compiled blocks with mode="max-autotune-no-cudagraphs"
+    bf16w, bf16w+compile     bf16 weights (no autocast: activations and the residual stream in
+                         bf16, norms with float32 statistics) trained through float32 master
+                         copies in AdamW (`trainer.optim.MasterWeights`); clipping on the masters'
+                         gradients. Not what a job runs (training.precision bf16 keeps float32
+                         weights under autocast): issue 29's measurement of what it would buy
 
 Each configuration trains its own copy of the model (seed 0). Warm-up steps first (they include
 compilation: at least 2 when compiling), then repeats interleaved round-robin (the starting
@@ -32,6 +39,11 @@ achieved TFLOP/s (samples/s x FLOPs per sample), MFU = achieved / `peak_flops(de
 $PIPETRANSFORMER_PEAK_TFLOPS overrides both), and on CUDA the peak memory allocated (the model's
 weights and optimizer state plus the most a step allocates on top of what is resident).
 
+`--attention` chooses the attention kernel process-wide (`use_attention`: auto = PyTorch's
+choice, cuDNN's on an H100 with torch 2.11; flash, efficient, cudnn or math alone). The step's
+phases carry `record_function` names (`step/forward`, `step/backward`, `step/clip`,
+`step/optimizer`) that bench/mfu_profile.py reads its per-phase kernel time from.
+
 The issue's goal: MFU >= 40 % on an H100 in bf16 (the best bf16 row is reported as `goal`, not
 asserted).
 
@@ -41,6 +53,7 @@ bench/out/mfu.png, and the last line is one JSON object (also bench/out/mfu.json
     .venv/bin/python bench/mfu.py [--model auto|vit-b16|vit-small|vit-tiny]
         [--device auto|cpu|cuda] [--batch N] [--configs fp32,fp32+compile,bf16,bf16+compile]
         [--steps 5] [--repeats 5] [--warmup 3] [--threads 1]
+        [--attention auto|flash|efficient|cudnn|math]
 """
 
 from __future__ import annotations
@@ -65,27 +78,77 @@ from _common import (  # noqa: E402
     progress,
     rotated,
 )
-from freeze_scaling import MODELS, _backend_name, compile_blocks  # noqa: E402
+from freeze_scaling import MODELS, _backend_name  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
 
 from core.spec import ModelSpec, TrainingSpec  # noqa: E402
 from trainer.device import synchronize  # noqa: E402
 from trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
 from trainer.models import StageModule, build_model, num_tokens  # noqa: E402
-from trainer.optim import build_optimizer  # noqa: E402
+from trainer.optim import MasterWeights, build_optimizer  # noqa: E402
 
-# name -> (precision, what is compiled: None | "blocks" | "stage")
-CONFIGS: dict[str, tuple[str, str | None]] = {
-    "fp32": ("fp32", None),
-    "fp32+compile": ("fp32", "blocks"),
-    "bf16": ("bf16", None),
-    "bf16+compile": ("bf16", "blocks"),
-    "fp32+compile-stage": ("fp32", "stage"),
-    "bf16+compile-stage": ("bf16", "stage"),
+
+@dataclass(frozen=True)
+class Variant:
+    """How a configuration computes: `precision` (the peak it is measured against), what is
+    compiled (None | "blocks" | "stage"), torch.compile's `mode` (None: the default;
+    "reduce-overhead" adds CUDA graphs) and where the weights live ("fp32": float32 parameters
+    under autocast, as training does; "bf16": bfloat16 parameters, no autocast, float32 master
+    copies in the optimizer)."""
+
+    precision: str
+    compile: str | None = None
+    mode: str | None = None
+    weights: str = "fp32"
+
+
+CONFIGS: dict[str, Variant] = {
+    "fp32": Variant("fp32"),
+    "fp32+compile": Variant("fp32", "blocks"),
+    "bf16": Variant("bf16"),
+    "bf16+compile": Variant("bf16", "blocks"),
+    "fp32+compile-stage": Variant("fp32", "stage"),
+    "bf16+compile-stage": Variant("bf16", "stage"),
+    # issue 29's candidates: CUDA graphs for the compiled blocks; bf16 weights + master copies
+    "bf16+compile-cudagraphs": Variant("bf16", "blocks", mode="reduce-overhead"),
+    "bf16+compile-autotune": Variant("bf16", "blocks", mode="max-autotune-no-cudagraphs"),
+    "bf16w": Variant("bf16", weights="bf16"),
+    "bf16w+compile": Variant("bf16", "blocks", weights="bf16"),
 }
 DEFAULT_CONFIGS = ("fp32", "fp32+compile", "bf16", "bf16+compile")
 DEFAULT_BATCH = {"vit-b16": 128, "vit-small": 64, "vit-tiny": 8}
 GOAL_MFU = 0.40  # the issue's goal, on an H100 in bf16
 Backend = str | Callable
+
+
+ATTENTION = ("auto", "flash", "efficient", "cudnn", "math")
+
+
+def use_attention(choice: str) -> None:
+    """Which kernel `scaled_dot_product_attention` may use on CUDA, process-wide: `auto` leaves
+    PyTorch's choice (cuDNN's kernels for bf16 on an H100, torch 2.11), any other enables that
+    one alone (a shape it cannot run is then an error, not a silent fallback). Set before anything compiles:
+    a compiled graph keeps the kernel chosen when it was traced, and Inductor's on-disk caches
+    (FX graphs, AOT autograd) do not key on this choice, so they are switched off for this
+    process when one kernel is asked for (else a graph compiled earlier under another choice is
+    served: seen on an H100, where `--attention efficient` ran the flash kernels of the run
+    before)."""
+    if choice not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)} (got {choice!r})")
+    if choice != "auto":
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
+    backends = torch.backends.cuda
+    for name, enable in (
+        ("flash", backends.enable_flash_sdp),
+        ("efficient", backends.enable_mem_efficient_sdp),
+        ("cudnn", backends.enable_cudnn_sdp),
+        ("math", backends.enable_math_sdp),
+    ):
+        enable(choice in ("auto", name))
 
 
 def _error(exc: BaseException) -> str:
@@ -101,8 +164,7 @@ class Config:
     """One configuration's model copy, optimizer and timings (or the error that stopped it)."""
 
     name: str
-    precision: str
-    compile: str | None
+    variant: Variant
     spec: ModelSpec
     inputs: torch.Tensor
     labels: torch.Tensor
@@ -113,24 +175,41 @@ class Config:
     warmup_s: float | None = None
     error: str | None = None
 
+    @property
+    def precision(self) -> str:
+        return self.variant.precision
+
+    @property
+    def compile(self) -> str | None:
+        return self.variant.compile
+
     def __post_init__(self) -> None:
         self.device = self.inputs.device
+        self.master: MasterWeights | None = None  # bf16 weights' float32 copies
         try:
+            bf16_weights = self.variant.weights == "bf16"
             full = build_model(self.spec, seed=0)
             blocks = {i: full.blocks[str(i)] for i in range(self.spec.depth)}
             self.model: StageModule | None = StageModule(
                 self.spec, 0, self.spec.depth, full.embed, blocks, full.head,
-                precision=self.precision,
+                # bf16 weights compute in bf16 without autocast (norms keep float32 statistics)
+                precision="fp32" if bf16_weights else self.precision,
             ).to(self.device)  # fmt: skip
-            if self.compile == "blocks":
-                compile_blocks(self.model, self.backend)
-            elif self.compile == "stage":
-                self.model.compile(backend=self.backend)
-            self.training = TrainingSpec()
-            self.optimizer: torch.optim.Optimizer | None = build_optimizer(
-                self.model, self.training
-            )
             self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.training = TrainingSpec()
+            self.optimizer: torch.optim.Optimizer | None
+            if bf16_weights:
+                self.master = MasterWeights(self.model, self.training, torch.bfloat16)
+                self.optimizer = self.master.optimizer
+                self.inputs = self.inputs.to(torch.bfloat16)
+            else:
+                self.optimizer = build_optimizer(self.model, self.training)
+            mode = {"mode": self.variant.mode} if self.variant.mode else {}
+            if self.compile == "blocks":
+                for block in self.model.blocks.values():
+                    block.compile(backend=self.backend, **mode)
+            elif self.compile == "stage":
+                self.model.compile(backend=self.backend, **mode)
         except Exception as exc:  # noqa: BLE001 -- recorded in the row; the others go on
             self.fail(exc)
 
@@ -142,19 +221,33 @@ class Config:
         self.error = _error(exc)
         progress(f"{self.name}: failed, left out ({self.error})")
         self.model = self.optimizer = None
-        self.params = []
+        self.params, self.master = [], None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def step(self) -> torch.Tensor:
+        """One training step; its phases are named for the profiler (bench/mfu_profile.py)."""
         assert self.model is not None and self.optimizer is not None
-        logits = self.model(self.inputs)
-        loss = F.cross_entropy(logits, self.labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.training.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.variant.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are free
+        with record_function("step/forward"):
+            logits = self.model(self.inputs)
+            loss = F.cross_entropy(logits, self.labels)
+        with record_function("step/backward"):
+            loss.backward()
+        with record_function("step/clip"):
+            if self.master is not None:  # the bf16 gradients into the float32 master copies
+                self.master.load_grads()
+            clipped = self.master.master if self.master is not None else self.params
+            torch.nn.utils.clip_grad_norm_(clipped, self.training.grad_clip)
+        with record_function("step/optimizer"):
+            if self.master is not None:
+                self.master.step()
+                self.master.zero_grad()
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def warm_up(self, steps: int) -> None:
@@ -175,7 +268,10 @@ class Config:
             return
         self.warmup_s = time.perf_counter() - t0
         assert self.model is not None and self.optimizer is not None
-        state = [p for p in self.model.parameters()] + [
+        state = [p for p in self.model.parameters()]
+        if self.master is not None:
+            state += self.master.master + self.master.grads
+        state += [
             t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
         ]
         self.state_bytes = sum(t.numel() * t.element_size() for t in state)
@@ -224,18 +320,21 @@ def measure(
     warmup: int = 3,
     device: torch.device | str = "cpu",
     compile_backend: Backend = "inductor",
+    attention: str = "auto",
 ) -> dict:
     """Time the configurations side by side; the result as a dict. `compile_backend` is
-    torch.compile's backend (tests use "eager", which needs no C++ compiler)."""
+    torch.compile's backend (tests use "eager", which needs no C++ compiler); `attention` the
+    attention kernel (`use_attention`)."""
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         raise ValueError(f"unknown configurations {unknown}: choose from {', '.join(CONFIGS)}")
     device = torch.device(device)
+    use_attention(attention)
     # fp32 rows are true float32 (no TF32); bf16 autocast computes its products in bf16 anyway
     torch.set_float32_matmul_precision("highest")
     if device.type == "cuda":
         torch.backends.cudnn.allow_tf32 = False
-    if any(CONFIGS[c][1] for c in configs):
+    if any(CONFIGS[c].compile for c in configs):
         warmup = max(warmup, 2)  # the first step compiles forward and backward
     gen = torch.Generator().manual_seed(0)
     shape = (batch, spec.channels, spec.image_size, spec.image_size)
@@ -243,8 +342,7 @@ def measure(
     labels = torch.randint(0, spec.num_classes, (batch,), generator=gen).to(device)
     items = []
     for name in configs:
-        precision, what = CONFIGS[name]
-        items.append(Config(name, precision, what, spec, inputs, labels, compile_backend))
+        items.append(Config(name, CONFIGS[name], spec, inputs, labels, compile_backend))
     for item in items:
         if item.ok:
             progress(
@@ -275,6 +373,8 @@ def measure(
                 "config": item.name,
                 "precision": item.precision,
                 "compile": item.compile,
+                "compile_mode": item.variant.mode,
+                "weights": item.variant.weights,
                 "samples_per_s": sps,
                 "step_ms": None if sps is None else 1e3 * batch / sps,
                 "tflops": None if sps is None else sps * flops / 1e12,
@@ -304,6 +404,7 @@ def measure(
         "steps": steps,
         "repeats": repeats,
         "compile_backend": _backend_name(compile_backend),
+        "attention": attention,
     }
 
 
@@ -399,6 +500,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps (>= 2 when compiling)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs only)")
+    ap.add_argument(
+        "--attention", default="auto", choices=ATTENTION,
+        help="the attention kernel on CUDA (auto: PyTorch's choice)",
+    )  # fmt: skip
     args = ap.parse_args()
     for flag in ("batch", "steps", "repeats", "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -427,6 +532,7 @@ def main() -> None:
         repeats=args.repeats,
         warmup=args.warmup,
         device=device,
+        attention=args.attention,
     )
     heading = f"{name} (depth {spec.depth}, dim {spec.dim}), batch {batch}, {where}"
     plot = out_dir() / "mfu.png"
@@ -450,6 +556,7 @@ def main() -> None:
             "steps": result["steps"],
             "repeats": result["repeats"],
             "compile_backend": result["compile_backend"],
+            "attention": result["attention"],
             "rows": result["rows"],
             "plot": plot,
             "environment": environment(),

@@ -80,6 +80,25 @@ def test_compiled_rows_are_measured() -> None:
     assert all(r["samples_per_s"] > 0 for r in result["rows"])
 
 
+def test_issue_29_candidates_are_measured() -> None:
+    # CUDA graphs for the compiled blocks (skipped by torch on the CPU) and bf16 weights with
+    # float32 master copies (trainer.optim.MasterWeights), eager and compiled
+    configs = ("bf16+compile-cudagraphs", "bf16w", "bf16w+compile")
+    result = _measure(configs, compile_backend="eager")
+    rows = {r["config"]: r for r in result["rows"]}
+    assert [rows[c]["error"] for c in configs] == [None, None, None]
+    assert rows["bf16+compile-cudagraphs"]["compile_mode"] == "reduce-overhead"
+    assert rows["bf16w"]["weights"] == rows["bf16w+compile"]["weights"] == "bf16"
+    assert rows["bf16w"]["precision"] == "bf16" and rows["bf16w+compile"]["compile"] == "blocks"
+    assert all(r["samples_per_s"] > 0 for r in rows.values())
+    assert result["attention"] == "auto"
+
+
+def test_attention_choice_is_checked() -> None:
+    with pytest.raises(ValueError, match="attention must be one of"):
+        bench.use_attention("fa9")
+
+
 def test_a_failing_compile_is_recorded_and_the_others_go_on(tmp_path: Path) -> None:
     def no_compiler(gm, example_inputs):
         raise RuntimeError("no C++ compiler here")
