@@ -487,6 +487,23 @@ def _plot(result: dict, title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def resolve_choices(
+    args: argparse.Namespace, default_batch: dict[str, int] = DEFAULT_BATCH
+) -> tuple:
+    """The configurations, device, model and batch the command line asks for (shared with
+    bench/mfu_profile.py, whose default batches differ): (configs, device, where, model name,
+    ModelSpec, batch)."""
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        raise SystemExit(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    device, where = pick_device(args.device, args.threads)
+    name = args.model
+    if name == "auto":
+        name = "vit-b16" if device.type == "cuda" else "vit-tiny"
+    return configs, device, where, name, MODELS[name][0], args.batch or default_batch[name]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="auto", choices=["auto", *MODELS])
@@ -510,16 +527,7 @@ def main() -> None:
             raise SystemExit(f"--{flag} must be at least 1")
     if args.warmup < 0:
         raise SystemExit("--warmup must be at least 0")
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown or not configs:
-        raise SystemExit(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
-    device, where = pick_device(args.device, args.threads)
-    name = args.model
-    if name == "auto":
-        name = "vit-b16" if device.type == "cuda" else "vit-tiny"
-    spec = MODELS[name][0]
-    batch = args.batch or DEFAULT_BATCH[name]
+    configs, device, where, name, spec, batch = resolve_choices(args)
     progress(
         f"{name}: {spec.depth} blocks, {num_tokens(spec)} tokens x dim {spec.dim}, batch {batch}, "
         f"on {where}; configurations {', '.join(configs)}"

@@ -58,8 +58,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from _common import emit, environment, median, out_dir, pick_device, progress  # noqa: E402
-from mfu import ATTENTION, CONFIGS, GOAL_MFU, MODELS, Config, use_attention  # noqa: E402
+from _common import emit, environment, median, out_dir, progress  # noqa: E402
+from mfu import ATTENTION, CONFIGS, GOAL_MFU, MODELS, Config, resolve_choices, use_attention  # noqa: E402
 
 from trainer.device import synchronize  # noqa: E402
 from trainer.flops import peak_flops, training_flops_per_sample  # noqa: E402
@@ -493,16 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("batch", "profile_steps", "steps", "repeats", "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown or not configs:
-        raise SystemExit(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
-    device, where = pick_device(args.device, args.threads)
-    name = args.model
-    if name == "auto":
-        name = "vit-b16" if device.type == "cuda" else "vit-tiny"
-    spec = MODELS[name][0]
-    batch = args.batch or DEFAULT_BATCH[name]
+    configs, device, where, name, spec, batch = resolve_choices(args, DEFAULT_BATCH)
     progress(f"{name}, batch {batch}, on {where}; profiling {', '.join(configs)}")
     result = run(
         spec,

@@ -23,11 +23,16 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from core.hf_config import HFArchitecture, parse_architecture, read_config_json
+from core.hf_config import (
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    HFArchitecture,
+    parse_architecture,
+    read_config_json,
+)
 from trainer.hf.units import build_unit, hf_config, unit_prefixes
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE, INDEX_FILE = WEIGHTS_FILE, WEIGHTS_INDEX  # what save_pretrained writes
 
 
 @dataclasses.dataclass
