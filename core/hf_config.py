@@ -6,6 +6,7 @@ Anything else is refused with a `ValueError` naming the field and what is allowe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -13,17 +14,36 @@ from pathlib import Path
 from typing import Any, Literal
 
 Family = Literal["vit", "deit", "bert", "roberta"]
-Task = Literal["image-classification", "sequence-classification", "question-answering"]
+# what a checkpoint's head does; "body": no usable head (a base model, or a pretraining head such
+# as masked language modelling), so a job gives it a new one for its task
+Task = Literal["image-classification", "sequence-classification", "question-answering", "body"]
 
-# (model_type, architectures[0]) -> task; the only combinations the units are built for
+# (model_type, architectures[0]) -> task: the classes whose weights the units read
 ARCHITECTURES: dict[str, dict[str, Task]] = {
-    "vit": {"ViTForImageClassification": "image-classification"},
-    "deit": {"DeiTForImageClassification": "image-classification"},
+    "vit": {"ViTModel": "body", "ViTForImageClassification": "image-classification"},
+    "deit": {"DeiTModel": "body", "DeiTForImageClassification": "image-classification"},
     "bert": {
+        "BertModel": "body",
+        "BertForPreTraining": "body",
+        "BertForMaskedLM": "body",
         "BertForSequenceClassification": "sequence-classification",
         "BertForQuestionAnswering": "question-answering",
     },
-    "roberta": {"RobertaForSequenceClassification": "sequence-classification"},
+    "roberta": {
+        "RobertaModel": "body",
+        "RobertaForMaskedLM": "body",
+        "RobertaForSequenceClassification": "sequence-classification",
+        "RobertaForQuestionAnswering": "question-answering",
+    },
+}
+# the `transformers` class a job trains (and exports), by family and task
+TASK_CLASSES: dict[tuple[str, str], str] = {
+    ("vit", "image-classification"): "ViTForImageClassification",
+    ("deit", "image-classification"): "DeiTForImageClassification",
+    ("bert", "sequence-classification"): "BertForSequenceClassification",
+    ("bert", "question-answering"): "BertForQuestionAnswering",
+    ("roberta", "sequence-classification"): "RobertaForSequenceClassification",
+    ("roberta", "question-answering"): "RobertaForQuestionAnswering",
 }
 IMAGE_FAMILIES = ("vit", "deit")
 TEXT_FAMILIES = ("bert", "roberta")
@@ -54,6 +74,26 @@ class HFArchitecture:
     def is_text(self) -> bool:
         return self.family in TEXT_FAMILIES
 
+    def for_task(
+        self, task: Literal["classification", "question-answering"], num_labels: int
+    ) -> HFArchitecture:
+        """The model a job trains from this checkpoint: the spec's task (`core.spec` words) and
+        label count (question answering: 2). Another task or label count than the checkpoint's,
+        or a checkpoint without a usable head, means a new head."""
+        hf_task: Task
+        if task == "question-answering":
+            hf_task, num_labels = "question-answering", 2
+        else:
+            hf_task = "sequence-classification" if self.is_text else "image-classification"
+        cls = TASK_CLASSES.get((self.family, hf_task))
+        if cls is None:
+            raise ValueError(f"model.task: {task!r} is not available for {self.family} models")
+        return dataclasses.replace(self, task=hf_task, architecture=cls, num_labels=num_labels)
+
+    def same_head(self, other: HFArchitecture) -> bool:
+        """Whether `other`'s head (task and outputs) is this one's: its weights can be read."""
+        return self.task == other.task and self.num_labels == other.num_labels
+
     def unit_names(self) -> list[str]:
         """The partition units in model order: `embed`, `blocks.0` .. `blocks.<depth-1>`, `head`."""
         return ["embed", *(f"blocks.{i}" for i in range(self.depth)), "head"]
@@ -68,16 +108,20 @@ class HFArchitecture:
 
     def spec_fields(self) -> dict[str, Any]:
         """The job spec's `model` fields this checkpoint decides (core.spec.ModelSpec names);
-        `num_classes` is the checkpoint's label count, which a spec may change (a new head)."""
+        `num_classes` is the checkpoint's label count, which a spec may change (a new head), and
+        `task` its head's, which a spec may change too (a new head); a body has neither."""
         fields: dict[str, Any] = {
             "family": self.family,
-            "task": "question-answering" if self.task == "question-answering" else "classification",
             "dim": self.hidden_size,
             "depth": self.depth,
             "heads": self.heads,
             "mlp_ratio": self.intermediate_size / self.hidden_size,
-            "num_classes": self.num_labels,
         }
+        if self.task != "body":
+            fields["num_classes"] = self.num_labels
+            fields["task"] = (
+                "question-answering" if self.task == "question-answering" else "classification"
+            )
         if self.is_text:
             fields["vocab_size"] = self.vocab_size
         else:

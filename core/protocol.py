@@ -253,13 +253,15 @@ class Metrics(_Event):
 
 
 class Evaluated(_Event):
-    """Held-out accuracy and loss at the end of an epoch."""
+    """Held-out accuracy (question answering: exact match) and loss at the end of an epoch, and
+    question answering's F1."""
 
     kind: Literal["eval"] = "eval"
     epoch: int
     step: int
     accuracy: float
     loss: float | None
+    f1: float | None = None
 
 
 class CheckpointWritten(_Event):

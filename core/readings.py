@@ -1,13 +1,24 @@
-"""How a report's device figures read to a person: model FLOPs utilisation and the largest
-rank's peak GPU memory, as the progress lines, `pipetransformer status` and the dashboard header
-all write them. None where unknown (the CPU), so those displays add nothing. Pure."""
+"""How a report's figures read to a person: the held-out result, model FLOPs utilisation and the
+largest rank's peak GPU memory, as the progress lines, `pipetransformer status`, the summary and
+the dashboard header all write them. None where unknown (the CPU), so those displays add
+nothing. Pure."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-__all__ = ["largest_peak", "mfu_text", "peak_memory_text"]
+__all__ = ["held_out_text", "largest_peak", "mfu_text", "peak_memory_text"]
+
+
+def held_out_text(accuracy: float | None, f1: float | None = None, digits: int = 1) -> str | None:
+    """The latest held-out result: "acc 91.2%" for classification; question answering's exact
+    match (its accuracy) and F1, "EM 80.1% F1 88.0%"; None before the first evaluation."""
+    if accuracy is None:
+        return None
+    if f1 is None:
+        return f"acc {accuracy:.{digits}%}"
+    return f"EM {accuracy:.{digits}%} F1 {f1:.{digits}%}"
 
 
 def mfu_text(mfu: float | None) -> str | None:

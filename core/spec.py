@@ -162,7 +162,9 @@ class ModelSpec(_Strict):
     family: Literal["vit", "bert", "deit", "roberta"] = "vit"
     task: Literal["classification", "question-answering"] = Field(
         "classification",
-        description="question-answering: extractive spans (BERT checkpoints with a QA head)",
+        description="classification (images, sentences, sentence pairs) or question-answering "
+        "(extractive spans, SQuAD-style; BERT and RoBERTa). Default: the checkpoint's head; "
+        "another task than the checkpoint's gets a new head",
     )
     image_size: Annotated[PositiveInt, Field(le=MAX_IMAGE_SIZE)] = 8
     patch_size: Annotated[PositiveInt, Field(le=MAX_IMAGE_SIZE)] = 2
@@ -231,7 +233,7 @@ class ModelSpec(_Strict):
                 )
             if self.task != "classification":
                 raise ValueError(
-                    f"task {self.task!r} needs a pretrained BERT question-answering checkpoint "
+                    f"task {self.task!r} needs a pretrained BERT or RoBERTa checkpoint "
                     "(model.pretrained)"
                 )
         if self.pending:
@@ -274,6 +276,16 @@ class ColumnsSpec(_Strict):
     text: ColumnName | None = Field(None, description="text models: the (first) sentence")
     text_pair: ColumnName | None = Field(None, description="sentence pairs: the second sentence")
     label: ColumnName = Field("label", description="the integer class label")
+    question: ColumnName = Field("question", description="question answering: the question")
+    context: ColumnName = Field(
+        "context", description="question answering: the passage holding the answer"
+    )
+    answers: ColumnName = Field(
+        "answers",
+        description="question answering: SQuAD's {text: [...], answer_start: [...]} (the first "
+        "answer is the training target; held-out questions are scored against all)",
+    )
+    id: ColumnName = Field("id", description="question answering: the question's id")
 
 
 class DataSpec(_Strict):
@@ -320,6 +332,14 @@ class DataSpec(_Strict):
     )
     loader_workers: Annotated[NonNegativeInt, Field(le=MAX_LOADER_WORKERS)] = Field(
         2, description="data-loading processes per first-stage rank (0: in the training process)"
+    )
+    doc_stride: Annotated[PositiveInt, Field(le=MAX_SEQ_LEN)] | None = Field(
+        None,
+        description="question answering: tokens two windows of a context longer than "
+        "model.seq_len share (default: a third of seq_len, as SQuAD's 128 of 384)",
+    )
+    max_answer_tokens: Annotated[PositiveInt, Field(le=MAX_SEQ_LEN)] = Field(
+        30, description="question answering: the longest answer span predicted, in tokens"
     )
     image_backend: Literal["auto", "native", "transformers"] = Field(
         "auto",
@@ -377,6 +397,10 @@ class DataSpec(_Strict):
     def is_source(self) -> bool:
         """Data read from a user's files (not built in)."""
         return self.dataset in SOURCES
+
+    def stride(self, seq_len: int) -> int:
+        """Question answering: the tokens a long context's windows share."""
+        return self.doc_stride if self.doc_stride is not None else max(1, seq_len // 3)
 
     @property
     def num_classes(self) -> int | None:
@@ -440,10 +464,21 @@ class DataSpec(_Strict):
             return None  # the family is known once the checkpoint is read
         cols = self.columns
         if model.task == "question-answering":
-            return (
-                "question answering trains on SQuAD features, which data sources do not "
-                "produce yet; use a sequence-classification checkpoint"
-            )
+            if self.dataset != "table":
+                return "question answering reads a table of SQuAD-style rows: data.dataset 'table'"
+            if cols.text is not None or cols.text_pair is not None or cols.image is not None:
+                return (
+                    "question answering reads data.columns.question, context, answers and id; "
+                    "remove data.columns.text / text_pair / image"
+                )
+            if model.seq_len is not None and self.stride(model.seq_len) >= model.seq_len // 2:
+                return (
+                    f"data.doc_stride ({self.doc_stride}) must be below half of model.seq_len "
+                    f"({model.seq_len}): a window must move on by more than it keeps"
+                )
+            return None
+        if self.doc_stride is not None:
+            return "data.doc_stride is for question answering (model.task); remove it"
         if model.is_text:
             if self.dataset == "image-folder":
                 return f"data.dataset 'image-folder' is images; model.family is {model.family!r}"

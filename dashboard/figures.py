@@ -332,8 +332,10 @@ def accuracy_figure(
     timeline: Timeline | None = None,
 ) -> go.Figure:
     """Held-out accuracy (fraction, shown as %) at each evaluation; an optional target accuracy
-    as a dashed line."""
-    fig = _base("Held-out accuracy", axis_title(x), "accuracy")
+    as a dashed line. Question answering (evaluations with an F1): exact match and F1."""
+    qa = any(r.f1 is not None for r in evaluations)
+    title = "Held-out exact match and F1" if qa else "Held-out accuracy"
+    fig = _base(title, axis_title(x), "score" if qa else "accuracy")
     fig.update_yaxes(range=[0, 1.02], tickformat=".0%")
     if target is not None:
         fig.add_hline(
@@ -345,17 +347,23 @@ def accuracy_figure(
         )
     if not evaluations:
         return _empty(fig)
-    fig.add_trace(
-        go.Scatter(
-            name="accuracy",
-            x=axis_values(evaluations, x),
-            y=[r.accuracy for r in evaluations],
-            mode="lines+markers",
-            customdata=_hover_rows(evaluations),
-            hovertemplate="step %{customdata[0]} (epoch %{customdata[1]})"
-            "<br>accuracy %{y:.1%}<extra></extra>",
+    traces = [("exact match", [r.accuracy for r in evaluations])] if qa else []
+    if qa:
+        traces.append(("F1", [r.f1 for r in evaluations]))
+    else:
+        traces.append(("accuracy", [r.accuracy for r in evaluations]))
+    for name, values in traces:
+        fig.add_trace(
+            go.Scatter(
+                name=name,
+                x=axis_values(evaluations, x),
+                y=values,
+                mode="lines+markers",
+                customdata=_hover_rows(evaluations),
+                hovertemplate="step %{customdata[0]} (epoch %{customdata[1]})"
+                f"<br>{name} %{{y:.1%}}<extra></extra>",
+            )
         )
-    )
     return _finish(fig, timeline, x)
 
 

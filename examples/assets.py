@@ -4,9 +4,10 @@ processor and tokenizer they come with, an image folder and a sentence-pair parq
 
     .venv/bin/python examples/assets.py [DIR]      # default: examples/assets (git-ignored)
 
-writes DIR/vit-tiny, DIR/digits-images/{train,test}, DIR/bert-tiny and
-DIR/pairs/{train,test}.parquet; `examples/hf-vit-images.yaml` and `examples/hf-bert-pairs.yaml`
-train on them. The images are scikit-learn's 8x8 digits drawn as 32x32 RGB PNGs; the sentence
+writes DIR/vit-tiny, DIR/digits-images/{train,test}, DIR/bert-tiny, DIR/pairs/{train,test}.parquet
+and DIR/squad/{train,test}.parquet; `examples/hf-vit-images.yaml`, `examples/hf-bert-pairs.yaml`
+and `examples/hf-bert-squad.yaml` train on them. The SQuAD-format questions ask the colour of one
+thing a few sentences describe. The images are scikit-learn's 8x8 digits drawn as 32x32 RGB PNGs; the sentence
 pairs ask whether the second sentence names the first sentence's colour (a task a small encoder
 learns in a few epochs). The checkpoints are pretrained here for a few seconds on a source task
 (the ViT on digits 0-4, the BERT on naming a sentence's colour), standing in for a real
@@ -147,6 +148,49 @@ def make_pairs(root: Path, train: int = 1200, test: int = 300, seed: int = 0) ->
     return root
 
 
+PLACES = ["on", "in", "with"]
+
+
+SIZES = ["big", "small", "old", "new"]
+
+
+def squad_rows(n: int, seed: int, facts: int = 5) -> dict[str, list]:
+    """SQuAD-format questions: a context of `facts` sentences about different things, one of
+    them coloured ("the red car is on the hill .", the others sized: "the big boat is in the
+    cup ."), a question naming the coloured thing ("the car is ?") and its colour the answer
+    (text and character start, as SQuAD's `answers` has them). Long enough to need several
+    windows at a short seq_len; simple enough for a small encoder to learn in a minute."""
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"id": [], "question": [], "context": [], "answers": []}
+    for q in range(n):
+        things = rng.choice(THINGS, size=facts + 1, replace=False)
+        k = int(rng.integers(0, facts))
+        colour = str(rng.choice(COLOURS))
+        sentences, at, start = [], 0, 0
+        for i, (thing, where) in enumerate(zip(things[:facts], things[1:], strict=True)):
+            word = colour if i == k else rng.choice(SIZES)
+            sentence = f"the {word} {thing} is {rng.choice(PLACES)} the {where} ."
+            if i == k:
+                start = at + len("the ")
+            sentences.append(sentence)
+            at += len(sentence) + 1
+        rows["id"].append(f"q{seed}-{q}")
+        rows["question"].append(f"the {things[k]} is ?")
+        rows["context"].append(" ".join(sentences))
+        rows["answers"].append({"text": [colour], "answer_start": [start]})
+    return rows
+
+
+def make_squad(root: Path, train: int = 1200, test: int = 300, seed: int = 0) -> Path:
+    """`root/train.parquet` and `root/test.parquet` of SQuAD-format questions (`squad_rows`)."""
+    import datasets
+
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n, s in (("train", train, seed), ("test", test, seed + 1)):
+        datasets.Dataset.from_dict(squad_rows(n, s)).to_parquet(str(root / f"{split}.parquet"))
+    return root
+
+
 def _pretrain(model, batches, epochs: int, lr: float, seed: int = 0) -> None:  # noqa: ANN001
     """A few epochs of AdamW on (inputs, labels) batches: the stand-in for real pretraining."""
     import torch
@@ -226,6 +270,7 @@ def make_all(out: Path) -> dict[str, Path]:
         "images": images,
         "bert": pretrain_bert(make_bert(out / "bert-tiny")),
         "pairs": make_pairs(out / "pairs"),
+        "squad": make_squad(out / "squad"),
     }
     (out / "README.txt").write_text("made by examples/assets.py; safe to delete\n")
     return made

@@ -132,7 +132,8 @@ class Progress:
     # the latest per-rank peak GPU memory (MiB, index = rank): kept until the next one, since
     # only steps at control points carry it
     peak_memory_mib: list[float | None] | None = None
-    accuracy: float | None = None
+    accuracy: float | None = None  # question answering: exact match
+    f1: float | None = None  # question answering
     outcome: str | None = None  # done / stopped / failed, from the workers
     error: str | None = None
     layout: Layout | None = None
@@ -740,8 +741,10 @@ class Controller:
                     "worker_started", f"rank {e.rank} started", rank=e.rank, data=e.payload()
                 )
             case Evaluated():
-                p.accuracy = e.accuracy
-                self.store.add_evaluation(self.job_id, e.epoch, e.step, e.accuracy, e.loss, e.time)
+                p.accuracy, p.f1 = e.accuracy, e.f1
+                self.store.add_evaluation(
+                    self.job_id, e.epoch, e.step, e.accuracy, e.loss, e.time, f1=e.f1
+                )
             case CheckpointWritten():
                 self._commit_checkpoint(e)
             case CheckpointFailed():  # nothing committed: the previous one still holds

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from core.readings import mfu_text, peak_memory_text
+from core.readings import held_out_text, mfu_text, peak_memory_text
 from core.state import Layout
 from orchestrator.controller import Progress as JobProgress
 
@@ -24,8 +24,8 @@ def _fmt(p: JobProgress, layout: Layout) -> str:
         parts.append(f"MFU {mfu}")
     if (peak := peak_memory_text(p.peak_memory_mib)) is not None:
         parts.append(f"peak {peak}")
-    if p.accuracy is not None:
-        parts.append(f"held-out acc {p.accuracy:.1%}")
+    if (held_out := held_out_text(p.accuracy, p.f1)) is not None:
+        parts.append(f"held-out {held_out}")
     parts.append(f"layout {layout.short}")
     return "  ".join(parts)
 
@@ -64,8 +64,9 @@ class ProgressView:
             self._bar.update(
                 self._task, completed=p.step, total=p.total_steps, info=escape(_fmt(p, self.layout))
             )
-            if p.accuracy is not None and p.accuracy != self._last_acc:
-                self._bar.console.print(f"epoch {p.epoch}: held-out accuracy {p.accuracy:.1%}")
+            held_out = held_out_text(p.accuracy, p.f1)
+            if held_out is not None and p.accuracy != self._last_acc:
+                self._bar.console.print(f"epoch {p.epoch}: held-out {held_out}")
         elif p.step and (
             time.monotonic() - self._last_line >= self.every_s or p.accuracy != self._last_acc
         ):

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from core.readings import held_out_text
 from orchestrator.summary import bought_line, cache_line, history_from_store, history_table
 from store import Store
 
@@ -33,8 +34,9 @@ def print_summary(
     table.add_row("job", f"{job.id} ({job.state})")
     if job.message:
         table.add_row("message", escape(job.message))
-    acc = f"{job.accuracy:.2%}" if job.accuracy is not None else "n/a"
-    table.add_row("held-out accuracy", acc)
+    evaluations = store.evaluations(job_id)
+    f1 = evaluations[-1].f1 if evaluations else None
+    table.add_row("held-out", held_out_text(job.accuracy, f1, digits=2) or "n/a")
     table.add_row("progress", f"epoch {job.epoch}, step {job.step}")
     table.add_row("wall time", f"{wall_s:.1f}s")
     table.add_row("store", store_url)

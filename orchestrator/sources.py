@@ -94,7 +94,6 @@ def _differs(field: str, mine: Any, theirs: Any) -> bool:
 
 _CONFIG_NAMES = {
     "family": "model_type",
-    "task": "architectures",
     "dim": "hidden_size",
     "depth": "num_hidden_layers",
     "heads": "num_attention_heads",
@@ -108,9 +107,18 @@ _CONFIG_NAMES = {
 
 def pretrained_model(model: ModelSpec, arch: HFArchitecture, source: str) -> dict[str, Any]:
     """The model section with the checkpoint's architecture filled in (pure). Raises SpecError
-    naming each field the spec sets to another value than config.json."""
+    naming each field the spec sets to another value than config.json. The spec may choose
+    another task or label count than the checkpoint's head (a new head); a checkpoint without a
+    usable head (a base model or a pretraining head) needs the label count from the spec."""
     given = model.model_dump(include=model.model_fields_set - {"pretrained"})
     decided = arch.spec_fields()
+    task = given.get("task", decided.get("task", "classification"))
+    if arch.task == "body" and task == "classification" and "num_classes" not in given:
+        raise _problem(
+            "model.num_classes",
+            f"the checkpoint ({source}: config.json architectures {arch.architecture}) has no "
+            "classification head, so the job gets a new one: set its number of labels",
+        )
     problems = [
         (
             f"model.{field}",
@@ -120,14 +128,25 @@ def pretrained_model(model: ModelSpec, arch: HFArchitecture, source: str) -> dic
         )
         for field in decided
         if field in given
-        and field != "num_classes"
+        and field not in ("num_classes", "task")
         and _differs(field, given[field], decided[field])
     ]
     if problems:
         raise SpecError(problems)
-    out = {**given, **{k: v for k, v in decided.items() if k not in given or k == "num_classes"}}
-    if "num_classes" in given:
-        out["num_classes"] = given["num_classes"]
+    out = {**decided, **given}
+    out["task"] = task
+    if task == "question-answering":
+        if given.get("num_classes", 2) != 2:
+            raise _problem(
+                "model.num_classes",
+                f"question answering predicts a start and an end: leave it out or set 2 "
+                f"(got {given['num_classes']})",
+            )
+        out["num_classes"] = 2
+        if not arch.is_text:
+            raise _problem(
+                "model.task", f"question answering needs a text model, not {arch.family}"
+            )
     if arch.is_text:
         limit = arch.max_seq_len or DEFAULT_SEQ_LEN
         seq_len = given.get("seq_len") or min(DEFAULT_SEQ_LEN, limit)
@@ -160,8 +179,6 @@ def resolve_pretrained(spec: JobSpec, cwd: Path) -> JobSpec:
         "fingerprint": digest,
         "commit": commit,
     }
-    if arch.task == "question-answering":
-        model["num_classes"] = 2
     return parse_spec({**spec.model_dump(mode="json"), "model": model})
 
 

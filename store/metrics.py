@@ -166,11 +166,14 @@ class MetricsMixin(StoreBase):
         accuracy: float,
         loss: float | None,
         time: float,
+        f1: float | None = None,
     ) -> bool:
-        """Record a held-out evaluation (accuracy as a fraction 0..1). A step already evaluated
-        is skipped (returns False). The job's `accuracy` becomes that of its latest step."""
-        if not (isinstance(accuracy, int | float) and 0.0 <= accuracy <= 1.0):
-            raise ValueError(f"accuracy must be a fraction in [0, 1], got {accuracy!r}")
+        """Record a held-out evaluation (accuracy, and question answering's F1, as fractions
+        0..1). A step already evaluated is skipped (returns False). The job's `accuracy` becomes
+        that of its latest step."""
+        for name, value in (("accuracy", accuracy), ("f1", 0.0 if f1 is None else f1)):
+            if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
+                raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
         if step < 0 or epoch < 0:
             raise ValueError(f"epoch and step must be >= 0, got epoch={epoch}, step={step}")
         if not math.isfinite(time):
@@ -194,6 +197,7 @@ class MetricsMixin(StoreBase):
                     accuracy=float(accuracy),
                     loss=finite_or_none(loss),
                     time=from_unix(time),
+                    f1=None if f1 is None else float(f1),
                 )
             )
             s.flush()
@@ -219,7 +223,12 @@ class MetricsMixin(StoreBase):
             )
             return [
                 EvaluationRow(
-                    epoch=e.epoch, step=e.step, accuracy=e.accuracy, loss=e.loss, time=unix(e.time)
+                    epoch=e.epoch,
+                    step=e.step,
+                    accuracy=e.accuracy,
+                    loss=e.loss,
+                    time=unix(e.time),
+                    f1=e.f1,
                 )
                 for e in rows
             ]

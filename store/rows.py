@@ -99,13 +99,15 @@ class MetricRow(Row):
 
 
 class EvaluationRow(Row):
-    """A held-out evaluation (accuracy a fraction 0..1) at the end of an epoch."""
+    """A held-out evaluation at the end of an epoch: accuracy a fraction 0..1 (question
+    answering: exact match), and question answering's F1 (None otherwise)."""
 
     epoch: int
     step: int
     accuracy: float
     loss: float | None
     time: float  # unix seconds
+    f1: float | None = None
 
 
 class CheckpointInfo(Row):

@@ -205,6 +205,7 @@ class Evaluation(Base):
     accuracy: Mapped[float] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float)
     time: Mapped[datetime] = mapped_column(UTCDateTime())
+    f1: Mapped[float | None] = mapped_column(Float)  # question answering
 
 
 class Checkpoint(Base):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -31,7 +32,7 @@ SIGNAL_EPOCHS = 6
 
 def test_run_records_job_layout_metrics_and_checkpoint(trained_run: RealRun) -> None:
     out = trained_run.result.stdout
-    assert "held-out accuracy" in out and "pipetransformer dashboard" in out
+    assert re.search(r"held-out +acc \d", out) and "pipetransformer dashboard" in out
     store = trained_run.store()
     job = store.get_job(trained_run.job_id)
     assert job.state == "completed"

@@ -38,6 +38,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "images": assets.make_digit_images(root / "images", per_class=12, size=16),
         "bert": assets.make_bert(root / "bert", hidden=32, layers=3, heads=2, max_positions=32),
         "pairs": assets.make_pairs(root / "pairs", train=96, test=32),
+        # 25 questions: the held-out's last batch is mostly padding (a replica may get none)
+        "squad": assets.make_squad(root / "squad", train=64, test=25),
     }
 
 
@@ -50,6 +52,15 @@ def _image_data(made: dict[str, Path]) -> dict:
         "dataset": "image-folder",
         "train": str(made["images"] / "train"),
         "test": str(made["images"] / "test"),
+    }
+
+
+def _squad_data(made: dict[str, Path], **more: object) -> dict:
+    return {
+        "dataset": "table",
+        "train": str(made["squad"] / "train.parquet"),
+        "test": str(made["squad"] / "test.parquet"),
+        **more,
     }
 
 
@@ -119,6 +130,43 @@ def test_a_spec_that_contradicts_or_misses_names_the_field(
         resolve_submission(parse_spec(raw))
     fields = dict(err.value.problems)
     assert field in fields and phrase in fields[field], err.value.problems
+
+
+def test_a_base_model_needs_the_label_count_and_a_task_may_change(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    """A checkpoint without a classification head (here a `ViTModel`, as the hub's ImageNet-21k
+    ViT is) gets a new one: the spec must say for how many labels. A classifier may be given
+    another task (a new head) but an image model cannot answer questions."""
+    from transformers import AutoConfig, ViTModel
+
+    body = tmp_path / "vit-body"
+    ViTModel(AutoConfig.from_pretrained(made["vit"])).save_pretrained(body)
+    with pytest.raises(SpecError) as err:
+        resolve_submission(parse_spec(_spec({"pretrained": str(body)}, _image_data(made))))
+    assert "no classification head" in dict(err.value.problems)["model.num_classes"]
+    spec = resolve_submission(
+        parse_spec(_spec({"pretrained": str(body), "num_classes": 10}, _image_data(made)))
+    )
+    assert (spec.model.task, spec.model.num_classes, spec.model.depth) == ("classification", 10, 3)
+    qa = resolve_submission(
+        parse_spec(
+            _spec(
+                {"pretrained": str(made["bert"]), "task": "question-answering"}, _squad_data(made)
+            )
+        )
+    )
+    assert (qa.model.task, qa.model.num_classes) == ("question-answering", 2)
+    with pytest.raises(SpecError) as err:
+        resolve_submission(
+            parse_spec(
+                _spec(
+                    {"pretrained": str(made["vit"]), "task": "question-answering"},
+                    _image_data(made),
+                )
+            )
+        )
+    assert "needs a text model" in dict(err.value.problems)["model.task"]
 
 
 def test_a_data_source_needs_a_pretrained_model(made: dict[str, Path]) -> None:
@@ -278,3 +326,124 @@ def test_bad_data_fails_the_job_with_the_file_and_row(
     assert "bad.parquet: column 'label' row 7 holds label 5, outside [0, 2)" in " ".join(
         (res.stdout + res.stderr).split()
     )
+
+
+# -- question answering -----------------------------------------------------------------------
+
+
+def _qa_splits(made: dict[str, Path], **data: object):
+    from trainer.data import load_dataset
+
+    raw = _spec(
+        {"pretrained": str(made["bert"]), "task": "question-answering"}, _squad_data(made, **data)
+    )
+    spec = resolve_submission(parse_spec(raw))
+    return spec, load_dataset(spec.data, spec.model)
+
+
+def test_squad_rows_become_windows_scored_by_exact_match_and_f1(
+    made: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each question's context (~40 tokens) is split into windows of seq_len 32 overlapping by
+    doc_stride; each window's target is its answer's tokens (or CLS where the answer is not in
+    it); the features are computed once and read back from the cache; the best span per question
+    is scored against its answers as SQuAD does."""
+    import numpy as np
+
+    from trainer.sources.qa import best_spans
+
+    monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
+    spec, data = _qa_splits(made, doc_stride=8)
+    test = data.test
+    assert (spec.model.seq_len, spec.data.stride(32)) == (32, 8)
+    assert test.num_examples == 25 and len(test) > 25  # long contexts: several windows each
+    assert len(list((tmp_path / "cache" / "qa-features").glob("*.arrow"))) == 2
+    _, again = _qa_splits(made, doc_stride=8)  # the same features, from the cache
+    assert torch.equal(again.test.labels, test.labels)
+    assert len(list((tmp_path / "cache" / "qa-features").glob("*.arrow"))) == 2
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(made["bert"])
+    examples = test.examples
+    example_of = np.asarray(test.features["example"])
+    inside = 0
+    for f in range(len(test)):
+        start, end = test.labels[f].tolist()
+        if start == 0:
+            continue  # the answer is outside this window
+        inside += 1
+        ids = test.read([f])[0, 0, start : end + 1].tolist()
+        answer = examples[int(example_of[f])]["answers"]["text"][0]
+        assert tok.decode(ids) == answer
+    assert inside >= 25  # every answer lies in at least one window
+
+    logits = torch.full((len(test), 32, 2), -5.0)
+    for f, (start, end) in enumerate(test.labels.tolist()):
+        logits[f, start, 0] = logits[f, end, 1] = 5.0 if start else -4.0
+    spans = torch.zeros(len(test), 4, dtype=torch.float64)
+    spans[:, 0] = 1
+    spans[:, 1:] = test.spans(logits, np.arange(len(test)))
+    assert test.score(spans) == (1.0, 1.0)
+    spans[example_of == 0, 0] = 0  # question 0 unscored: no prediction counts 0, as SQuAD's
+    exact, f1 = test.score(spans)
+    assert exact == pytest.approx(24 / 25) and f1 == pytest.approx(24 / 25)
+    assert best_spans(torch.zeros(0, 32, 2), torch.zeros(0, 64), 30).shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ("no-answer", "column 'answers' row 3 has no answer"),
+        ("misplaced", "answer 'red' is not at character 0 of its context"),
+        ("no-column", "has no column 'question'"),
+    ],
+)
+def test_bad_squad_rows_are_named(
+    made: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: str,
+    message: str,
+) -> None:
+    import datasets
+
+    from trainer.sources import DataError
+
+    monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
+    rows = assets.squad_rows(8, seed=5)
+    if change == "no-answer":
+        rows["answers"][3] = {"text": [], "answer_start": []}
+    elif change == "misplaced":
+        rows["answers"][2] = {"text": ["red"], "answer_start": [0]}
+        rows["context"][2] = "blue " + rows["context"][2]
+    else:
+        rows["query"] = rows.pop("question")
+    bad = tmp_path / "bad.parquet"
+    datasets.Dataset.from_dict(rows).to_parquet(str(bad))
+    with pytest.raises(DataError, match=message):
+        _qa_splits(made, train=str(bad))
+
+
+@pytest.mark.slow
+def test_a_question_answering_job_scores_exact_match_and_f1(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    """A BERT sequence classifier given a new question-answering head, on SQuAD-format rows: 2
+    stages, frozen by the schedule and re-laid out; each epoch's exact match and F1 stored and
+    printed."""
+    spec = _spec(
+        {"pretrained": str(made["bert"]), "task": "question-answering"},
+        _squad_data(made, loader_workers=1),
+        **TRAIN,
+    )
+    store = _run(tmp_path, "qa", spec)
+    job = store.get_job("qa")
+    assert job.state == "completed", job.message
+    evaluations = store.evaluations("qa")
+    assert len(evaluations) == 3
+    for e in evaluations:
+        assert e.f1 is not None and 0.0 <= e.accuracy <= e.f1 <= 1.0
+    assert job.accuracy == evaluations[-1].accuracy
+    assert len(store.layouts("qa")) >= 2  # re-laid out after freezing
+    store.close()

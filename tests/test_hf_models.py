@@ -12,7 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoModelForImageClassification,
+    AutoModelForQuestionAnswering,
     BertConfig,
+    BertForMaskedLM,
     BertForQuestionAnswering,
     BertForSequenceClassification,
     DeiTConfig,
@@ -22,6 +25,7 @@ from transformers import (
     RobertaForSequenceClassification,
     ViTConfig,
     ViTForImageClassification,
+    ViTModel,
 )
 
 import trainer.hf.load as hf_load
@@ -39,6 +43,10 @@ MODELS = {
     "bert": (BertConfig, BertForSequenceClassification, TEXT),
     "roberta": (RobertaConfig, RobertaForSequenceClassification, TEXT),
     "bert-qa": (BertConfig, BertForQuestionAnswering, TEXT),
+    # checkpoints without a usable head: a base model (keys without the `vit.` prefix) and a
+    # pretraining head (masked language modelling)
+    "vit-body": (ViTConfig, ViTModel, IMAGE),
+    "bert-mlm": (BertConfig, BertForMaskedLM, TEXT),
 }
 TOL = dict(rtol=0, atol=1e-5)  # fp32: same kernels, same order -> equal up to rounding
 
@@ -168,7 +176,7 @@ def test_architecture_read_from_config_json(tmp_path):
     "change,field",
     [
         ({"model_type": "gpt2"}, "`model_type`"),
-        ({"architectures": ["BertForMaskedLM"]}, "`architectures`"),
+        ({"architectures": ["BertForTokenClassification"]}, "`architectures`"),
         ({"architectures": None}, "`architectures`"),
     ],
 )
@@ -295,3 +303,74 @@ def test_backward_reaches_the_embedding_and_not_the_mask(tmp_path, kind):
         assert torch.count_nonzero(boundary.grad[..., -1]) == 0  # the mask channel
     block.eval()
     assert not block.layer.training
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    "kind,task,auto",
+    [
+        ("vit-body", "classification", AutoModelForImageClassification),
+        ("bert-mlm", "question-answering", AutoModelForQuestionAnswering),
+        ("bert", "question-answering", AutoModelForQuestionAnswering),
+    ],
+)
+def test_a_checkpoint_without_the_head_gets_a_new_one(tmp_path, kind, task, auto):
+    """What users start from: `google/vit-base-patch16-224-in21k` is a `ViTModel` (keys without
+    the prefix), `bert-large-uncased` a `BertForMaskedLM`; or a classifier fine-tuned for another
+    task. The body is read as `transformers` reads it, the head is new and said so, and with the
+    same head weights the units give the `transformers` task model's logits."""
+    directory = make_checkpoint(kind, tmp_path)
+    checkpoint = read_architecture(directory)
+    arch = checkpoint.for_task(task, 3)
+    assert not arch.same_head(checkpoint)
+    torch.manual_seed(0)
+    loaded = load_units(directory, arch, arch.unit_names())
+    head = loaded.units["head"]
+    out = "qa_outputs" if task == "question-answering" else "classifier"
+    assert {k.rpartition(".")[0] for k in loaded.new} >= {out}
+    if kind == "vit-body":  # the base model's final norm is the head's, read from the checkpoint
+        assert "vit.layernorm.weight" not in loaded.new
+        stored = load_file(directory / "model.safetensors")
+        assert torch.equal(head.state_dict()["vit.layernorm.weight"], stored["layernorm.weight"])
+    if kind == "bert":  # the classifier's head is not the question-answering one
+        assert loaded.skipped == [] and "bert.pooler.dense.weight" not in dict(
+            head.named_parameters()
+        )
+    ref = auto.from_pretrained(directory, attn_implementation="sdpa", num_labels=arch.num_labels)
+    getattr(ref, out).load_state_dict(head.get_submodule(out).state_dict())
+    ref_kind = "bert-qa" if task == "question-answering" else "vit"
+    x, expected = inputs_and_logits(ref_kind, ref.eval(), pairs=True)
+    for unit in loaded.units.values():
+        unit.eval()
+    with torch.no_grad():
+        got = run(loaded.units, arch.unit_names(), x)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_legacy_layernorm_names_are_read(tmp_path):
+    """Older BERT checkpoints (the hub's `bert-base-uncased`) name LayerNorm parameters
+    `gamma`/`beta`, as `transformers` still reads them."""
+    directory = make_checkpoint("bert", tmp_path)
+    arch = read_architecture(directory)
+    want = load_units(directory, arch, ["embed", "blocks.0"]).units
+    path = directory / "model.safetensors"
+    tensors = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+            "LayerNorm.bias", "LayerNorm.beta"
+        ): v
+        for k, v in load_file(path).items()
+    }
+    assert any(k.endswith("LayerNorm.gamma") for k in tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    got = load_units(directory, arch, ["embed", "blocks.0"]).units
+    for name in want:
+        for (k, a), (_, b) in zip(
+            want[name].state_dict().items(), got[name].state_dict().items(), strict=True
+        ):
+            assert torch.equal(a, b), k
+
+
+def test_an_image_model_cannot_answer_questions(tmp_path):
+    arch = read_architecture(make_checkpoint("vit", tmp_path))
+    with pytest.raises(ValueError, match="model.task"):
+        arch.for_task("question-answering", 2)

@@ -137,7 +137,7 @@ def tables(url: str) -> set[str]:
 
 
 def test_head_is_the_newest_revision() -> None:
-    assert HEAD == "0007"
+    assert HEAD == "0008"
 
 
 def test_upgrade_empty_database_to_head(db_url: str, store_backend: str) -> None:
@@ -390,8 +390,8 @@ def test_0007_adds_the_freeze_boundary_each_step_trained_under(db_url: str) -> N
             )
         assert "frozen" not in columns(db_url, "metrics")
 
-        s.migrate()
-        assert s.revision() == HEAD == "0007"
+        s.migrate("0007")
+        assert s.revision() == "0007"
         assert "frozen" in columns(db_url, "metrics")
         assert [(m.step, m.loss, m.grad_norms, m.mfu, m.frozen) for m in s.metrics("old")] == [
             (1, 0.5, (0.5, None), 0.25, None)  # an old row: its boundary was not stored
@@ -410,6 +410,43 @@ def test_0007_adds_the_freeze_boundary_each_step_trained_under(db_url: str) -> N
 
         s.migrate()  # and up again: the dropped boundaries are gone, the rows are not
         assert [m.frozen for m in s.metrics("old")] == [None, None]
+    command.check(alembic_config(url=db_url))
+
+
+def test_0008_adds_question_answering_f1(db_url: str) -> None:
+    # At 0007: an evaluation as 0007 stores it; upgrading keeps it with f1 NULL (None).
+    with Store.open(db_url, migrate=False) as s:
+        s.migrate("0007")
+        s.create_job("old", spec(), "/w")
+        with s._engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO evaluations (job_id, epoch, step, accuracy, loss, time) "
+                    "VALUES ('old', 1, 10, 0.5, 0.7, :t)"
+                ),
+                {"t": from_unix(1_700_000_001.0)},
+            )
+        assert "f1" not in columns(db_url, "evaluations")
+        s.migrate()
+        assert s.revision() == HEAD == "0008"
+        s.add_evaluation("old", 2, 20, 0.6, 0.5, 1_700_000_002.0, f1=0.75)
+        assert [(e.step, e.accuracy, e.f1) for e in s.evaluations("old")] == [
+            (10, 0.5, None),
+            (20, 0.6, 0.75),
+        ]
+        with pytest.raises(ValueError, match="f1 must be a fraction"):
+            s.add_evaluation("old", 3, 30, 0.6, 0.5, 1_700_000_003.0, f1=75.0)
+        command.downgrade(alembic_config(url=db_url), "0007")
+        assert "f1" not in columns(db_url, "evaluations")
+        with s._engine.connect() as conn:  # the rows stay, without their F1
+            assert conn.execute(
+                text("SELECT step, accuracy FROM evaluations ORDER BY step")
+            ).all() == [
+                (10, 0.5),
+                (20, 0.6),
+            ]
+        s.migrate()
+        assert [e.f1 for e in s.evaluations("old")] == [None, None]
     command.check(alembic_config(url=db_url))
 
 

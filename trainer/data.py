@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from core.spec import DataSpec, ModelSpec
+from trainer.sources import cache_root
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,7 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
     `$PIPETRANSFORMER_CACHE` (default ~/.cache/pipetransformer): importing scikit-learn and
     parsing its CSV takes ~2 s, which every worker of a re-formed generation would pay again."""
     version = importlib.metadata.version("scikit-learn")
-    root = os.environ.get("PIPETRANSFORMER_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "pipetransformer"
-    path = base / "data" / f"digits-sklearn-{version}.npz"
+    path = cache_root() / "data" / f"digits-sklearn-{version}.npz"
     try:
         with np.load(path, allow_pickle=False) as cached:
             return cached["images"], cached["target"]

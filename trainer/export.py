@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from core.hf_config import read_config_json
+from core.hf_config import parse_architecture, read_config_json
 from core.manifest import CheckpointError, checkpoint_checksum, verify_checkpoint
 from core.spec import JobSpec
 
@@ -171,9 +171,12 @@ def _label_names(spec: JobSpec, original: dict[str, Any], count: int) -> list[st
 
 
 def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
-    """The pretrained checkpoint's config.json with the job's label count and names, and the
-    dtype of the exported weights."""
+    """The pretrained checkpoint's config.json with the class the job trained, its label count
+    and names, and the dtype of the exported weights."""
     config = json.loads(json.dumps(original))
+    # the class the job trained: a base model or another task's checkpoint got a new head
+    trained = parse_architecture(original).for_task(spec.model.task, spec.model.num_classes)
+    config["architectures"] = [trained.architecture]
     if spec.model.task != "question-answering":  # question answering keeps its 2 outputs
         labels = _label_names(spec, original, spec.model.num_classes)
         config["id2label"] = {str(i): name for i, name in enumerate(labels)}
@@ -190,10 +193,11 @@ def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _original_keys(directory: Path) -> set[str]:
-    from trainer.hf.load import checkpoint_index
+def _original_keys(directory: Path, family: str) -> dict[str, str]:
+    """The pretrained checkpoint's keys by the units' names (a base model's get the prefix)."""
+    from trainer.hf.load import checkpoint_index, unit_keys
 
-    return set(checkpoint_index(directory))
+    return unit_keys(checkpoint_index(directory), family)
 
 
 def _processor_files(directory: Path) -> list[Path]:
@@ -256,7 +260,8 @@ def export(
         ) from None
     original = read_config_json(pretrained)
     config = export_config(spec, original)
-    left_out = sorted(_original_keys(pretrained) - set(tensors))
+    original_keys = _original_keys(pretrained, spec.model.family)
+    left_out = sorted(original_keys[k] for k in set(original_keys) - set(tensors))
     copied = _processor_files(pretrained)
 
     out.parent.mkdir(parents=True, exist_ok=True)

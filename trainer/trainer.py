@@ -62,6 +62,7 @@ from trainer.relayout import build_training, verify_once_per_node
 from trainer.train_state import TrainState
 
 if TYPE_CHECKING:
+    from trainer.sources.qa import QASplit
     from trainer.sources.splits import SourceSplit
 
 log = logging.getLogger("pipetransformer.worker")
@@ -333,18 +334,18 @@ class Trainer:
             self.spec.data.loader_workers,
         )
         if result is not None and self.replica == 0:
-            accuracy, loss = result
             self.ctx.reporter.emit(
                 Evaluated,
                 epoch=self.state.epoch,
                 step=self.state.step,
-                accuracy=accuracy,
-                loss=loss,
+                accuracy=result.accuracy,
+                loss=result.loss,
+                f1=result.f1,
             )
         target = self.tspec.target_accuracy
         if target is None:
             return False
-        reached = result is not None and result[0] >= target
+        reached = result is not None and result.accuracy >= target
         return flag_from(self.layout.stages[-1].ranks[0], reached)
 
     def _control(self) -> Control:
@@ -426,19 +427,37 @@ def _targets(pipe: RankPipeline, labels: torch.Tensor, b: Batch) -> torch.Tensor
     return targets
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """Held-out results: accuracy (question answering: exact match) and mean loss, as fractions;
+    F1 for question answering (SQuAD's token overlap), None otherwise."""
+
+    accuracy: float
+    loss: float
+    f1: float | None = None
+
+
 def evaluate(
     pipe: RankPipeline,
-    test: Split | SourceSplit,
+    test: Split | SourceSplit | QASplit,
     global_batch: int,
     layout: Layout,
     replica: int,
     loader_workers: int = 0,
-) -> tuple[float, float] | None:
-    """Held-out (accuracy, mean loss), known on the last stage (None elsewhere). Question
-    answering counts a feature correct when both its start and its end are."""
+) -> Evaluation | None:
+    """Held-out results, known on the last stage (None elsewhere). Classification: accuracy.
+    Question answering: each feature's best span, then each question's best over its windows,
+    scored against its answers by exact match (the accuracy) and F1 (`trainer.sources.qa`)."""
     sampler = ElasticSampler(len(test), global_batch, seed=0)
     feed = Feed(test, sampler, workers=loader_workers, pin_memory=pipe.device.type == "cuda")
     correct = torch.zeros(2, device=pipe.device)  # correct count, summed loss
+    qa = getattr(test, "spans", None) is not None
+    # per feature: scored here (1), best span score, first and end character
+    spans = (
+        torch.zeros(len(test), 4, dtype=torch.float64, device=pipe.device)
+        if qa and pipe.is_last
+        else None
+    )
     cursor = 0
     try:
         while cursor < len(test):
@@ -449,10 +468,14 @@ def evaluate(
             logits = pipe.forward_only(inputs, targets)
             if pipe.is_last:
                 mask = torch.from_numpy(b.valid).to(pipe.device)
-                hits = logits.argmax(1) == targets  # [B] classes; [B, 2] start and end
-                if hits.dim() > 1:
-                    hits = hits.all(-1)
-                correct[0] += hits[mask].sum()
+                if spans is not None and b.valid.any():
+                    real = b.indices[b.valid]
+                    best = test.spans(logits[mask].float(), real)
+                    at_rows = torch.from_numpy(real).to(pipe.device)
+                    spans[at_rows, 0] = 1.0
+                    spans[at_rows, 1:] = best.to(pipe.device)
+                elif spans is None:
+                    correct[0] += (logits.argmax(1) == targets)[mask].sum()
                 correct[1] += masked_loss_sum(logits, targets)
             cursor = b.next_cursor
     finally:
@@ -461,4 +484,10 @@ def evaluate(
         return None
     if pipe.groups.data_parallel is not None:
         dist.all_reduce(correct, group=pipe.groups.data_parallel)
-    return float(correct[0]) / len(test), float(correct[1]) / len(test)
+        if spans is not None:  # each feature was scored by one replica, the others add 0
+            dist.all_reduce(spans, group=pipe.groups.data_parallel)
+    loss = float(correct[1]) / len(test)
+    if spans is not None:
+        exact, f1 = test.score(spans.cpu())
+        return Evaluation(exact, loss, f1)
+    return Evaluation(float(correct[0]) / len(test), loss)

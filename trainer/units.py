@@ -4,13 +4,13 @@ Everything that builds units goes through here (the rank's model share, AutoPipe
 so the rest of the data plane does not care where a model came from.
 
 A pretrained model's units are filled from its safetensors files, each rank reading only its
-own units' tensors; a new head (another `num_classes` than the checkpoint's) is initialised as
+own units' tensors; a new head (another task or `num_classes` than the checkpoint's head, or a
+checkpoint without one) is initialised as
 `transformers` does, from a stream derived from the job's seed and the unit's name, so every
 rank and every restart gives it the same values."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Iterable
@@ -31,24 +31,22 @@ class CheckpointChanged(ValueError):
 
 
 @functools.lru_cache(maxsize=8)
-def _architecture(path: str, num_classes: int, expected: str | None) -> HFArchitecture:
+def _architecture(path: str, task: str, num_classes: int, expected: str | None) -> HFArchitecture:
     if expected is not None and (found := fingerprint(path)) != expected:
         raise CheckpointChanged(
             f"the pretrained checkpoint in {path} changed since the job was submitted "
             f"(fingerprint {found}, submitted {expected}); restore it or submit a new job"
         )
-    arch = read_architecture(path)
-    if arch.task == "question-answering":
-        return arch
-    return dataclasses.replace(arch, num_labels=num_classes)
+    return read_architecture(path).for_task(task, num_classes)  # type: ignore[arg-type]
 
 
 def architecture(spec: ModelSpec) -> HFArchitecture:
-    """The checkpoint's architecture with the spec's label count (a pretrained spec only)."""
+    """The model the job trains from its checkpoint: the checkpoint's body with the spec's task
+    and label count (a pretrained spec only)."""
     pre = spec.pretrained
     if pre is None or pre.path is None:
         raise ValueError("model.pretrained is not resolved: submit the job to resolve it")
-    return _architecture(pre.path, spec.num_classes, pre.fingerprint)
+    return _architecture(pre.path, spec.task, spec.num_classes, pre.fingerprint)
 
 
 def empty_unit(spec: ModelSpec, name: str) -> nn.Module:
@@ -85,11 +83,13 @@ def initial_units(spec: ModelSpec, seed: int, names: Iterable[str]) -> dict[str,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(models.unit_seed(seed, "head"))
         loaded = load_units(Path(spec.pretrained.path), arch, names)
-    if loaded.skipped:
+    if loaded.new:
         log.info(
-            "a new head for %d labels: the checkpoint's %s left out",
+            "a new %s head (%d outputs): %s initialised%s",
+            arch.task,
             arch.num_labels,
-            ", ".join(loaded.skipped),
+            ", ".join(loaded.new),
+            f"; the checkpoint's {', '.join(loaded.skipped)} left out" if loaded.skipped else "",
         )
     return loaded.units
 

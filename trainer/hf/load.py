@@ -5,10 +5,16 @@ computed as usual), then each parameter is filled from the checkpoint's safetens
 `safetensors.safe_open`, which reads one tensor at a time: a pipeline rank never reads the
 rest of the model.
 
-A head for another label count than the checkpoint's (`arch.num_labels` differs): the
-checkpoint's head tensors whose shape no longer fits are skipped (their names are returned, so
-the caller can say so) and the new parameters are initialised as `transformers` does (Linear:
-normal(0, initializer_range) weight, zero bias)."""
+A checkpoint's own names are read as `transformers` reads them: a base model's (`ViTModel`,
+`BertModel`: keys without the `<family>.` prefix) and legacy LayerNorm `gamma`/`beta` names map
+onto the units' names.
+
+A new head (another task or label count than the checkpoint's head, or a checkpoint without one:
+a base model, or a pretraining head such as `BertForMaskedLM`'s): the head unit reads what the
+checkpoint has of it in the right shape (a ViT's final norm, BERT's pooler), the checkpoint's
+head tensors that no longer fit are skipped, and the rest is initialised as `transformers` does
+(Linear: normal(0, initializer_range) weight, zero bias); both lists are returned, so the caller
+can say so."""
 
 from __future__ import annotations
 
@@ -37,12 +43,13 @@ SINGLE_FILE, INDEX_FILE = WEIGHTS_FILE, WEIGHTS_INDEX  # what save_pretrained wr
 
 @dataclasses.dataclass
 class LoadedUnits:
-    """The units by name (in the order asked), the checkpoint keys skipped for a new head, and
-    the `transformers` config they were built from."""
+    """The units by name (in the order asked); for a new head, the checkpoint keys skipped and
+    the parameters initialised; the `transformers` config they were built from."""
 
     units: dict[str, nn.Module]
     skipped: list[str]
     config: PretrainedConfig
+    new: list[str] = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -82,8 +89,29 @@ def checkpoint_index(directory: str | Path) -> dict[str, Path]:
         return {key: single for key in f.keys()}
 
 
+_LEGACY_SUFFIXES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
+
+
+def unit_keys(index: dict[str, Path], family: str) -> dict[str, str]:
+    """The units' name of each checkpoint key -> the key as the checkpoint spells it: a base
+    model's keys get the `<family>.` prefix the task models have, legacy LayerNorm names the
+    current ones (what `transformers` does when it loads the checkpoint)."""
+    prefixed = any(k.startswith(f"{family}.") for k in index)
+    out: dict[str, str] = {}
+    for key in index:
+        name = key
+        for old, new in _LEGACY_SUFFIXES.items():
+            if name.endswith(old):
+                name = name[: -len(old)] + new
+        if not prefixed:
+            name = f"{family}.{name}"
+        out[name] = key
+    return out
+
+
 def _check_same_model(arch: HFArchitecture, checkpoint: HFArchitecture) -> None:
-    fields = [f.name for f in dataclasses.fields(HFArchitecture) if f.name != "num_labels"]
+    head = {"num_labels", "task", "architecture"}  # a job may give the body a new head
+    fields = [f.name for f in dataclasses.fields(HFArchitecture) if f.name not in head]
     diff = [f for f in fields if getattr(arch, f) != getattr(checkpoint, f)]
     if diff:
         raise ValueError(
@@ -120,46 +148,52 @@ def load_units(
     directory = Path(directory)
     checkpoint_arch = parse_architecture(read_config_json(directory))
     _check_same_model(arch, checkpoint_arch)
-    new_head = arch.num_labels != checkpoint_arch.num_labels
+    new_head = not arch.same_head(checkpoint_arch)
     config = hf_config(directory, arch, attn_implementation)
     names = list(names)
     with parameters_on_meta():
         units = {name: build_unit(config, arch, name) for name in names}
     index = checkpoint_index(directory)
+    keys = unit_keys(index, arch.family)
     skipped: list[str] = []
+    new: list[str] = []
     for name, unit in units.items():
         prefixes = unit_prefixes(arch, name)
         expected = unit.state_dict(keep_vars=True)
-        present = {k for k in index if k.startswith(prefixes)}
+        present = {k for k in keys if k.startswith(prefixes)}
         missing, unexpected = set(expected) - present, present - set(expected)
-        if missing or unexpected:
+        fresh = name == "head" and new_head  # what the checkpoint lacks is initialised
+        if (missing or unexpected) and not fresh:
             raise ValueError(
                 f"{directory}: unit {name!r} does not match the checkpoint: "
                 f"missing keys [{_fmt(missing)}]; unexpected keys [{_fmt(unexpected)}]"
             )
+        skipped += sorted(keys[k] for k in unexpected)  # a new head's leftovers
         by_file: dict[Path, list[str]] = {}
-        for key in sorted(expected):
-            by_file.setdefault(index[key], []).append(key)
+        for key in sorted(set(expected) & present):
+            by_file.setdefault(index[keys[key]], []).append(key)
         values: dict[str, torch.Tensor] = {}
-        for file, keys in by_file.items():
+        for file, names_in_file in by_file.items():
             with safe_open(str(file), framework="pt") as f:
-                for key in keys:
-                    shape = torch.Size(f.get_slice(key).get_shape())
+                for key in names_in_file:
+                    stored = keys[key]
+                    shape = torch.Size(f.get_slice(stored).get_shape())
                     want = expected[key].shape
                     if shape != want:
-                        if name == "head" and new_head:
-                            skipped.append(key)
+                        if fresh:
+                            skipped.append(stored)
                             continue
                         raise ValueError(
-                            f"{file}: {key} has shape {list(shape)}, the unit wants {list(want)}"
+                            f"{file}: {stored} has shape {list(shape)}, the unit wants {list(want)}"
                         )
-                    values[key] = f.get_tensor(key).to(expected[key].dtype)
+                    values[key] = f.get_tensor(stored).to(expected[key].dtype)
         for key in sorted(set(expected) - set(values)):  # a new head's parameters
             module_name, _, param_name = key.rpartition(".")
             module = unit.get_submodule(module_name)
             values[key] = _init_new(
                 module, param_name, expected[key].shape, config.initializer_range
             )
+            new.append(key)
         unit.load_state_dict(values, strict=True, assign=True)
         unit.to(device)
-    return LoadedUnits(units=units, skipped=skipped, config=config)
+    return LoadedUnits(units=units, skipped=skipped, config=config, new=new)

@@ -87,9 +87,9 @@ def hf_config(
     directory: str | Path, arch: HFArchitecture, attn_implementation: str = "sdpa"
 ) -> PretrainedConfig:
     """The `transformers` config of the checkpoint in `directory` (its config.json), with
-    `arch.num_labels` (a new head's label count) and the attention implementation set."""
+    `arch.num_labels` (a new head's outputs) and the attention implementation set."""
     config = CONFIG_CLASSES[arch.family].from_dict(read_config_json(directory))
-    if arch.task != "question-answering" and config.num_labels != arch.num_labels:
+    if config.num_labels != arch.num_labels:  # a new head's outputs (question answering: 2)
         config.num_labels = arch.num_labels
     config._attn_implementation = attn_implementation
     return config

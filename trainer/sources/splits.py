@@ -16,6 +16,7 @@ from core.spec import DataSpec, ModelSpec
 from trainer.sources import DataError
 from trainer.sources.dataset import SourceDataset
 from trainer.sources.image_folder import Augmentation, ImagePreprocessor, open_image_folder
+from trainer.sources.qa import QASplit, open_qa_splits
 from trainer.sources.tabular import Columns, open_split, open_splits
 from trainer.sources.text import TextEncoder
 
@@ -67,11 +68,16 @@ def _image_folders(data: DataSpec, model: ModelSpec) -> tuple[datasets.Dataset, 
     return train, test
 
 
-def open_source_splits(data: DataSpec, model: ModelSpec) -> tuple[SourceSplit, SourceSplit]:
-    """The training and held-out splits of a data source, checked (DataError naming what)."""
+def open_source_splits(
+    data: DataSpec, model: ModelSpec
+) -> tuple[SourceSplit, SourceSplit] | tuple[QASplit, QASplit]:
+    """The training and held-out splits of a data source, checked (DataError naming what);
+    question answering's are features (`trainer.sources.qa`)."""
     pre = model.pretrained
     if pre is None or pre.path is None:
         raise ValueError("a data source needs a resolved model.pretrained (submit the job)")
+    if model.task == "question-answering":
+        return open_qa_splits(data, model)
     cols = data.columns
     if data.dataset == "image-folder":
         columns = Columns(image="image", label="label")

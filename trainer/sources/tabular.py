@@ -36,9 +36,11 @@ class Columns:
     text: str | None = None
     text_pair: str | None = None
     label: str | None = "label"
+    others: tuple[str, ...] = ()  # further columns a task reads (question answering's)
 
     def required(self) -> list[str]:
-        return [c for c in (self.image, self.text, self.text_pair, self.label) if c is not None]
+        used = (self.image, self.text, self.text_pair, self.label, *self.others)
+        return [c for c in used if c is not None]
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,82 @@ class QAFeature:
     offsets: list[tuple[int, int] | None]
 
 
+def squad_windows(
+    tok: Any,
+    ex_id: str,
+    question: str,
+    context: str,
+    answers: Mapping[str, Any] | None,
+    max_length: int,
+    stride: int,
+) -> list[dict[str, Any]]:
+    """One SQuAD example's windows: dicts of `input_ids`, `token_type_ids`, `attention_mask`
+    (lists of max_length ints), `start`/`end` (the answer's token positions, the CLS position
+    when the answer is not in the window; the first answer is the target) and `offsets` (the
+    character span of each token in the context, None outside it). `tok`: a fast tokenizer."""
+    question = question.lstrip()  # leading spaces waste the window (as `run_qa.py` does)
+    try:
+        enc = tok(
+            question,
+            context,
+            truncation="only_second",
+            max_length=max_length,
+            stride=stride,
+            return_overflowing_tokens=True,
+            return_offsets_mapping=True,
+            padding="max_length",
+            return_token_type_ids=True,
+        )
+    except Exception as exc:  # e.g. a question longer than max_length - stride
+        raise DataError(f"example {ex_id}: cannot split into windows: {exc}") from exc
+    answers = answers or {}
+    texts, starts = list(answers.get("text") or []), list(answers.get("answer_start") or [])
+    if len(texts) != len(starts):
+        raise DataError(
+            f"example {ex_id}: answers has {len(texts)} texts but {len(starts)} answer_start"
+        )
+    a0 = a1 = None
+    if texts:
+        a0 = int(starts[0])
+        a1 = a0 + len(texts[0])
+        if context[a0:a1] != texts[0]:
+            raise DataError(
+                f"example {ex_id}: answer {texts[0]!r} is not at character {a0} of its context"
+            )
+    out = []
+    for w in range(len(enc["input_ids"])):
+        ids = enc["input_ids"][w]
+        seq = enc.sequence_ids(w)
+        offsets = [
+            tuple(o) if s == 1 else None for o, s in zip(enc["offset_mapping"][w], seq, strict=True)
+        ]
+        cls = ids.index(tok.cls_token_id) if tok.cls_token_id in ids else 0
+        start = end = cls
+        ctx = [t for t, o in enumerate(offsets) if o is not None]
+        if a0 is not None and ctx and offsets[ctx[0]][0] <= a0 and offsets[ctx[-1]][1] >= a1:
+            start = next(t for t in ctx if offsets[t][1] > a0)
+            end = next(t for t in reversed(ctx) if offsets[t][0] < a1)
+        out.append(
+            {
+                "input_ids": ids,
+                "token_type_ids": enc["token_type_ids"][w],
+                "attention_mask": enc["attention_mask"][w],
+                "start": start,
+                "end": end,
+                "offsets": offsets,
+            }
+        )
+    return out
+
+
+def check_fast_tokenizer(tok: Any) -> None:
+    """SQuAD features need offset mappings (a fast tokenizer) and right padding."""
+    if not getattr(tok, "is_fast", False):
+        raise DataError("question answering needs a fast tokenizer (offset mappings)")
+    if tok.padding_side != "right":
+        raise DataError("question answering needs a tokenizer that pads on the right")
+
+
 def squad_features(
     encoder: TextEncoder,
     examples: Iterable[Mapping[str, Any]],
@@ -115,53 +191,17 @@ def squad_features(
     `answer_start` lists; the first answer is the training target). Needs a fast tokenizer (for
     offset mappings). Windows of `encoder.max_length` tokens overlap by `stride` tokens."""
     tok = encoder.tokenizer
-    if not getattr(tok, "is_fast", False):
-        raise DataError("SQuAD features need a fast tokenizer (offset mappings)")
-    if tok.padding_side != "right":
-        raise DataError("SQuAD features need a tokenizer that pads on the right")
+    check_fast_tokenizer(tok)
     features: list[QAFeature] = []
     for ex in examples:
-        ex_id, question, context = str(ex["id"]), ex["question"].lstrip(), ex["context"]
-        try:
-            enc = tok(
-                question,
-                context,
-                truncation="only_second",
-                max_length=encoder.max_length,
-                stride=stride,
-                return_overflowing_tokens=True,
-                return_offsets_mapping=True,
-                padding="max_length",
-                return_token_type_ids=True,
+        ex_id = str(ex["id"])
+        for w in squad_windows(
+            tok, ex_id, ex["question"], ex["context"], ex.get("answers"), encoder.max_length, stride
+        ):
+            inputs = torch.tensor(
+                [w["input_ids"], w["token_type_ids"], w["attention_mask"]], dtype=torch.int64
             )
-        except Exception as exc:  # e.g. a question longer than max_length - stride
-            raise DataError(f"example {ex_id}: cannot split into windows: {exc}") from exc
-        answers = ex.get("answers") or {}
-        texts, starts = list(answers.get("text", [])), list(answers.get("answer_start", []))
-        for w in range(len(enc["input_ids"])):
-            ids = enc["input_ids"][w]
-            seq = enc.sequence_ids(w)
-            offsets = [
-                tuple(o) if s == 1 else None
-                for o, s in zip(enc["offset_mapping"][w], seq, strict=True)
-            ]
-            cls = ids.index(tok.cls_token_id) if tok.cls_token_id in ids else 0
-            start = end = cls
-            if texts:
-                a0 = int(starts[0])
-                a1 = a0 + len(texts[0])
-                if context[a0:a1] != texts[0]:
-                    raise DataError(
-                        f"example {ex_id}: answer {texts[0]!r} is not at character {a0} of "
-                        "its context"
-                    )
-                ctx = [t for t, o in enumerate(offsets) if o is not None]
-                if offsets[ctx[0]][0] <= a0 and offsets[ctx[-1]][1] >= a1:
-                    start = next(t for t in ctx if offsets[t][1] > a0)
-                    end = next(t for t in reversed(ctx) if offsets[t][0] < a1)
-            types = enc["token_type_ids"][w]
-            inputs = torch.tensor([ids, types, enc["attention_mask"][w]], dtype=torch.int64)
-            features.append(QAFeature(ex_id, inputs, start, end, offsets))  # type: ignore[arg-type]
+            features.append(QAFeature(ex_id, inputs, w["start"], w["end"], w["offsets"]))
     return features
 
 
