@@ -35,6 +35,7 @@ from core.protocol import (
     Assignment,
     CacheDecided,
     Control,
+    DataOpened,
     Evaluated,
     FirstStep,
     LayoutPlanned,
@@ -43,6 +44,7 @@ from core.protocol import (
     RunOutcome,
     Started,
 )
+from core.provenance import describe_data
 from core.sampler import IGNORE, Batch, ElasticSampler
 from core.spec import JobSpec
 from core.state import Layout, StageLayout
@@ -96,6 +98,9 @@ class Trainer:
         self.ctx, self.spec, self.tspec = ctx, ctx.spec, ctx.spec.training
         self.leave = leave or LeaveRequest()
         self.data = load_dataset(self.spec.data, self.spec.model)
+        if ctx.rank == 0:  # where the data came from, once per generation (issue 23)
+            rows = len(self.data.train), len(self.data.test)
+            ctx.reporter.emit(DataOpened, origin=describe_data(self.spec.data, *rows))
         self.sampler = ElasticSampler(
             len(self.data.train), self.tspec.global_batch_size, self.tspec.seed
         )
