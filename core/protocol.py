@@ -321,6 +321,39 @@ class CacheDecided(_Event):
     ram_fraction: float | None = None
 
 
+# a path, a split or column name in a report: the spec's own bounds (a path's is the longest)
+_Text = Annotated[str, Field(max_length=4_096)]
+
+
+class SplitOrigin(_Model):
+    """Where one split of a job's data came from: its rows, the files or folder it was read from
+    (none for a built-in data set) and, for a `save_to_disk` DatasetDict, the split's name."""
+
+    rows: int | None = Field(None, ge=0)  # None: not opened yet (described from the spec alone)
+    paths: list[_Text] = Field(default_factory=list, max_length=1024)
+    split: _Text | None = None
+    windows: int | None = Field(None, ge=0)  # question answering: the samples its rows became
+
+
+class DataOrigin(_Model):
+    """Where a job's data came from (`core.provenance.describe_data`): the data set (a built-in
+    one by its name), the training and held-out splits, and the columns read (role -> column;
+    none for a built-in data set)."""
+
+    dataset: _Text
+    builtin: bool
+    train: SplitOrigin
+    test: SplitOrigin
+    columns: dict[_Text, _Text] = Field(default_factory=dict, max_length=8)
+
+
+class DataOpened(_Event):
+    """Rank 0 opened the job's data (once per generation, before the first step)."""
+
+    kind: Literal["data"] = "data"
+    origin: DataOrigin
+
+
 class Finished(_Event):
     """Rank 0: the job's training ended as asked (all steps, the target, or a stop)."""
 
@@ -377,6 +410,7 @@ WorkerEvent = Annotated[
     | LayoutPlanned
     | FreezeDecided
     | CacheDecided
+    | DataOpened
     | Finished
     | Failed
     | PeerLost

@@ -12,6 +12,7 @@ from typing import Any
 
 import streamlit as st
 
+from core.provenance import DATA_OPENED
 from dashboard import figures, views
 from dashboard import timeline as tl
 from dashboard.control import pending_raw
@@ -57,6 +58,9 @@ def header(store: Store, job: JobInfo) -> None:
         f"{job.name} · workdir `{job.workdir}` · created {views.fmt_time(job.created_at)} · "
         f"updated {views.fmt_time(job.updated_at)}{source}"
     )
+    # where the model and the data came from: the spec, and the workers' report of the rows
+    opened = store.events(job.id, limit=1, kinds=[DATA_OPENED])
+    st.caption("  \n".join(views.provenance_lines(job.spec, opened)))
     layout = store.current_layout(job.id)
     recent = store.metrics(job.id, last=THROUGHPUT_WINDOW)
     rates = [m.samples_per_s for m in recent if m.samples_per_s is not None]

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from core.protocol import FreezeOutcome, read_freeze_request
+from core.provenance import origin_of, provenance
 from core.readings import mfu_text, peak_memory_text
 from core.spec import JobSpec
 from store.rows import EventRow, MetricRow, WorkerRow
@@ -160,6 +161,22 @@ def device_use(
     if (peak := peak_memory_text(peak_memory_mib)) is not None:
         out.append(("Peak GPU memory", peak))
     return out
+
+
+_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]<>#|~$"})
+
+
+def markdown_text(text: str) -> str:
+    """Plain text (a path, a column name) that Streamlit's markdown shows as written."""
+    return text.translate(_MARKDOWN)
+
+
+def provenance_lines(spec: JobSpec, opened: Sequence[EventRow]) -> list[str]:
+    """Where the job's model and data came from, one markdown line per row of
+    `core.provenance.provenance`. `opened`: the job's `data_opened` events, newest first (as
+    `Store.events` returns them); the newest gives each split's rows."""
+    origin = origin_of(opened[0].data) if opened else None
+    return [f"**{label}** · {markdown_text(text)}" for label, text in provenance(spec, origin)]
 
 
 def spec_yaml(spec: JobSpec) -> str:

@@ -36,7 +36,7 @@ from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.local import admission_problems, job_etcd, train_here
 from orchestrator.progress import ProgressView
-from orchestrator.report import print_summary
+from orchestrator.report import print_summary, provenance_rows
 from orchestrator.roles import TrainerPods, serve_node
 from orchestrator.sources import resolve_submission
 from store import DB_ENV, Store, UnknownJob, sqlite_url
@@ -198,6 +198,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     ckpt = status.checkpoint
     if ckpt:
         table.add_row("checkpoint", f"{ckpt.path} (step {ckpt.step})")
+    # where the model and the data came from (the spec; rows from the workers' report)
+    for label, text in provenance_rows(store, store.get_job(job_id)):
+        table.add_row(label, escape(text))
     console.print(table)
     return 0
 

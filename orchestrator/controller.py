@@ -49,6 +49,7 @@ from core.protocol import (
     CheckpointFailed,
     CheckpointWritten,
     Control,
+    DataOpened,
     Evaluated,
     Failed,
     Finished,
@@ -69,6 +70,7 @@ from core.protocol import (
     parse_event,
     read_freeze_request,
 )
+from core.provenance import DATA_OPENED, data_text
 from core.spec import JobSpec
 from core.state import Layout, TrainingState
 from orchestrator.generations import Generation, Generations
@@ -772,6 +774,13 @@ class Controller:
                     "cache_decided",
                     f"rank {e.rank}: AutoCache {use} the frozen prefix at F={e.boundary}: "
                     f"{e.reason}",
+                    rank=e.rank,
+                    data=e.payload(),
+                )
+            case DataOpened():
+                self._record_event(
+                    DATA_OPENED,
+                    f"generation {e.generation} opened the data: {data_text(e.origin)}",
                     rank=e.rank,
                     data=e.payload(),
                 )

@@ -1,6 +1,7 @@
 """What `pipetransformer run`, `resume` and the controller role print when a job's run ends: the
-job's state and where its things are, then what the elastic machinery did (one row per layout
-version, what re-laying out bought, what AutoCache decided). Reads the store; renders with rich.
+job's state, where its model and data came from and where its things are, then what the elastic
+machinery did (one row per layout version, what re-laying out bought, what AutoCache decided).
+Reads the store; renders with rich.
 """
 
 from __future__ import annotations
@@ -11,9 +12,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from core.provenance import DATA_OPENED, origin_of, provenance
 from core.readings import held_out_text
 from orchestrator.summary import bought_line, cache_line, history_from_store, history_table
-from store import Store
+from store import JobInfo, Store
+
+
+def provenance_rows(store: Store, job: JobInfo) -> list[tuple[str, str]]:
+    """Where the job's model and data came from (`core.provenance.provenance`): the model from
+    its stored spec, the data's rows from the newest `data_opened` event (the workers' report)."""
+    opened = store.events(job.id, limit=1, kinds=[DATA_OPENED])
+    return provenance(job.spec, origin_of(opened[0].data if opened else None))
 
 
 def print_summary(
@@ -39,6 +48,8 @@ def print_summary(
     table.add_row("held-out", held_out_text(job.accuracy, f1, digits=2) or "n/a")
     table.add_row("progress", f"epoch {job.epoch}, step {job.step}")
     table.add_row("wall time", f"{wall_s:.1f}s")
+    for label, text in provenance_rows(store, job):
+        table.add_row(label, escape(text))
     table.add_row("store", store_url)
     table.add_row("checkpoints", str(checkpoints))
     if ckpt:

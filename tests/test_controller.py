@@ -29,6 +29,7 @@ from core.protocol import (
     WorkerExit,
     parse_event,
 )
+from core.provenance import DATA_OPENED, describe_data, origin_of
 from core.spec import JobSpec
 from orchestrator.controller import Controller
 from orchestrator.etcd_server import EmbeddedEtcd
@@ -449,6 +450,22 @@ def test_a_malformed_or_unknown_report_is_rejected_not_fatal(
     kinds = [e.kind for e in store.events("job-ft")]
     assert "generation_resumed" in kinds and "worker_leaving" in kinds
     assert etcd.get_prefix(keys.events("job-ft")) == []
+
+
+def test_a_data_report_is_recorded_for_status_and_the_dashboard(ctrl, etcd, store) -> None:
+    """Rank 0's DataOpened becomes a `data_opened` event whose data reads back as the report's
+    origin (what `status`, the summary and the dashboard show)."""
+    _join(etcd, 2, ["a:1", "b:2"])
+    a = ctrl.answer_join()
+    origin = describe_data(_spec().data, 1437, 360)
+    _report(etcd, a.generation, 0, "data", origin=origin.model_dump(mode="json"))
+    ctrl.tick()
+    (opened,) = store.events("job-ft", kinds=[DATA_OPENED])
+    assert origin_of(opened.data) == origin and opened.rank == 0
+    assert opened.message == (
+        f"generation {a.generation} opened the data: built-in digits: train 1,437 rows; "
+        "held-out 360 rows"
+    )
 
 
 def test_a_request_filed_by_hand_without_its_fields_is_audited_and_rejected(

@@ -67,6 +67,8 @@ def test_job_page_renders(monkeypatch: pytest.MonkeyPatch, finished_run) -> None
     assert metrics["Frozen"] == f"{job.freeze_boundary}/{job.spec.model.depth}"
     assert metrics["Layout"].startswith("v")
     assert all(m.value and "None" not in m.value for m in at.metric)
+    # where the model and the data came from (the rows: the workers' DataOpened report)
+    assert "on built-in digits, 1,438 train / 359 held-out rows" in page_text(at)
     # Sidebar lists the job with its state; a finished job is not polled.
     (radio,) = [r for r in at.sidebar.radio if r.key == "job"]
     assert radio.value == finished_run.job_id

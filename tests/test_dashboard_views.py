@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import yaml
 
-from core.protocol import FreezeRequest
+from core.protocol import DataOpened, FreezeRequest
+from core.provenance import DATA_OPENED, describe_data
 from core.spec import parse_spec
 from dashboard.views import (
     FREEZE_REQUEST_KINDS,
@@ -13,6 +14,8 @@ from dashboard.views import (
     exit_text,
     fmt_ago,
     freeze_requests,
+    markdown_text,
+    provenance_lines,
     spec_yaml,
     worker_rows,
 )
@@ -207,3 +210,44 @@ def test_device_use_in_the_header_only_when_known() -> None:
     ]
     assert device_use(cpu, [2048.0]) == [("Peak GPU memory", "2.0 GiB (rank 0)")]
     assert device_use(gpu, None) == [("MFU", "41.2 %")]
+
+
+def test_the_header_says_where_model_and_data_came_from() -> None:
+    """The model from the stored spec, each split's rows from the newest `data_opened` event
+    (events come newest first), paths and column names shown as written, not as markdown."""
+    spec = parse_spec(
+        {
+            "name": "x",
+            "model": {
+                "pretrained": {"source": "./my_vit", "path": "/m/my_vit", "fingerprint": "ab" * 16},
+                "family": "vit", "dim": 32, "depth": 3, "heads": 2, "image_size": 16,
+                "patch_size": 4, "channels": 3, "num_classes": 5,
+            },
+            "data": {"dataset": "table", "train": "/d/train_*.parquet", "test": "/d/test.parquet",
+                     "columns": {"image": "img_col"}},
+            "parallel": {"stages": 1},
+        }
+    )  # fmt: skip
+
+    def opened(id: int, rows: int) -> EventRow:
+        origin = describe_data(spec.data, rows, 20)
+        data = DataOpened(rank=0, generation=id, origin=origin).payload()
+        return EventRow(id=id, time=T0 + id, kind=DATA_OPENED, rank=0, message="", data=data)
+
+    lines = provenance_lines(spec, [opened(2, 80), opened(1, 79)])
+    assert lines == [
+        "**model** · /m/my\\_vit (vit, 3 blocks of dim 32, 5 classes; fingerprint abababababab)",
+        "**data** · table; columns img\\_col (image), label",
+        "**train** · 80 rows from /d/train\\_\\*.parquet",
+        "**held-out** · 20 rows from /d/test.parquet",
+    ]
+    assert (
+        provenance_lines(spec, [])[2]
+        == "**train** · /d/train\\_\\*.parquet (rows not reported yet)"
+    )
+    seeded = provenance_lines(parse_spec({"name": "s", "data": {"dataset": "digits"}}), [])
+    assert seeded == [
+        "**model, data** · seeded vit, 6 blocks of dim 64, 10 classes on built-in digits, "
+        "rows not reported yet"
+    ]
+    assert markdown_text("a_b *c* `d` $e$ <f>") == "a\\_b \\*c\\* \\`d\\` \\$e\\$ \\<f\\>"

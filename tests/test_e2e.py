@@ -28,11 +28,16 @@ pytestmark = pytest.mark.slow
 # Signal tests need the job still running when the signal lands, well after its first
 # checkpoint, even on a loaded machine: give them room.
 SIGNAL_EPOCHS = 6
+# what `status` and the summary say of TINY_SPEC's model and data (1438 + 359 digits, the stratified split)
+BUILT_IN = (
+    "seeded vit, 2 blocks of dim 32, 10 classes on built-in digits, 1,438 train / 359 held-out rows"
+)
 
 
 def test_run_records_job_layout_metrics_and_checkpoint(trained_run: RealRun) -> None:
     out = trained_run.result.stdout
     assert re.search(r"held-out +acc \d", out) and "pipetransformer dashboard" in out
+    assert BUILT_IN in out  # where the model and the data came from, in one line
     store = trained_run.store()
     job = store.get_job(trained_run.job_id)
     assert job.state == "completed"
@@ -57,6 +62,7 @@ def test_run_records_job_layout_metrics_and_checkpoint(trained_run: RealRun) -> 
 
     kinds = [e.kind for e in store.events(job.id)]
     assert kinds.count("worker_started") == 2 and "job_completed" in kinds
+    assert kinds.count("data_opened") == 1  # rank 0's DataOpened, once per generation
     assert [g.state for g in store.generations(job.id)] == ["completed"]
 
 
@@ -70,6 +76,7 @@ def test_status_json_reports_accuracy(trained_run: RealRun) -> None:
     # the table a person reads names the last committed checkpoint, as the JSON does
     table = cli("status", "--workdir", str(trained_run.workdir))
     assert table.returncode == 0 and status["checkpoint"]["path"] in table.stdout, table.stdout
+    assert BUILT_IN in table.stdout  # the seeded model and the built-in data, rows reported
 
     res = cli("status", "no-such-job", "--workdir", str(trained_run.workdir))
     assert res.returncode == 2

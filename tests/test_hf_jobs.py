@@ -254,12 +254,18 @@ def test_rank_model_equals_the_transformers_model(made: dict[str, Path], kind: s
 # -- real jobs --------------------------------------------------------------------------------
 
 
-def _run(tmp_path: Path, name: str, spec: dict) -> Store:
+def _run(tmp_path: Path, name: str, spec: dict) -> tuple[Store, str]:
+    """The job's store and what `run` printed (its end-of-run summary)."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**spec, "name": name}))
     res = cli("run", str(path), "--workdir", str(tmp_path / name), "--job-id", name, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    return Store.open(sqlite_url(tmp_path / name / "store.db"), migrate=False)
+    return Store.open(sqlite_url(tmp_path / name / "store.db"), migrate=False), res.stdout
+
+
+def _flat(text: str) -> str:
+    """Without whitespace: a table may fold a long path across lines."""
+    return "".join(text.split())
 
 
 TRAIN = {
@@ -275,7 +281,7 @@ def test_an_image_folder_job_freezes_and_relays_out(made: dict[str, Path], tmp_p
     """2 stages from a pretrained ViT with a new 10-label head, read by a loader process,
     frozen by the schedule and re-laid out; with augmentation AutoCache stays off and says so."""
     data = {**_image_data(made), "augment": True, "loader_workers": 1}
-    store = _run(
+    store, _ = _run(
         tmp_path,
         "vit",
         {"model": {"pretrained": str(made["vit"]), "num_classes": 10}, "data": data, **TRAIN},
@@ -292,7 +298,7 @@ def test_an_image_folder_job_freezes_and_relays_out(made: dict[str, Path], tmp_p
 
 @pytest.mark.slow
 def test_a_sentence_pair_job_trains_and_caches(made: dict[str, Path], tmp_path: Path) -> None:
-    store = _run(
+    store, summary = _run(
         tmp_path,
         "bert",
         {
@@ -306,6 +312,19 @@ def test_a_sentence_pair_job_trains_and_caches(made: dict[str, Path], tmp_path: 
     assert job.spec.model.width == 33  # the attention mask travels as one extra channel
     assert any(e.kind == "cache_decided" and e.data["use"] for e in store.events("bert", limit=500))
     assert store.latest_checkpoint("bert") is not None
+    # where the model and the data came from, in the summary and `status` (issue 23): the rows
+    # are the workers' report (DataOpened), the rest the stored spec
+    status = cli("status", "bert", "--workdir", str(tmp_path / "bert"))
+    assert status.returncode == 0, status.stderr
+    fingerprint = job.spec.model.pretrained.fingerprint[:12]
+    for out in (summary, status.stdout):
+        for text in (
+            f"{made['bert']} (bert, 3 blocks of dim 32, 2 classes; fingerprint {fingerprint})",
+            f"96 rows from {made['pairs'] / 'train.parquet'}",
+            f"32 rows from {made['pairs'] / 'test.parquet'}",
+            "sentence1 (text), sentence2 (text_pair), label",
+        ):
+            assert _flat(text) in _flat(out), out
     store.close()
 
 
@@ -437,7 +456,7 @@ def test_a_question_answering_job_scores_exact_match_and_f1(
         _squad_data(made, loader_workers=1),
         **TRAIN,
     )
-    store = _run(tmp_path, "qa", spec)
+    store, summary = _run(tmp_path, "qa", spec)
     job = store.get_job("qa")
     assert job.state == "completed", job.message
     evaluations = store.evaluations("qa")
@@ -446,4 +465,9 @@ def test_a_question_answering_job_scores_exact_match_and_f1(
         assert e.f1 is not None and 0.0 <= e.accuracy <= e.f1 <= 1.0
     assert job.accuracy == evaluations[-1].accuracy
     assert len(store.layouts("qa")) >= 2  # re-laid out after freezing
+    last = evaluations[-1]
+    assert f"EM {last.accuracy:.2%} F1 {last.f1:.2%}" in summary
+    flat = _flat(summary)  # where the data came from: questions, and the windows they became
+    assert _flat("question answering") in flat and _flat("64 rows (") in flat
+    assert _flat("id, question, context, answers") in flat
     store.close()

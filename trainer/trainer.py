@@ -35,6 +35,8 @@ from core.protocol import (
     Assignment,
     CacheDecided,
     Control,
+    DataOpened,
+    DataOrigin,
     Evaluated,
     FirstStep,
     LayoutPlanned,
@@ -43,6 +45,7 @@ from core.protocol import (
     RunOutcome,
     Started,
 )
+from core.provenance import describe_data
 from core.sampler import IGNORE, Batch, ElasticSampler
 from core.spec import JobSpec
 from core.state import Layout, StageLayout
@@ -97,6 +100,8 @@ class Trainer:
         self.ctx, self.spec, self.tspec = ctx, ctx.spec, ctx.spec.training
         self.leave = leave or LeaveRequest()
         self.data = load_dataset(self.spec.data, self.spec.model)
+        if ctx.rank == 0:  # where the data came from, once per generation
+            ctx.reporter.emit(DataOpened, origin=self._data_origin())
         self.sampler = ElasticSampler(
             len(self.data.train), self.tspec.global_batch_size, self.tspec.seed
         )
@@ -121,6 +126,18 @@ class Trainer:
         self.peak_flops = peak_flops(ctx.compute.name(), self.tspec.precision)
         self.flops_per_sample = 0.0
         self._build(load_from=start.checkpoint, checksum=ctx.assignment.resume_checksum)
+
+    def _data_origin(self) -> DataOrigin:
+        train, test = self.data.train, self.data.test
+        if self.spec.model.task != "question-answering":
+            return describe_data(self.spec.data, len(train), len(test))
+        return describe_data(
+            self.spec.data,
+            train.num_examples,
+            test.num_examples,
+            question_answering=True,
+            windows=(len(train), len(test)),
+        )
 
     # -- where this rank sits in the layout in force ------------------------------------------------
 
