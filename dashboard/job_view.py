@@ -48,6 +48,16 @@ def _chart(fig: Any, key: str) -> None:
     st.plotly_chart(fig, key=key, config=CHART, width="stretch")
 
 
+def _held_out(store: Store, job: JobInfo) -> list[tuple[str, str]]:
+    """The latest held-out result: accuracy; question answering's exact match and F1."""
+    acc = "—" if job.accuracy is None else f"{job.accuracy:.1%}"
+    if job.spec.model.task != "question-answering":
+        return [("Accuracy", acc)]
+    evaluations = store.evaluations(job.id)
+    f1 = evaluations[-1].f1 if evaluations else None
+    return [("Exact match", acc), ("F1", "—" if f1 is None else f"{f1:.1%}")]
+
+
 def header(store: Store, job: JobInfo) -> None:
     """Title, provenance and the numbers a person checks first. Metrics sit in a wrapping row,
     each as wide as its value, so nothing is cut off on a narrow screen."""
@@ -70,7 +80,7 @@ def header(store: Store, job: JobInfo) -> None:
         ("State", job.state),
         ("Epoch", f"{job.epoch}/{job.spec.training.epochs}"),
         ("Step", str(job.step)),
-        ("Accuracy", "—" if job.accuracy is None else f"{job.accuracy:.1%}"),
+        *_held_out(store, job),
         ("Frozen", f"{job.freeze_boundary}/{job.spec.model.depth}"),
         (
             "Layout",

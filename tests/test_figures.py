@@ -450,6 +450,20 @@ def test_peak_memory_figure_keeps_gaps_for_ranks_that_did_not_say() -> None:
     assert notes(peak_memory_figure([changed(SMALL[0], peak_memory_mib=[None])])) == [EMPTY_TEXT]
 
 
+def test_question_answering_draws_exact_match_and_f1() -> None:
+    rows = [
+        EvaluationRow(epoch=0, step=3, accuracy=0.5, loss=1.0, time=T0 + 3, f1=0.6),
+        EvaluationRow(epoch=1, step=6, accuracy=0.8, loss=None, time=T0 + 6, f1=0.9),
+    ]
+    fig = accuracy_figure(rows)
+    assert [(t.name, list(t.y)) for t in fig.data] == [
+        ("exact match", [0.5, 0.8]),
+        ("F1", [0.6, 0.9]),
+    ]
+    assert "exact match and F1" in fig.layout.title.text
+    assert [t.name for t in accuracy_figure(SMALL_EVALS).data] == ["accuracy"]
+
+
 def test_accuracy_figure_with_target() -> None:
     fig = accuracy_figure(SMALL_EVALS, target=0.9)
     assert len(fig.data) == 1

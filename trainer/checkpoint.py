@@ -28,6 +28,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -635,6 +636,41 @@ def load_checkpoint(
     set_optimizer_state_dict(module, optimizer, full, options=_OPTIONS)
 
 
+class UnitsDiffer(CheckpointError):
+    """A checkpoint lacks some units of a model, or holds them at another size."""
+
+    def __init__(self, path: str | Path, problems: str) -> None:
+        super().__init__(f"{path}: its units differ from the model's: {problems}")
+        self.problems = problems
+
+
+def read_weights(
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, torch.Tensor]:
+    """The model tensors named in `tensors` (name -> a tensor of the wanted shape and dtype; on
+    the meta device is enough) from a checkpoint written under any layout: views into one flat
+    tensor per unit. Raises `UnitsDiffer` naming each unit the checkpoint lacks or holds at another size,
+    before anything is read. Collective over `group` where a process group is initialised; in a
+    process without one (`pipetransformer export`) it reads alone."""
+    stored = _SafeReader(str(path)).read_metadata().state_dict_metadata
+    problems = []
+    for key, members in _units(tensors).items():
+        size = sum(v.numel() for _, v in members)
+        entry = stored.get(f"model.{key}")
+        if entry is None:
+            problems.append(f"it has no {key}")
+        elif not hasattr(entry, "size") or entry.size.numel() != size:
+            held = entry.size.numel() if hasattr(entry, "size") else "no tensor"
+            problems.append(f"its {key} holds {held} values, this model's {size}")
+    if problems:
+        raise UnitsDiffer(path, "; ".join(problems))
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        return _load_packed(path, {"model": tensors}, group)["model"]
+
+
 def load_weights(
     path: str | Path,
     module: nn.Module,
@@ -659,22 +695,13 @@ def load_weights(
         for name, value in members
     }
     units = _units(wanted)
-    stored = _SafeReader(str(path)).read_metadata().state_dict_metadata
-    problems = []
-    for key, members in units.items():
-        size = sum(v.numel() for _, v in members)
-        entry = stored.get(f"model.{key}")
-        if entry is None:
-            problems.append(f"it has no {key}")
-        elif not hasattr(entry, "size") or entry.size.numel() != size:
-            held = entry.size.numel() if hasattr(entry, "size") else "no tensor"
-            problems.append(f"its {key} holds {held} values, this model's {size}")
-    if problems:
+    try:
+        loaded = {"model": read_weights(path, wanted, group)}
+    except UnitsDiffer as exc:
         raise CheckpointError(
-            f"{path}: cannot initialise this model from it: {'; '.join(problems)}. The model "
-            "spec must have the checkpoint's architecture (or list the unit in init.skip)"
-        )
-    loaded = _load_packed(path, {"model": wanted}, group)
+            f"{path}: cannot initialise this model from it: {exc.problems}. The model spec must "
+            "have the checkpoint's architecture (or list the unit in init.skip)"
+        ) from None
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
     assert not unexpected and all(_unit(n) in skip for n in missing), (missing, unexpected)
     return sorted({key.partition("@")[0] for key in units})

@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -116,37 +115,22 @@ def _check_destination(out: Path, force: bool, keep_clear: Iterable[Path]) -> No
 def _checkpoint_tensors(spec: JobSpec, checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of the checkpoint under its checkpoint key (unit prefix removed),
     read without a process group."""
-    from trainer.checkpoint import _load_packed, _SafeReader, _units
+    from trainer.checkpoint import UnitsDiffer, read_weights
     from trainer.units import architecture, empty_unit
 
     names = architecture(spec.model).unit_names()
     units = {name: empty_unit(spec.model, name) for name in names}  # meta: names and shapes
     state = {f"{name}.{k}": v for name, unit in units.items() for k, v in unit.state_dict().items()}
-    stored = _SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
-    problems = []
-    for key, members in _units(state).items():
-        entry = stored.get(f"model.{key}")
-        size = sum(v.numel() for _, v in members)
-        if entry is None:
-            problems.append(f"it has no {key}")
-        elif not hasattr(entry, "size") or entry.size.numel() != size:
-            held = entry.size.numel() if hasattr(entry, "size") else "no tensor"
-            problems.append(f"its {key} holds {held} values, the job's model {size}")
-    if problems:
+    try:
+        loaded = read_weights(checkpoint, state)
+    except UnitsDiffer as exc:
         raise ExportError(
-            f"{checkpoint}: not a checkpoint of this job's model: {'; '.join(problems)}"
-        )
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        loaded = _load_packed(checkpoint, {"model": state}, None)["model"]
-    out = {}
-    for name in names:
-        prefix = name + "."
-        for key in units[name].state_dict():
-            # its own storage: the loaded tensors are views into one flat tensor per unit,
-            # which safetensors refuses to write as separate tensors
-            out[key] = loaded[prefix + key].clone()
-    return out
+            f"{checkpoint}: not a checkpoint of this job's model: {exc.problems}"
+        ) from None
+    # each in its own storage: safetensors refuses to write views into one tensor separately
+    return {
+        key: loaded[f"{name}.{key}"].clone() for name in names for key in units[name].state_dict()
+    }
 
 
 def _label_names(spec: JobSpec, original: dict[str, Any], count: int) -> list[str]:
