@@ -138,14 +138,19 @@ def pair_rows(n: int, seed: int) -> dict[str, list]:
     return rows
 
 
-def make_pairs(root: Path, train: int = 1200, test: int = 300, seed: int = 0) -> Path:
-    """`root/train.parquet` and `root/test.parquet` of sentence pairs (`pair_rows`)."""
+def _parquet_splits(root: Path, rows, train: int, test: int, seed: int) -> Path:  # noqa: ANN001
+    """`root/train.parquet` and `root/test.parquet` of `rows(n, seed)`, each its own seed."""
     import datasets
 
     root.mkdir(parents=True, exist_ok=True)
     for split, n, s in (("train", train, seed), ("test", test, seed + 1)):
-        datasets.Dataset.from_dict(pair_rows(n, s)).to_parquet(str(root / f"{split}.parquet"))
+        datasets.Dataset.from_dict(rows(n, s)).to_parquet(str(root / f"{split}.parquet"))
     return root
+
+
+def make_pairs(root: Path, train: int = 1200, test: int = 300, seed: int = 0) -> Path:
+    """`root/train.parquet` and `root/test.parquet` of sentence pairs (`pair_rows`)."""
+    return _parquet_splits(root, pair_rows, train, test, seed)
 
 
 PLACES = ["on", "in", "with"]
@@ -183,12 +188,7 @@ def squad_rows(n: int, seed: int, facts: int = 5) -> dict[str, list]:
 
 def make_squad(root: Path, train: int = 1200, test: int = 300, seed: int = 0) -> Path:
     """`root/train.parquet` and `root/test.parquet` of SQuAD-format questions (`squad_rows`)."""
-    import datasets
-
-    root.mkdir(parents=True, exist_ok=True)
-    for split, n, s in (("train", train, seed), ("test", test, seed + 1)):
-        datasets.Dataset.from_dict(squad_rows(n, s)).to_parquet(str(root / f"{split}.parquet"))
-    return root
+    return _parquet_splits(root, squad_rows, train, test, seed)
 
 
 def _pretrain(model, batches, epochs: int, lr: float, seed: int = 0) -> None:  # noqa: ANN001

@@ -271,3 +271,60 @@ def test_a_torn_checkpoint_or_a_used_destination_is_refused(bert_job: Path, tmp_
     assert (tmp_path / "used" / "notes.txt").read_text() == "mine"
     with pytest.raises(ExportError, match="would replace"):
         export(copy, spec, copy.parent, checksum=committed[0].checksum, force=True)
+
+
+@pytest.mark.parametrize(
+    "architecture,model,want,labels",
+    [  # a classifier given a new question-answering head; a base model given a classifier
+        (
+            "BertForSequenceClassification",
+            {"family": "bert", "task": "question-answering", "num_classes": 2},
+            "BertForQuestionAnswering",
+            2,
+        ),
+        ("ViTModel", {"family": "vit", "num_classes": 7}, "ViTForImageClassification", 7),
+    ],
+)
+def test_the_exported_config_names_the_class_the_job_trained(
+    architecture: str, model: dict, want: str, labels: int
+) -> None:
+    """`transformers` builds the head from `architectures` and `id2label`: they must be what the
+    job trained, not what the pretrained checkpoint was (else loading fails on the head's shape)."""
+    from trainer.export import export_config
+
+    original = {
+        "model_type": model["family"],
+        "architectures": [architecture],
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "id2label": {str(i): f"colour {i}" for i in range(6)},
+        "vocab_size": 40,
+        "max_position_embeddings": 32,
+        "image_size": 16,
+        "patch_size": 4,
+    }
+    spec = JobSpec.model_validate(
+        {
+            "name": "x",
+            "model": {
+                **model,
+                "pretrained": {"source": "/m", "path": "/m", "fingerprint": "f"},
+                "dim": 32,
+                "depth": 2,
+                "heads": 2,
+                "mlp_ratio": 2.0,
+                "seq_len": 16,
+                "vocab_size": 40,
+                "image_size": 16,
+                "patch_size": 4,
+                "channels": 3,
+            },
+            "data": {"dataset": "table" if model["family"] == "bert" else "image-folder"}
+            | {"train": "/t", "test": "/v"},
+        }
+    )
+    config = export_config(spec, original)
+    assert config["architectures"] == [want]
+    assert len(config["id2label"]) == len(config["label2id"]) == labels

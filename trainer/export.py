@@ -161,14 +161,17 @@ def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
     # the class the job trained: a base model or another task's checkpoint got a new head
     trained = parse_architecture(original).for_task(spec.model.task, spec.model.num_classes)
     config["architectures"] = [trained.architecture]
-    if spec.model.task != "question-answering":  # question answering keeps its 2 outputs
+    if spec.model.task == "question-answering":  # 2 outputs: start and end logits
+        labels = ["LABEL_0", "LABEL_1"]
+    else:
         labels = _label_names(spec, original, spec.model.num_classes)
-        config["id2label"] = {str(i): name for i, name in enumerate(labels)}
-        config["label2id"] = {name: i for i, name in enumerate(labels)}
-        if len(set(labels)) != len(labels):  # label2id needs distinct names
-            config["label2id"] = {f"LABEL_{i}": i for i in range(len(labels))}
-        if "num_labels" in config:
-            config["num_labels"] = len(labels)
+    # transformers takes the label count from id2label
+    config["id2label"] = {str(i): name for i, name in enumerate(labels)}
+    config["label2id"] = {name: i for i, name in enumerate(labels)}
+    if len(set(labels)) != len(labels):  # label2id needs distinct names
+        config["label2id"] = {f"LABEL_{i}": i for i in range(len(labels))}
+    if "num_labels" in config:
+        config["num_labels"] = len(labels)
     for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, older ones torch_dtype
         if key in config:
             config[key] = "float32"

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
+from core.sampler import IGNORE
 from core.spec import DataSpec, ModelSpec
 from trainer.sources import DataError, cache_root
 from trainer.sources.dataset import Sample, SampleKey
@@ -150,7 +151,7 @@ class FeatureDataset(TorchDataset[Sample]):
         inputs = torch.tensor(
             [row["input_ids"], row["token_type_ids"], row["attention_mask"]], dtype=torch.int64
         )
-        return Sample(inputs, -1, index)
+        return Sample(inputs, IGNORE, index)  # targets come from QASplit.labels
 
 
 def best_spans(logits: torch.Tensor, offsets: torch.Tensor, max_answer_tokens: int) -> torch.Tensor:
