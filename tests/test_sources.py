@@ -18,7 +18,14 @@ from PIL import Image
 
 from core.sampler import IGNORE, ElasticSampler
 from trainer.sources import DataError
-from trainer.sources.dataset import ElasticBatches, SampleKey, SourceDataset, elastic_loader
+from trainer.sources import dataset as dataset_module
+from trainer.sources.dataset import (
+    ElasticBatches,
+    EpochBatches,
+    SampleKey,
+    SourceDataset,
+    elastic_loader,
+)
 from trainer.sources.image_folder import (
     Augmentation,
     ImagePreprocessor,
@@ -372,3 +379,96 @@ def test_image_column_in_parquet(tmp_path: Path, model_dir: Path) -> None:
     src = SourceDataset(table, Columns(image="img"), image=ImagePreprocessor(model_dir))
     s = src[0]
     assert s.label == 1 and torch.allclose(s.inputs, preprocess(_image(1), model_dir), atol=1e-6)
+
+
+# --- batched reads, readers across epochs ------------------------------------------------------
+
+
+def _mixed_folder(root: Path) -> Path:
+    """Images of several sizes (a batch is resized image by image)."""
+    for k, cls in enumerate(["a", "b"]):
+        (root / cls).mkdir(parents=True)
+        for j, size in enumerate([(23, 17), (40, 31), (9, 14)]):
+            _image(10 * k + j, size).save(root / cls / f"{j}.png")
+    return root
+
+
+@pytest.mark.parametrize("backend", ["native", "transformers"])
+@pytest.mark.parametrize("chunks", [False, True])
+def test_a_batch_reads_as_its_rows_do(
+    tmp_path: Path, model_dir: Path, backend: str, chunks: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`__getitems__` (one arrow read, one processor call per chunk of rows) gives what reading
+    each row alone does: the same inputs, labels (IGNORE for padding) and ids, in the keys'
+    order, duplicates included; augmentation still draws per (epoch, id). `chunks`: reads of 3
+    rows, the processor called after each image (the decoded-bytes bound)."""
+    if chunks:
+        monkeypatch.setattr(dataset_module, "ROWS_PER_READ", 3)
+        monkeypatch.setattr(dataset_module, "DECODED_BYTES_PER_CALL", 1)
+    ds = open_image_folder(_mixed_folder(tmp_path / "mixed"), cache_dir=tmp_path / "cache")
+    pre = ImagePreprocessor(model_dir, backend=backend)
+    cols = Columns(image="image")
+    keys = [SampleKey(4, 0), SampleKey(1, 0), SampleKey(4, 0, valid=False), SampleKey(0, 2)]
+    rows = ds.cast_column("image", datasets.Image(decode=False))
+    for aug in (None, Augmentation(3)):
+        src = SourceDataset(ds, cols, image=pre, augmentation=aug)
+        batch = src.__getitems__(keys)
+        assert [(s.id, s.label) for s in batch] == [(4, 1), (1, 0), (4, IGNORE), (0, 0)]
+        for s, k in zip(batch, keys, strict=True):
+            picture = decode_image(rows[k.index]["image"])
+            if aug is not None:
+                picture = aug(picture, k.epoch, k.index)
+            assert torch.equal(s.inputs, pre(picture)), (backend, aug, k)
+            assert torch.equal(s.inputs, src[k].inputs)
+    stacked = pre.batch([_image(1), _image(2, (40, 31))])
+    assert stacked.shape == (2, 3, 12, 10) and stacked.dtype == torch.float32
+    assert torch.equal(stacked[1], pre(_image(2, (40, 31))))
+    assert pre.batch([]).shape == (0, 3, 12, 10)
+
+
+def test_a_training_reader_runs_on_across_epochs(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Feed(epochs=E)` starts one reader (one set of loader processes) for all E epochs and
+    reads every batch the sampler hands out, each epoch in its own order; without `epochs` a
+    reader reads one epoch; a resume mid-epoch starts a reader from the cursor. Batches reach
+    the loop as one tensor of inputs with ids and labels inline (numpy)."""
+    from trainer.feed import Feed
+    from trainer.sources.splits import SourceSplit
+
+    ds = open_image_folder(_mixed_folder(tmp_path / "mixed"), cache_dir=tmp_path / "cache")
+    src = SourceDataset(ds, Columns(image="image"), image=ImagePreprocessor(model_dir))
+    split = SourceSplit(src, torch.tensor(ds["label"]))
+    sampler = ElasticSampler(len(split), global_batch=4, seed=1)  # 2 steps, the last padded
+    starts: list[tuple] = []
+    original = Feed._start
+
+    def counted(self: Feed, *at: int) -> None:
+        starts.append(at)
+        original(self, *at)
+
+    monkeypatch.setattr(Feed, "_start", counted)
+
+    def read(feed: Feed, epochs: range, cursor: int = 0) -> None:
+        for epoch in epochs:
+            while cursor < len(split):
+                b = sampler.batch(epoch, cursor, 1, 0)
+                assert torch.equal(feed.inputs(epoch, cursor, 1, 0, b), split.read(b.indices))
+                cursor = b.next_cursor
+            cursor = 0
+        feed.close()
+
+    read(Feed(split, sampler, workers=1, epochs=3), range(3))
+    assert starts == [(0, 0, 1, 0)]
+    starts.clear()
+    read(Feed(split, sampler, workers=1), range(2))
+    assert starts == [(0, 0, 1, 0), (1, 0, 1, 0)]
+    starts.clear()
+    read(Feed(split, sampler, workers=0, epochs=4), range(2, 4), cursor=4)  # resumed mid-epoch
+    assert starts == [(2, 4, 1, 0)]
+    batches = EpochBatches(sampler, 2, 4, 1, 0, end_epoch=4)
+    assert len(batches) == 3 and [k.epoch for b in batches for k in b] == [2] * 4 + [3] * 8
+    batch = next(iter(elastic_loader(src, batches, num_workers=1)))
+    assert isinstance(batch.id, np.ndarray) and batch.id.dtype == np.int64
+    assert batch.id.tolist() == sampler.batch(2, 4, 1, 0).indices.tolist()
+    assert isinstance(batch.label, np.ndarray) and isinstance(batch.inputs, torch.Tensor)

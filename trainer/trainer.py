@@ -110,6 +110,7 @@ class Trainer:
             self.sampler,
             workers=self.spec.data.loader_workers,
             pin_memory=ctx.compute.device.type == "cuda",
+            epochs=self.tspec.epochs,
         )
         total = self.tspec.epochs * self.sampler.steps_per_epoch()
         self.total_steps = min(total, self.tspec.max_steps or total)
@@ -392,6 +393,8 @@ class Trainer:
         self.pipe.destroy_groups()
         self.state.adopt(planned.layout)
         self._build(load_from=self.state.progress.checkpoint)
+        if not self.pipe.is_first:
+            self.feed.close()  # no inputs to read any more: its reader would idle to the end
         dist.barrier()
         report_layout(
             self.ctx, planned, f"autofreeze ({why}); {planned.reason}", time.monotonic() - t0

@@ -8,16 +8,22 @@ small (arrow tables pickle as their memory-mapped file paths), so a
 are read: from a cursor in an epoch, one replica's share of each global batch, step by step, so
 after a change of replica count a new `ElasticBatches` from the returned cursor continues the
 same epoch and every sample is read exactly once (docs/architecture.md, Invariants 6). Padding
-entries of the last batch (the sampler repeats a real index) come back with label IGNORE."""
+entries of the last batch (the sampler repeats a real index) come back with label IGNORE.
+`EpochBatches` runs on through the following epochs, so a training reader need not restart at
+each epoch. A loader reads a batch's rows together (`SourceDataset.__getitems__`: one arrow read
+and one image-processor call per 32 rows) and hands it over as `collate_samples` makes it: one shared-memory
+tensor of inputs, labels and ids inline."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import datasets
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from PIL import Image as PILImage
+from torch.utils.data import DataLoader, Sampler, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
 from core.sampler import IGNORE, ElasticSampler
@@ -25,6 +31,9 @@ from trainer.sources import DataError
 from trainer.sources.image_folder import Augmentation, ImagePreprocessor, decode_image
 from trainer.sources.tabular import Columns
 from trainer.sources.text import TextEncoder
+
+ROWS_PER_READ = 32  # rows read from arrow, and images preprocessed, at once
+DECODED_BYTES_PER_CALL = 64 << 20  # decoded pixels held at most before the processor runs
 
 
 class SampleKey(NamedTuple):
@@ -87,23 +96,59 @@ class SourceDataset(TorchDataset[Sample]):
     def __len__(self) -> int:
         return len(self.table)
 
-    def __getitem__(self, key: int | SampleKey) -> Sample:
+    def _key(self, key: int | SampleKey) -> SampleKey:
         if isinstance(key, tuple):
             index, epoch, valid = SampleKey(*key)
-        else:
-            index, epoch, valid = int(key), self.epoch, True
-        row = self.table[int(index)]
+            return SampleKey(int(index), epoch, valid)
+        return SampleKey(int(key), self.epoch, True)
+
+    def __getitem__(self, key: int | SampleKey) -> Sample:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: Sequence[int | SampleKey]) -> list[Sample]:
+        """The samples of several rows (a DataLoader worker fetches a whole batch through this),
+        read `ROWS_PER_READ` rows at a time: one arrow read of them and one call of the model's
+        image processor (per-row reads and processor calls cost twice the time,
+        bench/data_loading.py); the processor runs sooner when the decoded images reach
+        `DECODED_BYTES_PER_CALL`, so large photographs are not all held at once."""
+        parsed = [self._key(k) for k in keys]
+        out: list[Sample] = []
+        for start in range(0, len(parsed), ROWS_PER_READ):
+            out.extend(self._read(parsed[start : start + ROWS_PER_READ]))
+        return out
+
+    def _read(self, keys: list[SampleKey]) -> list[Sample]:
+        rows = self.table[[k.index for k in keys]]  # column -> values, in the keys' order
         c = self.columns
         if self.image is not None:
-            picture = decode_image(row[c.image])
-            if self.augmentation is not None:
-                picture = self.augmentation(picture, epoch, index)
-            inputs = self.image(picture)
+            inputs = self._images(rows[c.image], keys)
         else:
             assert self.text is not None
-            inputs = self.text.encode(row[c.text], row[c.text_pair] if c.text_pair else None)
-        label = int(row[c.label]) if c.label is not None and valid else IGNORE
-        return Sample(inputs, label, int(index))
+            pairs = rows[c.text_pair] if c.text_pair else [None] * len(keys)
+            inputs = [self.text.encode(t, p) for t, p in zip(rows[c.text], pairs, strict=True)]
+        labels = rows[c.label] if c.label is not None else [IGNORE] * len(keys)
+        return [
+            Sample(x, int(y) if k.valid and c.label is not None else IGNORE, k.index)
+            for x, y, k in zip(inputs, labels, keys, strict=True)
+        ]
+
+    def _images(self, values: list[object], keys: list[SampleKey]) -> list[torch.Tensor]:
+        assert self.image is not None
+        inputs: list[torch.Tensor] = []
+        group: list[PILImage.Image] = []
+        held = 0
+        for value, k in zip(values, keys, strict=True):
+            picture = decode_image(value)
+            if self.augmentation is not None:
+                picture = self.augmentation(picture, k.epoch, k.index)
+            group.append(picture)
+            held += picture.width * picture.height * 3
+            if held >= DECODED_BYTES_PER_CALL:
+                inputs.extend(self.image.batch(group))
+                group, held = [], 0
+        if group:
+            inputs.extend(self.image.batch(group))
+        return inputs
 
 
 class ElasticBatches(Sampler[list[SampleKey]]):
@@ -144,12 +189,57 @@ class ElasticBatches(Sampler[list[SampleKey]]):
             cursor = b.next_cursor
 
 
+class EpochBatches(Sampler[list[SampleKey]]):
+    """One replica's batches of `epoch` from `cursor` (`ElasticBatches`), then of each following
+    epoch before `end_epoch` from its start: a reader that carries on across an epoch's end, so
+    its loader processes start (and read their first batches) once, not at every epoch."""
+
+    def __init__(
+        self,
+        sampler: ElasticSampler,
+        epoch: int,
+        cursor: int,
+        replicas: int,
+        replica: int,
+        end_epoch: int,
+    ) -> None:
+        self.first = ElasticBatches(sampler, epoch, cursor, replicas, replica)  # validates
+        self.sampler, self.epoch, self.end_epoch = sampler, epoch, max(end_epoch, epoch + 1)
+        self.replicas, self.replica = replicas, replica
+
+    def __len__(self) -> int:
+        return len(self.first) + (self.end_epoch - self.epoch - 1) * self.sampler.steps_per_epoch()
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        yield from self.first
+        for e in range(self.epoch + 1, self.end_epoch):  # made when reached: nothing up front
+            yield from ElasticBatches(self.sampler, e, 0, self.replicas, self.replica)
+
+
+def collate_samples(samples: list[Sample]) -> Sample:
+    """A batch as one `Sample`: the inputs stacked (into shared memory in a loader process), the
+    labels and ids as int64 numpy arrays. Those travel inside the pickled batch: as tensors each
+    would be one more shared-memory segment whose file descriptor the training process fetches
+    over its own authenticated connection to the loader process, milliseconds apiece on a busy
+    machine, paid while the training loop waits (bench/data_loading.py)."""
+    return Sample(
+        default_collate([s.inputs for s in samples]),
+        np.fromiter((s.label for s in samples), np.int64, len(samples)),  # type: ignore[arg-type]
+        np.fromiter((s.id for s in samples), np.int64, len(samples)),  # type: ignore[arg-type]
+    )
+
+
 def elastic_loader(
-    dataset: SourceDataset, batches: ElasticBatches, num_workers: int = 0, **kwargs: object
+    dataset: SourceDataset,
+    batches: ElasticBatches | EpochBatches,
+    num_workers: int = 0,
+    **kwargs: Any,
 ) -> DataLoader:
-    """A DataLoader reading `dataset` in the order `batches` gives; checks the sizes agree."""
+    """A DataLoader reading `dataset` in the order `batches` gives (batches as
+    `collate_samples` makes them, unless `collate_fn` says otherwise); checks the sizes agree."""
     if batches.sampler.num_samples != len(dataset):
         raise ValueError(
             f"the sampler has {batches.sampler.num_samples} samples but the data set {len(dataset)}"
         )
-    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, **kwargs)  # type: ignore[arg-type]
+    kwargs.setdefault("collate_fn", collate_samples)
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, **kwargs)

@@ -308,6 +308,19 @@ class ImagePreprocessor:
             return out["pixel_values"][0].to(torch.float32)
         return self.native(image)
 
+    def batch(self, images: Sequence[PILImage.Image]) -> torch.Tensor:
+        """float32 [N, 3, H, W], each image as `self(image)` makes it: the `transformers` backend
+        calls the processor once for all of them (its per-call overhead is most of its time on
+        small images), falling back to one call each if it returns another shape."""
+        if not images:
+            return torch.empty(0, 3, *self.size)
+        if self.processor is not None:
+            out = self.processor(images=[im.convert("RGB") for im in images], return_tensors="pt")
+            pixels = out["pixel_values"]
+            if tuple(pixels.shape) == (len(images), 3, *self.size):
+                return pixels.to(torch.float32)
+        return torch.stack([self(im) for im in images])
+
 
 def preprocess(
     images: PILImage.Image | Sequence[PILImage.Image],

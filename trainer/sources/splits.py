@@ -38,7 +38,7 @@ class SourceSplit:
 
     def read(self, indices: np.ndarray | list[int]) -> torch.Tensor:
         """The inputs of some rows, read here (no loader processes)."""
-        return torch.stack([self.dataset[int(i)].inputs for i in indices])
+        return torch.stack([s.inputs for s in self.dataset.__getitems__([int(i) for i in indices])])
 
 
 def _labels(table: datasets.Dataset, column: str) -> torch.Tensor:
