@@ -471,3 +471,52 @@ def test_a_question_answering_job_scores_exact_match_and_f1(
     assert _flat("question answering") in flat and _flat("64 rows (") in flat
     assert _flat("id, question, context, answers") in flat
     store.close()
+
+
+# -- the README's recipes ---------------------------------------------------------------------
+
+RECIPES = sorted((REPO / "examples" / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_a_recipe_resolves_against_its_checkpoint_s_architecture(
+    recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each recipe names a hub checkpoint as it is on the hub: a `ViTModel` or a `BertForMaskedLM`
+    (no head for the job's task). Stand-ins of those classes (tiny) in a local hub cache under the
+    same ids: the recipe's model section resolves (a new head of the recipe's task and labels);
+    its data paths are the cluster's, so they are named as missing."""
+    from transformers import AutoConfig, BertForMaskedLM, ViTModel
+
+    from core.spec import load_spec
+    from orchestrator.sources import resolve_pretrained
+
+    spec = load_spec(recipe)
+    source = spec.model.pretrained.source
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / f"models--{source.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    if "vit" in source:
+        config = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=8, **_TINY_HEADS)
+        ViTModel(config).save_pretrained(snapshot)
+    else:
+        config = AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=8, **_TINY_HEADS)
+        config.max_position_embeddings = 512
+        BertForMaskedLM(config).save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = resolve_pretrained(spec, tmp_path).model
+    assert model.pretrained.commit == commit and model.depth == 8  # as many as the stages
+    assert model.task == spec.model.task
+    arch = architecture(model)
+    assert arch.architecture.endswith(
+        "QuestionAnswering" if model.task == "question-answering" else "Classification"
+    )
+    with pytest.raises(SpecError) as err:
+        resolve_submission(spec, tmp_path)
+    assert "no such file or directory" in " ".join(m for _, m in err.value.problems)
+
+
+_TINY_HEADS = {"num_attention_heads": 2, "intermediate_size": 64}
