@@ -175,6 +175,7 @@ def workers_view(store: Store, job: JobInfo) -> None:
         st.info("No generation has started yet.")
         return
     rows = views.worker_rows(workers, time.time())
+    # a rank's stage and replica are its part in the layout in force (re-layouts included)
     for g in reversed(generations):
         mine = [r for r in rows if r["generation"] == g.number]
         ended = f" → {views.fmt_time(g.ended_at)}" if g.ended_at else ""
@@ -192,6 +193,10 @@ def workers_view(store: Store, job: JobInfo) -> None:
             )
         else:
             st.caption("No worker recorded for this generation.")
+    layouts = store.layouts(job.id)
+    if len(layouts) > 1:  # freezing re-laid the job out: where each rank went
+        with st.expander("Each rank's part by layout version (stage · replica)"):
+            st.dataframe(views.rank_parts(layouts), hide_index=True, key="rank_parts")
 
 
 def events_view(store: Store, job: JobInfo) -> None:

@@ -18,7 +18,8 @@ from core.protocol import FreezeOutcome, read_freeze_request
 from core.provenance import origin_of, provenance
 from core.readings import mfu_text, peak_memory_text
 from core.spec import JobSpec
-from store.rows import EventRow, MetricRow, WorkerRow
+from core.state import Layout
+from store.rows import EventRow, MetricRow, RecordedLayout, WorkerRow
 
 REQUEST_EVENT = "freeze_requested"
 OUTCOME_EVENTS = {f"freeze_{o.value}": o.value for o in FreezeOutcome}
@@ -132,6 +133,33 @@ def worker_rows(workers: Sequence[WorkerRow], now: float) -> list[dict[str, Any]
             }
         )
     return rows
+
+
+def part_text(layout: Layout, rank: int) -> str:
+    """A rank's part in a layout: its stage(s) and replica, "S1 · r0" ("S0,S2 · r0" with
+    virtual stages); "" for a rank the layout has no place for."""
+    try:
+        placed = layout.placements(rank)
+    except KeyError:
+        return ""
+    return f"{','.join(f'S{s.index}' for s, _ in placed)} · r{placed[0][1]}"
+
+
+def rank_parts(layouts: Sequence[RecordedLayout]) -> list[dict[str, Any]]:
+    """Each rank's part in every recorded layout version, oldest first: how freezing moved the
+    ranks between stages and replicas (a 2x1 job that became 1x2: rank 1 goes from stage 1 to
+    replica 1 of stage 0)."""
+    world = max((r.layout.world_size for r in layouts), default=0)
+    return [
+        {
+            "layout": f"v{r.layout.version}",
+            "shape": f"{r.layout.pipeline_ranks}x{r.layout.replicas}",
+            "frozen": r.layout.freeze_boundary,
+            "recorded": fmt_time(r.created_at),
+            **{f"rank {rank}": part_text(r.layout, rank) for rank in range(world)},
+        }
+        for r in layouts
+    ]
 
 
 def event_rows(events: Sequence[EventRow]) -> list[dict[str, Any]]:

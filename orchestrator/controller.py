@@ -758,6 +758,7 @@ class Controller:
                 )
             case LayoutPlanned():
                 self._adopt_layout(e.layout, e.reason, e.seconds)
+                self.roster.relaid(e.generation, e.layout)
             case FreezeDecided():
                 self._record_freeze(e)
             case Finished():

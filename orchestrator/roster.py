@@ -3,6 +3,8 @@ generation, kept current from the facts the controller already has.
 
     assignment (join request)    -> assigned: node, pid, host
     `started` report             -> running: host, pid, stages, replica, log, started_at
+    a re-layout in the running   -> stages, replica: each rank's part in the layout in force
+    processes (`layout_planned`)
     any report (one per drain)   -> last_report_at
     presence key seen / gone     -> lease held / lapsed
     a final report               -> lease released (the worker lets its lease go on its way out)
@@ -22,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from core.protocol import Finished, JoinRequest, Leaving, Started, WorkerEvent
+from core.state import Layout
 from orchestrator.postmortem import RankEnd
 from store import Store
 
@@ -116,6 +119,19 @@ class Roster:
             facts["state"] = "running"
             self._rows.setdefault((e.generation, e.rank), {})["state"] = "running"
         self.store.update_workers(self.job_id, e.generation, [e.rank], **facts)
+
+    def relaid(self, generation: int, layout: Layout) -> None:
+        """The generation's processes re-laid themselves out (AutoPipe + AutoDP after a freeze):
+        each rank's stages and replica become its part in `layout` (one statement per part)."""
+        parts: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for rank in range(layout.world_size):
+            placed = layout.placements(rank)
+            key = (tuple(s.index for s, _ in placed), placed[0][1])
+            parts.setdefault(key, []).append(rank)
+        for (stages, replica), ranks in parts.items():
+            self.store.update_workers(
+                self.job_id, generation, ranks, stages=list(stages), replica=replica
+            )
 
     def finished(self, e: Finished | Leaving) -> None:
         """The generation's training ended as asked (`done`/`stopped`), or it checkpointed so

@@ -31,6 +31,7 @@ from core.protocol import (
 )
 from core.provenance import DATA_OPENED, describe_data, origin_of
 from core.spec import JobSpec
+from core.state import Layout, StageLayout
 from orchestrator.controller import Controller
 from orchestrator.etcd_server import EmbeddedEtcd
 from store import Store
@@ -563,6 +564,20 @@ def test_worker_rows_follow_a_generation_from_assignment_to_its_end(ctrl, etcd, 
     ]
     assert _rows(store, "last_report_at") == [(1000.0,), (1000.5,)]
 
+    # freezing re-lays the running processes out (2x1 -> 1x2): each rank's stage and replica
+    # become its part in the layout in force
+    packed = Layout(
+        version=2,
+        num_blocks=4,
+        freeze_boundary=2,
+        stages=[StageLayout(index=0, start=2, end=4, ranks=[0, 1])],
+        replicas=2,
+        microbatches=4,
+    ).model_dump(mode="json")
+    _report(etcd, g, 0, "layout", seq=5, layout=packed, reason="autofreeze", time=1000.7)
+    ctrl.tick()
+    assert _rows(store, "stages", "replica") == [((0,), 0), ((0,), 1)]
+
     # the loss-owning rank reports every step: its report time advances, in one statement per
     # drain however many reports it drains
     _metrics(etcd, g, 1, 1, time=1001.0, grad_norms=[0.0, 0.5, float("nan"), 2.0])
@@ -571,7 +586,7 @@ def test_worker_rows_follow_a_generation_from_assignment_to_its_end(ctrl, etcd, 
     with _worker_updates(store) as watched:
         ctrl.drain()
     assert len(watched) == 1, watched
-    assert _rows(store, "last_report_at") == [(1000.0,), (1003.0,)]
+    assert _rows(store, "last_report_at") == [(1000.7,), (1003.0,)]
     assert [m.grad_norms for m in store.metrics("job-ft")] == [
         (0.0, 0.5, None, 2.0),
         None,

@@ -16,10 +16,12 @@ from dashboard.views import (
     freeze_requests,
     markdown_text,
     provenance_lines,
+    rank_parts,
     spec_yaml,
     worker_rows,
 )
-from store.rows import EventRow, MetricRow, WorkerRow
+from store.rows import EventRow, MetricRow, RecordedLayout, WorkerRow
+from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 1_800_000_000.0
 
@@ -251,3 +253,24 @@ def test_the_header_says_where_model_and_data_came_from() -> None:
         "rows not reported yet"
     ]
     assert markdown_text("a_b *c* `d` $e$ <f>") == "a\\_b \\*c\\* \\`d\\` \\$e\\$ \\<f\\>"
+
+
+def test_rank_parts_follow_each_layout_version() -> None:
+    """A 2x1 job that froze into 1x2: rank 1 moves from stage 1 to replica 1 of stage 0."""
+    from datetime import UTC, datetime
+
+    when = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
+    layouts = [
+        RecordedLayout(layout=two_stage_layout(1), reason="initial", created_at=when),
+        RecordedLayout(layout=packed_layout(2, 5), reason="autofreeze", created_at=when),
+    ]
+    rows = rank_parts(layouts)
+    assert [(r["layout"], r["shape"], r["frozen"]) for r in rows] == [
+        ("v1", "2x1", 0),
+        ("v2", "1x2", 5),
+    ]
+    assert [(r["rank 0"], r["rank 1"]) for r in rows] == [
+        ("S0 · r0", "S1 · r0"),
+        ("S0 · r0", "S0 · r1"),
+    ]
+    assert rank_parts([]) == []
