@@ -473,8 +473,8 @@ class DataSpec(_Strict):
                 )
             if model.seq_len is not None and self.stride(model.seq_len) >= model.seq_len // 2:
                 return (
-                    f"data.doc_stride ({self.doc_stride}) must be below half of model.seq_len "
-                    f"({model.seq_len}): a window must move on by more than it keeps"
+                    f"data.doc_stride ({self.stride(model.seq_len)}) must be below half of "
+                    f"model.seq_len ({model.seq_len}): a window must move on by more than it keeps"
                 )
             return None
         if self.doc_stride is not None:

@@ -410,6 +410,15 @@ def test_squad_rows_become_windows_scored_by_exact_match_and_f1(
     assert best_spans(torch.zeros(0, 32, 2), torch.zeros(0, 64), 30).shape == (0, 3)
 
 
+def test_a_window_stride_is_checked_at_submission(made: dict[str, Path]) -> None:
+    qa = {"pretrained": str(made["bert"]), "task": "question-answering"}
+    with pytest.raises(SpecError, match=r"data.doc_stride \(16\) must be below half"):
+        resolve_submission(parse_spec(_spec(qa, _squad_data(made, doc_stride=16))))
+    with pytest.raises(SpecError, match="data.doc_stride is for question answering"):
+        data = {**_pair_data(made), "doc_stride": 8}
+        resolve_submission(parse_spec(_spec({"pretrained": str(made["bert"])}, data)))
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
