@@ -54,16 +54,27 @@ def pod_overlay(
     db_secret: str = "",
     cache: bool = False,
 ) -> dict[str, Any]:
-    """What torchx's generated pod lacks: the non-root user and volume group of the image, no
-    API token (the pods never call the Kubernetes API), restarts in place, the grace period a
+    """What torchx's generated pod lacks: the non-root user and volume group of the image, a
+    security context the Pod Security "restricted" profile admits, no API token (the pods never
+    call the Kubernetes API), restarts in place, the grace period a
     leaving trainer checkpoints in, the store URL from its Secret (`envFrom`: its key is the
     variable's name, PIPETRANSFORMER_DB), the checkpoint volume and a node-local cache.
 
     The container is found by its image (each role's pod has one container, named per replica)
     and merged field by field: a list given here replaces the generated one, so only
-    `volumeMounts` (listed whole) and `envFrom` (absent before) are set on it."""
+    `volumeMounts` (listed whole), `envFrom` (absent before) and `securityContext` (a mapping,
+    merged) are set on it."""
     pod_volumes, container_mounts = volumes.volumes(cache)
-    container: dict[str, Any] = {"image": image, "volumeMounts": container_mounts}
+    container: dict[str, Any] = {
+        "image": image,
+        "volumeMounts": container_mounts,
+        # Pod Security "restricted": what a namespace enforcing it requires of every container
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+        },
+    }
     if db_secret:
         container["envFrom"] = [{"secretRef": {"name": db_secret}}]
     return {
@@ -79,6 +90,10 @@ def pod_overlay(
                 "runAsUser": IMAGE_UID,
                 "runAsGroup": IMAGE_UID,
                 "fsGroup": IMAGE_UID,  # the checkpoint volume writable by the image's user
+                # re-chown the volume only where its root does not match yet: not the whole
+                # checkpoint tree at every pod start
+                "fsGroupChangePolicy": "OnRootMismatch",
+                "seccompProfile": {"type": "RuntimeDefault"},
             },
             "volumes": pod_volumes,  # appended to torchx's shared-memory volume
             JOIN("containers", on="image"): [container],

@@ -34,6 +34,7 @@ from tests.k8s_schemas import (
     structural,
     validate_object,
 )
+from tests.pod_security import restricted_violations
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -293,6 +294,39 @@ def test_every_object_validates_against_its_schema(name: str) -> None:
 @pytest.mark.parametrize("name", RENDERS)
 def test_renders_keep_the_rules(name: str) -> None:
     assert problems(rendered(name)) == []
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_every_pod_passes_pod_security_restricted(name: str) -> None:
+    for obj in rendered(name):
+        if obj["kind"] in WORKLOADS:
+            assert restricted_violations(pod_spec(obj)) == [], object_id(obj)
+
+
+def test_the_restricted_rules_catch_what_a_namespace_would_refuse() -> None:
+    pod = {
+        "hostNetwork": True,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "volumes": [{"name": "data", "hostPath": {"path": "/data"}}],
+        "containers": [
+            {
+                "name": "c",
+                "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}, "privileged": True},
+                "ports": [{"containerPort": 80, "hostPort": 80}],
+            }
+        ],
+    }
+    found = " ".join(restricted_violations(pod))
+    for rule in (
+        "hostNetwork",
+        "hostPath",
+        "privileged",
+        "hostPort",
+        "allowPrivilegeEscalation",
+        "drop must include ALL",
+        "NET_BIND_SERVICE",
+    ):
+        assert rule in found, rule
 
 
 @pytest.mark.parametrize("name", RENDERS)

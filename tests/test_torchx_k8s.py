@@ -22,6 +22,7 @@ from core.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
 from core.spec import load_spec, spec_from_text
 from orchestrator.components import CONTROLLER_MEM_MB, ComponentArgError, train
 from orchestrator.pods import CACHE_DIR, TORCHX_SHM_VOLUME
+from tests.pod_security import restricted_violations
 
 pytest.importorskip("kubernetes", reason="the kubernetes client (test extra) is not installed")
 from torchx.schedulers.kubernetes_scheduler import app_to_resource  # noqa: E402
@@ -99,6 +100,10 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"] != 0
         assert pod["terminationGracePeriodSeconds"] >= 60
+        # a namespace enforcing Pod Security "restricted" admits it; the volume is re-chowned
+        # only where its root does not match
+        assert restricted_violations(pod) == [], task["name"]
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
         # a failed process restarts in its pod; a failure never restarts the whole job
         assert pod["restartPolicy"] == "OnFailure"
         assert task["maxRetry"] >= 1
