@@ -16,6 +16,7 @@ by exact match and F1 (`trainer.sources.text.squad_metrics`)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import datasets
@@ -29,7 +30,7 @@ from core.sampler import IGNORE
 from core.spec import DataSpec, ModelSpec
 from trainer.sources import DataError, cache_root
 from trainer.sources.dataset import Sample, SampleKey
-from trainer.sources.tabular import Columns, open_split, open_splits
+from trainer.sources.tabular import Columns
 from trainer.sources.text import TextEncoder, check_fast_tokenizer, squad_metrics, squad_windows
 
 FEATURES = datasets.Features(
@@ -241,28 +242,22 @@ def _labels(features: datasets.Dataset) -> torch.Tensor:
     )
 
 
-def open_qa_splits(data: DataSpec, model: ModelSpec) -> tuple[QASplit, QASplit]:
-    """A question-answering job's training and held-out splits, checked and featurised."""
+def qa_columns(data: DataSpec) -> Columns:
+    """The columns a question-answering table must hold (checked for presence and nulls)."""
+    c = data.columns
+    return Columns(text=c.question, text_pair=c.context, label=None, others=(c.id, c.answers))
+
+
+def qa_splits(
+    tables: Sequence[tuple[str, datasets.Dataset]], data: DataSpec, model: ModelSpec
+) -> tuple[QASplit, QASplit]:
+    """A question-answering job's training and held-out splits from its tables (split name,
+    table; opened with `qa_columns`): answers checked, windows computed."""
     pre = model.pretrained
     assert pre is not None and pre.path is not None and model.seq_len is not None
     cols = data.columns
     columns = Columns(text=cols.question, text_pair=cols.context, label=None)
     qa = QAColumns(answers=cols.answers, id=cols.id)
-    required = Columns(
-        text=cols.question, text_pair=cols.context, label=None, others=(cols.id, cols.answers)
-    )
-    if data.path is not None:
-        splits = open_splits(data.path, required, (data.train_split, data.test_split))
-        tables = [
-            (data.train_split, splits[data.train_split]),
-            (data.test_split, splits[data.test_split]),
-        ]
-    else:
-        assert data.train is not None and data.test is not None
-        tables = [
-            ("train", open_split(data.train, "train", required)),
-            ("test", open_split(data.test, "test", required)),
-        ]
     encoder = TextEncoder(pre.path, max_length=model.seq_len)
     stride = data.stride(model.seq_len)
     out = []

@@ -16,7 +16,7 @@ from core.spec import DataSpec, ModelSpec
 from trainer.sources import DataError
 from trainer.sources.dataset import SourceDataset
 from trainer.sources.image_folder import Augmentation, ImagePreprocessor, open_image_folder
-from trainer.sources.qa import QASplit, open_qa_splits
+from trainer.sources.qa import QASplit, qa_columns, qa_splits
 from trainer.sources.tabular import Columns, open_split, open_splits
 from trainer.sources.text import TextEncoder
 
@@ -68,6 +68,23 @@ def _image_folders(data: DataSpec, model: ModelSpec) -> tuple[datasets.Dataset, 
     return train, test
 
 
+def _tables(
+    data: DataSpec, columns: Columns, num_labels: int | None = None
+) -> list[tuple[str, datasets.Dataset]]:
+    """The training and held-out tables of `data.dataset: table`, each checked
+    (`trainer.sources.tabular`), with its split's name: from a DatasetDict (`data.path`) or from
+    files (`data.train`, `data.test`)."""
+    if data.path is not None:
+        names = (data.train_split, data.test_split)
+        splits = open_splits(data.path, columns, names, num_labels)
+        return [(name, splits[name]) for name in names]
+    assert data.train is not None and data.test is not None
+    return [
+        ("train", open_split(data.train, "train", columns, num_labels)),
+        ("test", open_split(data.test, "test", columns, num_labels)),
+    ]
+
+
 def open_source_splits(
     data: DataSpec, model: ModelSpec
 ) -> tuple[SourceSplit, SourceSplit] | tuple[QASplit, QASplit]:
@@ -77,7 +94,7 @@ def open_source_splits(
     if pre is None or pre.path is None:
         raise ValueError("a data source needs a resolved model.pretrained (submit the job)")
     if model.task == "question-answering":
-        return open_qa_splits(data, model)
+        return qa_splits(_tables(data, qa_columns(data)), data, model)
     cols = data.columns
     if data.dataset == "image-folder":
         columns = Columns(image="image", label="label")
@@ -86,15 +103,7 @@ def open_source_splits(
         columns = Columns(
             image=cols.image, text=cols.text, text_pair=cols.text_pair, label=cols.label
         )
-        if data.path is not None:
-            splits = open_splits(
-                data.path, columns, (data.train_split, data.test_split), model.num_classes
-            )
-            train, test = splits[data.train_split], splits[data.test_split]
-        else:
-            assert data.train is not None and data.test is not None
-            train = open_split(data.train, "train", columns, model.num_classes)
-            test = open_split(data.test, "test", columns, model.num_classes)
+        (_, train), (_, test) = _tables(data, columns, model.num_classes)
     image = text = None
     if model.is_text:
         assert model.seq_len is not None
