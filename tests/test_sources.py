@@ -34,7 +34,12 @@ from trainer.sources.image_folder import (
     preprocess,
 )
 from trainer.sources.tabular import Columns, open_split, open_splits
-from trainer.sources.text import TextEncoder, squad_features, squad_metrics
+from trainer.sources.text import (
+    TextEncoder,
+    check_fast_tokenizer,
+    squad_metrics,
+    squad_windows,
+)
 
 # --- assets ----------------------------------------------------------------------------------
 
@@ -290,23 +295,26 @@ def test_squad_windows_point_at_the_answer(model_dir: Path) -> None:
         "context": context,
         "answers": {"text": ["paris"], "answer_start": [start]},
     }
-    feats = squad_features(enc, [ex], stride=6)
-    assert len(feats) > 2 and all(f.example_id == "q1" for f in feats)
     tok = enc.tokenizer
+    check_fast_tokenizer(tok)
+    feats = squad_windows(
+        tok, ex["id"], ex["question"], context, ex["answers"], enc.max_length, stride=6
+    )
+    assert len(feats) > 2
     hits = 0
     for f in feats:
-        assert f.inputs.shape == (3, 24)
-        ctx = [o for o in f.offsets if o is not None]
+        assert len(f["input_ids"]) == len(f["token_type_ids"]) == len(f["attention_mask"]) == 24
+        ctx = [o for o in f["offsets"] if o is not None]
         if ctx[0][0] <= start and ctx[-1][1] >= start + len("paris"):
             hits += 1
-            span = f.inputs[0, f.start : f.end + 1].tolist()
+            span = f["input_ids"][f["start"] : f["end"] + 1]
             assert tok.decode(span) == "paris"
-            assert context[f.offsets[f.start][0] : f.offsets[f.end][1]] == "paris"
+            assert context[f["offsets"][f["start"]][0] : f["offsets"][f["end"]][1]] == "paris"
         else:
-            assert f.start == f.end == 0 and f.inputs[0, 0] == tok.cls_token_id
+            assert f["start"] == f["end"] == 0 and f["input_ids"][0] == tok.cls_token_id
     assert hits >= 1
     # consecutive windows overlap by the stride
-    first, second = feats[0].offsets, feats[1].offsets
+    first, second = feats[0]["offsets"], feats[1]["offsets"]
     a = [o for o in first if o is not None]
     b = [o for o in second if o is not None]
     assert a[-6:] == b[:6]

@@ -3,11 +3,12 @@ sentences and sentence pairs, truncated and padded to `max_length`, as ONE int64
 per sample (input_ids, token_type_ids, attention_mask; the pipeline's first stage takes
 [B, 3, T]).
 
-SQuAD-style extractive question answering: `squad_features` tokenises question + context, splits
+SQuAD-style extractive question answering: `squad_windows` tokenises question + context, splits
 a context longer than `max_length` into overlapping windows (`stride` tokens of overlap), and
-gives each window (feature) its start/end token positions (the CLS position when the answer is
-not inside that window), its example id and its offset mapping. `squad_metrics` is exact match
-and F1 as the official SQuAD v1.1 evaluation script defines them."""
+gives each window its start/end token positions (the CLS position when the answer is not inside
+that window) and its offset mapping (`trainer.sources.qa` makes them a job's samples).
+`squad_metrics` is exact match and F1 as the official SQuAD v1.1 evaluation script defines
+them."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import json
 import os
 import re
 import string
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,19 +91,6 @@ class TextEncoder:
         return torch.tensor([ids, types, enc["attention_mask"]], dtype=torch.int64)
 
     __call__ = encode
-
-
-@dataclass(frozen=True)
-class QAFeature:
-    """One window of one example. `inputs`: int64 [3, T]; `start`/`end`: answer token positions
-    (both the CLS position when the answer is not in this window); `offsets[t]`: the character
-    span of token t in the context, None for question, special and padding tokens."""
-
-    example_id: str
-    inputs: torch.Tensor
-    start: int
-    end: int
-    offsets: list[tuple[int, int] | None]
 
 
 def squad_windows(
@@ -180,29 +167,6 @@ def check_fast_tokenizer(tok: Any) -> None:
         raise DataError("question answering needs a fast tokenizer (offset mappings)")
     if tok.padding_side != "right":
         raise DataError("question answering needs a tokenizer that pads on the right")
-
-
-def squad_features(
-    encoder: TextEncoder,
-    examples: Iterable[Mapping[str, Any]],
-    stride: int = 128,
-) -> list[QAFeature]:
-    """Features of SQuAD-format examples (`id`, `question`, `context`, `answers` with `text` and
-    `answer_start` lists; the first answer is the training target). Needs a fast tokenizer (for
-    offset mappings). Windows of `encoder.max_length` tokens overlap by `stride` tokens."""
-    tok = encoder.tokenizer
-    check_fast_tokenizer(tok)
-    features: list[QAFeature] = []
-    for ex in examples:
-        ex_id = str(ex["id"])
-        for w in squad_windows(
-            tok, ex_id, ex["question"], ex["context"], ex.get("answers"), encoder.max_length, stride
-        ):
-            inputs = torch.tensor(
-                [w["input_ids"], w["token_type_ids"], w["attention_mask"]], dtype=torch.int64
-            )
-            features.append(QAFeature(ex_id, inputs, w["start"], w["end"], w["offsets"]))
-    return features
 
 
 # --- the official SQuAD v1.1 evaluation (evaluate-v1.1.py), restated -----------------------------
