@@ -27,7 +27,10 @@ decision points so far including the current one, T = 1 at the first):
 * Policy `off`: F never moves automatically. Policy `schedule`: F = min(alpha-bound, cap) (and never
   below the current F). Policy `gradient`: F = the longest converged prefix, clipped by the
   alpha-bound and the cap, and never below the current F.
-* A block has *converged* at decision point T when its gradient norm has **decayed to at most
+* Policy `gradient` asks whether each block has *settled*, by one of two criteria
+  (`freeze.criterion`; 'auto' takes `noise` when the job starts from trained weights, `decay`
+  otherwise: `settle_criterion`). Both are below; "Why two criteria" says why.
+* `decay`: a block has *converged* at decision point T when its gradient norm has **decayed to at most
   `threshold` times its peak**: `n_T <= threshold * max(n_1, ..., n_T)`, the peak taken over all
   decision points so far including the current one (so at the first decision point nothing has
   converged unless threshold = 1). A block whose norm is 0 at its peak too (no gradient ever)
@@ -42,6 +45,13 @@ decision points so far including the current one, T = 1 at the first):
   filed at F=3 for 4 blocks and read when the schedule moves to 4 freezes nothing extra and does
   not cost the automatic step) or `rejected` (malformed, or beyond the cap; the automatic
   decision still applies).
+
+* `noise`: a block has settled at decision point T when its gradient over the interval is mostly
+  noise: `||sum_t g_t|| <= noise_ratio * sqrt(sum_t ||g_t||^2)` over the interval's steps t (the
+  caller passes the ratio `drift_T = ||sum g|| / sqrt(sum ||g||^2)` per block). For independent
+  zero-mean steps E||sum g||^2 = sum E||g||^2, so pure noise gives about 1 whatever the norms'
+  scale; a steady direction d under noise s gives about sqrt((n d^2 + s^2) / (d^2 + s^2)), up to
+  sqrt(n). It has no memory, and a non-finite ratio counts as not settled.
 
 The gradient statistic `n_T` of a block is the **mean over the interval's optimizer steps of the
 block's per-step gradient L2 norm**, taken on the global-batch gradient (after the cross-replica
@@ -75,6 +85,20 @@ previous decision point". Measured on the digits ViT (single-process simulation 
   -0.3 pp); about the spread that float summation order alone causes in one seed's final
   accuracy (up to 0.6 pp). In the real benchmark (seeds 0-2) it froze 5 blocks at epochs 14-16
   for -0.4 pp.
+
+Why two criteria: fine-tuning (measured for bench/paper.py: a ViT of 8 blocks pretrained on digits
+0-4, fine-tuned with a new head on digits 5-9, 10 epochs) never freezes under `decay`. The mean
+step norms of blocks 1-7 *rise* 3-5x over the run (0.04-0.06 in epoch 1 to 0.17-0.40 in epoch 10)
+while the fresh head's weights grow and pass more of the loss back into the body, so each epoch
+sets a new peak and nothing decays to 0.2 of it. The level of a block's gradient says how much
+loss signal reaches it, not whether it still has somewhere to go. Over the same run the drift
+ratio above is near the noise level from the first epochs on (the interval's summed gradient over
+its mean step norm, `||sum g|| / sum ||g||`, is 0.16-0.24 in epoch 1 and 0.08-0.18 from epoch 2, against
+1/sqrt(45 steps) = 0.15 for pure noise): the pretrained blocks have settled and only noise moves
+them, which is the regime PipeTransformer freezes in from its second epoch. Training from scratch,
+`decay` stays the default: there the drift is also near noise level long before the blocks stop
+changing what they compute (batch noise dominates every step), and freezing before the collapse
+measured below costs accuracy.
 """
 
 from __future__ import annotations
@@ -87,6 +111,7 @@ from typing import Any, Literal
 from core.spec import FreezeSpec
 
 Source = Literal["auto", "manual", "none"]
+Criterion = Literal["decay", "noise"]
 OverrideOutcome = Literal["applied", "superseded", "rejected"]
 
 # Float guard for the ceiling in the alpha-bound: 10 * (1 - 0.7) is 3.0000000000000004 in binary
@@ -123,6 +148,25 @@ def automatic_cap(spec: FreezeSpec, num_blocks: int, decisions: int) -> int:
         alpha_bound(spec.alpha, num_blocks, after_warmup),
         max_boundary(num_blocks, spec.keep_trainable),
     )
+
+
+def settle_criterion(spec: FreezeSpec, from_trained: bool) -> Criterion:
+    """The gradient policy's criterion in force: the spec's, or for 'auto' `noise` when the job
+    starts from trained weights (`from_trained`: a pretrained model or an init checkpoint) and
+    `decay` when it trains from a seeded initialisation."""
+    if spec.criterion != "auto":
+        return spec.criterion
+    return "noise" if from_trained else "decay"
+
+
+def settled_prefix(drift: Sequence[float], noise_ratio: float, boundary: int = 0) -> int:
+    """Criterion `noise`: the longest prefix of blocks whose drift ratio is at most
+    `noise_ratio` (blocks below `boundary`, already frozen, count as settled; a non-finite ratio
+    does not)."""
+    n = boundary
+    while n < len(drift) and math.isfinite(drift[n]) and drift[n] <= noise_ratio:
+        n += 1
+    return n
 
 
 def apply_override(current: int, requested: int, num_blocks: int, keep_trainable: int) -> int:
@@ -320,6 +364,8 @@ def decide(
     *,
     boundary: int,
     override: int | None = None,
+    drift: Sequence[float] | None = None,
+    from_trained: bool = False,
 ) -> FreezeDecision:
     """Take one decision point (T = state.decisions + 1) and return the new boundary and state.
 
@@ -332,7 +378,8 @@ def decide(
     min(alpha-bound(T), num_blocks - keep_trainable) and never goes below the current boundary.
     `override`: a manual boundary request; the boundary becomes the larger of it and the automatic
     decision (`combine_override`), and the decision says whether it was applied, superseded or
-    rejected. The returned state records T, the norms (or None) and the per-block peaks including
+    rejected. `drift`: one drift ratio per block for the interval (criterion `noise`, required
+    there); `from_trained` resolves criterion 'auto' (`settle_criterion`). The returned state records T, the norms (or None) and the per-block peaks including
     them."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -364,6 +411,14 @@ def decide(
     elif spec.policy == "schedule":
         proposed = alpha_bound(spec.alpha, num_blocks, t - spec.warmup_decisions)
         why = f"schedule: alpha-bound {proposed}"
+    elif settle_criterion(spec, from_trained) == "noise":
+        if drift is None or len(drift) != num_blocks:
+            raise ValueError(
+                f"freeze.criterion 'noise' needs one drift ratio per block ({num_blocks}) at "
+                "every decision point"
+            )
+        proposed = settled_prefix([float(d) for d in drift], spec.noise_ratio, current)
+        why = f"settled prefix {proposed} (gradient drift <= {spec.noise_ratio:g} x its noise)"
     else:
         assert norms is not None and peaks is not None
         proposed = converged_prefix(peaks, norms, spec.threshold, current)

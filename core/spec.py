@@ -771,8 +771,8 @@ class FreezeSpec(_Strict):
 
     policy: Literal["gradient", "schedule", "off"] = Field(
         "off",
-        description="'gradient': freeze the longest prefix of blocks whose gradient norm has "
-        "decayed to at most `threshold` times its peak, bounded by the alpha-schedule; "
+        description="'gradient': freeze the longest prefix of blocks that have settled (see "
+        "`criterion`), bounded by the alpha-schedule; "
         "'schedule': freeze exactly the alpha-bound at every decision point; 'off': never freeze "
         "automatically (manual overrides still apply)",
     )
@@ -792,9 +792,24 @@ class FreezeSpec(_Strict):
     )
     threshold: Annotated[Number, Field(gt=0, le=1)] = Field(
         0.2,
-        description="gradient policy: a block has converged when its mean per-step gradient "
+        description="criterion 'decay': a block has converged when its mean per-step gradient "
         "norm over the last interval has decayed to at most this fraction of its peak (the "
         "largest such mean so far): n_T <= threshold * max(n_1 .. n_T)",
+    )
+    criterion: Literal["auto", "decay", "noise"] = Field(
+        "auto",
+        description="gradient policy: when a block has settled. 'decay': its mean gradient norm "
+        "has decayed to `threshold` times its peak (training from scratch); 'noise': its "
+        "gradient over the interval is mostly noise, the norm of the summed gradient at most "
+        "`noise_ratio` times the root of the summed squared step norms (fine-tuning, where the "
+        "norms rise while a new head grows); 'auto': 'noise' when the job starts from trained "
+        "weights (model.pretrained or init.checkpoint), else 'decay'",
+    )
+    noise_ratio: Annotated[Number, Field(gt=0, le=100)] = Field(
+        1.5,
+        description="criterion 'noise': a block has settled when ||sum of its step gradients|| "
+        "<= noise_ratio x sqrt(sum of their squared norms) over the interval (about 1 for pure "
+        "noise, up to sqrt(steps) for a steady direction)",
     )
     warmup_decisions: Annotated[NonNegativeInt, Field(le=MAX_WARMUP_DECISIONS)] = Field(
         0,

@@ -23,6 +23,8 @@ from core.freeze import (
     decide,
     has_decayed,
     is_decision_point,
+    settle_criterion,
+    settled_prefix,
     update_peaks,
 )
 from core.spec import FreezeSpec, SpecError, parse_spec
@@ -424,6 +426,8 @@ def test_spec_defaults_leave_jobs_unchanged() -> None:
         ({"every": "weekly"}, "freeze.every", "'epoch' or a positive whole number"),
         ({"keep_trainable": 0}, "freeze.keep_trainable", "greater than 0"),
         ({"threshold": 0}, "freeze.threshold", "greater than 0"),
+        ({"criterion": "level"}, "freeze.criterion", "'auto', 'decay' or 'noise'"),
+        ({"noise_ratio": 0}, "freeze.noise_ratio", "greater than 0"),
         ({"warmup_decisions": -1}, "freeze.warmup_decisions", "greater than or equal to 0"),
         ({"alhpa": 0.3}, "freeze.alhpa", "unknown field"),
     ],
@@ -533,3 +537,48 @@ def test_grad_norm_meter_means_and_round_trip() -> None:
         meter.add([1.0])
     meter.reset()
     assert meter.steps == 0
+
+
+# ---------------------------------------------------------------- criterion 'noise'
+
+
+def test_auto_criterion_follows_where_the_weights_come_from() -> None:
+    assert settle_criterion(_spec(), from_trained=True) == "noise"
+    assert settle_criterion(_spec(), from_trained=False) == "decay"
+    assert settle_criterion(_spec(criterion="decay"), from_trained=True) == "decay"
+    assert settle_criterion(_spec(criterion="noise"), from_trained=False) == "noise"
+
+
+def test_settled_prefix_stops_at_the_first_block_still_drifting() -> None:
+    assert settled_prefix([0.9, 1.2, 3.0, 0.5], 1.5) == 2
+    assert settled_prefix([0.9, NAN, 0.5], 1.5) == 1  # unknown counts as not settled
+    assert settled_prefix([9.0, 9.0, 1.0, 9.0], 1.5, boundary=2) == 3  # frozen count as settled
+    assert settled_prefix([1.5], 1.5) == 1  # at the ratio: settled
+
+
+def test_rising_norms_freeze_under_noise_but_never_under_decay() -> None:
+    """Fine-tuning's shape (core/freeze.py, "Why two criteria"): step norms rise every interval
+    while the gradients are noise, so `decay` never fires and `noise` freezes at the alpha pace."""
+    rounds = [[0.05 * t] * 8 for t in range(1, 6)]
+    drift = [1.1, 0.9, 1.0, 1.2, 0.8, 1.3, 0.9, 6.0]  # the top block still has a direction
+    decay = _run(_spec(criterion="decay"), rounds, 8)
+    assert [d.boundary for d in decay] == [0] * 5
+    spec, state, boundary, got = _spec(criterion="noise", alpha=0.25), FreezeState(), 0, []
+    for norms in rounds:
+        d = decide(spec, state, norms, 8, boundary=boundary, drift=drift)
+        state, boundary = d.state, d.boundary
+        got.append(d)
+    assert [d.boundary for d in got] == [2, 4, 5, 6, 7]  # the alpha-bound: ceil(8 (1 - 0.75^T))
+    assert [d.proposed for d in got] == [7] * 5  # block 7 is not settled, so never proposed
+    assert "settled prefix 7" in got[0].reason and "1.5 x its noise" in got[0].reason
+    # 'auto' is 'noise' only for a job that starts from trained weights
+    d = decide(_spec(), FreezeState(), rounds[0], 8, boundary=0, drift=drift, from_trained=True)
+    assert d.boundary == 2
+    assert decide(_spec(), FreezeState(), rounds[0], 8, boundary=0, drift=drift).boundary == 0
+
+
+def test_noise_needs_one_ratio_per_block() -> None:
+    with pytest.raises(ValueError, match="one drift ratio per block"):
+        decide(_spec(criterion="noise"), FreezeState(), [1.0] * 4, 4, boundary=0, drift=[1.0])
+    with pytest.raises(ValueError, match="one drift ratio per block"):
+        decide(_spec(criterion="noise"), FreezeState(), [1.0] * 4, 4, boundary=0)

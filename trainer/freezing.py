@@ -5,9 +5,14 @@ step. The policy itself is pure and lives in `core.freeze`."""
 
 from __future__ import annotations
 
+import math
+
+import torch
+import torch.distributed as dist
+
 from core import keys
 from core.etcd_client import EtcdClient
-from core.freeze import FreezeDecision, GradNormMeter, decide
+from core.freeze import FreezeDecision, GradNormMeter, decide, settle_criterion
 from core.protocol import (
     FreezeDecided,
     FreezeRequest,
@@ -20,6 +25,52 @@ from trainer.process import Reporter
 from trainer.train_state import TrainState
 
 
+class GradientDrift:
+    """Criterion `noise` (core/freeze.py): per block, the interval's summed gradient against its
+    noise, `||sum_t g_t|| / sqrt(sum_t ||g_t||^2)`. Each rank sums the gradients of the blocks it
+    trains (one buffer per parameter: the memory of one more copy of its trainable blocks, kept
+    only under this criterion); the step norms are the all-reduced per-block norms every rank
+    has. Not checkpointed: after a resume, a recovery or a re-layout the interval restarts (the
+    ratio is over the steps it saw)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.sums: dict[str, torch.Tensor] = {}
+        self.squares = [0.0] * num_blocks
+
+    def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One step's summed, unclipped gradients of this rank's parameters."""
+        for name, grad in named:
+            if not name.startswith("blocks."):
+                continue
+            held = self.sums.get(name)
+            if held is None:
+                self.sums[name] = grad.detach().float().clone()
+            else:
+                held.add_(grad.detach())
+
+    def add_norms(self, per_block: list[float]) -> None:
+        for i, n in enumerate(per_block):
+            self.squares[i] += n * n
+
+    def ratios(self, group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+        """The drift ratio per block (NaN where no gradient was seen); collective over `group`,
+        the pipeline: each block's sum lives on the one stage that trains it."""
+        sq = torch.zeros(self.num_blocks, dtype=torch.float64, device=device)
+        for name, total in self.sums.items():
+            sq[int(name.split(".")[1])] += total.double().square().sum()
+        if group is not None:
+            dist.all_reduce(sq, group=group)
+        return [
+            math.sqrt(float(s) / q) if q > 0 else math.nan
+            for s, q in zip(sq.cpu().tolist(), self.squares, strict=True)
+        ]
+
+    def reset(self) -> None:
+        self.sums.clear()
+        self.squares = [0.0] * self.num_blocks
+
+
 class Freezing:
     def __init__(self, spec: JobSpec, rank: int, etcd: EtcdClient, job_id: str, reporter: Reporter):
         self.spec, self.rank, self.etcd, self.job_id, self.reporter = (
@@ -30,15 +81,35 @@ class Freezing:
             reporter,
         )
         self.meter = GradNormMeter(spec.model.depth)
+        self.from_trained = spec.model.pretrained is not None or spec.init.checkpoint is not None
+        noise = (
+            spec.freeze.policy == "gradient"
+            and settle_criterion(spec.freeze, self.from_trained) == "noise"
+        )
+        # criterion 'noise' sums each step's gradients (sync_and_clip hands them over)
+        self.drift = GradientDrift(spec.model.depth) if noise else None
 
     def observe(self, block_norms: list[float]) -> None:
         """One step's per-block gradient norms (the same on every rank)."""
         self.meter.add(block_norms)
+        if self.drift is not None:
+            self.drift.add_norms(block_norms)
 
-    def decide(self, ts: TrainState) -> FreezeDecision:
+    def decide(
+        self,
+        ts: TrainState,
+        pipeline: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> FreezeDecision:
         """A decision point (collective): the decision every rank adopts; `ts.freeze` moves on.
-        The caller re-lays out when the boundary moved past its layout's."""
-        decision, request = from_rank0(self.rank, lambda: self._on_rank0(ts))
+        The caller re-lays out when the boundary moved past its layout's. `pipeline` and
+        `device`: the layout's pipeline group and the rank's device, over which criterion 'noise'
+        gathers its per-block sums."""
+        drift = None
+        if self.drift is not None:
+            drift = self.drift.ratios(pipeline, device or torch.device("cpu"))
+            self.drift.reset()
+        decision, request = from_rank0(self.rank, lambda: self._on_rank0(ts, drift))
         self.meter.reset()
         ts.freeze = decision.state
         if self.rank == 0 and (decision.changed or request is not None):
@@ -56,7 +127,7 @@ class Freezing:
         return decision
 
     def _on_rank0(
-        self, ts: TrainState
+        self, ts: TrainState, drift: list[float] | None
     ) -> tuple[FreezeDecision, FreezeRequest | UnreadableRequest | None]:
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         request = read_freeze_request(raw) if raw else None
@@ -74,5 +145,7 @@ class Freezing:
             self.spec.model.depth,
             boundary=ts.boundary,
             override=override,
+            drift=drift,
+            from_trained=self.from_trained,
         )
         return decision, request

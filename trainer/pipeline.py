@@ -322,15 +322,22 @@ class RankPipeline:
             return self.cache.get_or_compute(indices, inputs, prefix, self.device)
         return prefix.compute(self.to_device(inputs), self.layout.freeze_boundary)
 
-    def sync_and_clip(self, max_norm: float) -> GradNorms:
+    def sync_and_clip(
+        self,
+        max_norm: float,
+        observe: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+    ) -> GradNorms:
         """Clip by the norm over *all* stages (the same norm a single process would compute) of
         the gradients DDP summed over the replicas during backward. Returns that norm and the
         per-block gradient norms before clipping (what AutoFreeze watches), the same on every
-        rank."""
+        rank. `observe` is handed this rank's (name, gradient) pairs once they are summed over the
+        replicas and before clipping (AutoFreeze's drift meter)."""
         named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
         grads = [g for _, g in named]
         if self.sync_after_step and grads:
             _sum_replica_grads(grads, self.groups.data_parallel)
+        if observe is not None:  # the summed gradients, before clipping (what the norms measure)
+            observe(named)
         # squared norms per block, plus one slot for the embedding and head, summed over the
         # pipeline in a single collective
         depth = self.layout.num_blocks

@@ -263,7 +263,7 @@ class Trainer:
             self.checkpoints.periodic(st, self.pipe.model, self.optimizer, epoch_done)
             # decision points run with policy 'off' too: a manual override is applied there
             if not self._finished() and is_decision_point(spec.freeze, st.step, epoch_done):
-                decision = self.freezing.decide(st)
+                decision = self.freezing.decide(st, self.pipe.groups.pipeline, self.pipe.device)
                 if decision.boundary > st.boundary:
                     self.relayout(decision.boundary, decision.reason)
             if st.step % spec.runtime.control_every_steps == 0 or epoch_done:
@@ -288,7 +288,8 @@ class Trainer:
         lr = lr_at(p.step, self.total_steps, self.tspec)
         set_lr(self.optimizer, lr)
         loss = pipe.train_step(inputs, targets, b.global_valid, indices=b.indices)
-        norms = pipe.sync_and_clip(self.tspec.grad_clip)
+        drift = self.freezing.drift
+        norms = pipe.sync_and_clip(self.tspec.grad_clip, drift.add if drift else None)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.freezing.observe(norms.per_block)

@@ -1,0 +1,443 @@
+"""The paper's experiment in miniature: wall time to the same accuracy when fine-tuning a pretrained
+ViT, against a static pipeline, with PipeTransformer's ablation and its alpha sweep.
+
+Design (PipeTransformer, ICML 2021, Section 5, on 2 worker processes of 1 thread each):
+
+    upstream    one job pretrains a Hugging Face ViT (8 blocks of width 64, 32x32 images, 4x4
+                patches) from a random initialisation on a source task, digits 0-4 (scikit-learn's
+                digits drawn with random rotation, scale, shift, tint and noise); its checkpoint
+                is exported (`pipetransformer export`) and kept as a body (`ViTModel`, no head),
+                as hub pretraining checkpoints are
+    probe       a linear probe (logistic regression on the body's final [CLS] features) on the
+                downstream task: what the pretrained features give without fine-tuning
+    downstream  every compared job fine-tunes the body on digits 5-9, classes the source task never
+                had, through the `transformers` path with a new head, for the same epochs:
+
+      baseline          static pipeline, 2 stages x 1 replica, no freezing
+      freeze            AutoFreeze only: layout and replicas unchanged, no cache
+                        (freeze.relayout: off, freeze.cache: off)
+      freeze+pipe+cache re-partitioned onto the same stages, frozen prefix from AutoCache
+                        (freeze.relayout: repartition)
+      freeze+pipe+dp    freed ranks become replicas, no cache (relayout: elastic, cache: off)
+      all four          relayout: elastic, cache: auto, at each alpha of the sweep (1/5, 1/4, 1/3,
+                        2/5, 1/2); and the same with the schedule policy at the default alpha
+
+Each configuration is a real job through `pipetransformer run`; per seed the configurations run
+one after another in a rotated order, so that load drift on this shared machine hits them alike.
+Per configuration (medians over seeds): the run's wall time (the `run` command, start-up
+included), final held-out accuracy, time to reach the baseline's final accuracy, the speed-up
+over the baseline, the epoch of the first freeze and the fraction of the run spent with at least
+half of the blocks frozen.
+
+    .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 0.25]
+        [--keep-trainable 2] [--only NAME ...] [--keep DIR]
+
+One JSON line (also bench/out/paper.json) and figures in bench/out/: paper-throughput.png
+(samples/s over epochs per configuration), paper-ablation.png (speed-up bars), paper-alpha.png
+(speed-up and accuracy against alpha).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from _common import ROOT, emit, environment, out_dir, progress
+
+from store import Store, sqlite_url
+
+sys.path.insert(0, str(ROOT / "examples"))
+from assets import make_vit  # noqa: E402
+
+SOURCE_CLASSES, TARGET_CLASSES = range(0, 5), range(5, 10)
+ALPHAS = [Fraction(1, 5), Fraction(1, 4), Fraction(1, 3), Fraction(2, 5), Fraction(1, 2)]
+PAPER = {  # PipeTransformer's own figures (ViT-B/16; ablation on ImageNet, alpha on CIFAR-100)
+    "ablation": {"freeze": 0.95, "freeze+pipe+cache": 1.26, "freeze+pipe+dp": 2.27, "all": 2.83},
+    "alpha_sweep": {"1/5": 2.04, "1/4": 2.44, "1/3": 2.83, "2/5": 3.29, "1/2": 3.86},
+}
+ABLATION = {  # name -> freeze section (beside policy, alpha, keep_trainable)
+    "freeze": {"relayout": "off", "cache": "off"},
+    "freeze+pipe+cache": {"relayout": "repartition", "cache": "auto"},
+    "freeze+pipe+dp": {"relayout": "elastic", "cache": "off"},
+    "all": {"relayout": "elastic", "cache": "auto"},
+}
+
+
+# -- the data and the upstream model --------------------------------------------------------------
+
+
+def jittered_digits(root: Path, classes: range, copies: int, seed: int, size: int = 32) -> Path:
+    """`root/{train,test}/<digit>/<n>.png`: each of scikit-learn's 8x8 digits of `classes` drawn
+    `copies` times at `size` pixels with a random rotation, scale, shift, tint and noise (fixed
+    by `seed`, so that a sample's pixels are the same every epoch and AutoCache applies). The
+    held-out images come from held-out digits, never from a training digit's other copies."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rng = np.random.default_rng(seed)
+    for label in classes:
+        idx = np.flatnonzero(digits.target == label)
+        rng.shuffle(idx)
+        n_test = round(len(idx) * 0.2)
+        for split, chosen in (("test", idx[:n_test]), ("train", idx[n_test:])):
+            folder = root / split / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in chosen:
+                grey = Image.fromarray((digits.images[i] * (255 / 16)).astype(np.uint8))
+                grey = grey.resize((24, 24), Image.BILINEAR)
+                for c in range(copies):
+                    g = grey.rotate(rng.uniform(-12, 12), resample=Image.BILINEAR)
+                    side = int(round(24 * rng.uniform(0.85, 1.15)))
+                    g = g.resize((side, side), Image.BILINEAR).crop((0, 0, size, size))
+                    canvas = Image.new("L", (size, size))
+                    at = rng.integers(0, max(1, size - side + 1), 2)
+                    canvas.paste(g, (int(at[0]), int(at[1])))
+                    pixels = np.asarray(canvas, dtype=np.float32)
+                    pixels = np.clip(pixels + rng.normal(0, 8, pixels.shape), 0, 255)
+                    rgb = (pixels[..., None] * rng.uniform(0.6, 1.0, 3)).astype(np.uint8)
+                    Image.fromarray(rgb).save(folder / f"{i}-{c}.png")
+    return root
+
+
+def _run(workdir: Path, spec: dict, job_id: str, cache: Path) -> float:
+    """`pipetransformer run` of `spec` as job `job_id`; returns its wall time (s)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / f"{job_id}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "PIPETRANSFORMER_CACHE": str(cache), "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(path), "--workdir", str(workdir)]
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        [*cmd, "--job-id", job_id], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise SystemExit(f"{job_id} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return wall
+
+
+def _job(name: str, pretrained: Path, data: Path, classes: int, seed: int, epochs: int) -> dict:
+    return {
+        "name": name,
+        "model": {"pretrained": str(pretrained), "num_classes": classes},
+        "data": {
+            "dataset": "image-folder",
+            "train": str(data / "train"),
+            "test": str(data / "test"),
+            "loader_workers": 1,
+        },
+        "training": {
+            "epochs": epochs,
+            "global_batch_size": 64,
+            "lr": 0.001,
+            "warmup_steps": 10,
+            "seed": seed,
+        },
+        "parallel": {"stages": 2, "replicas": 1, "microbatches": 4},
+        "checkpoint": {"every_epochs": epochs, "keep": 1},
+    }
+
+
+def upstream(tmp: Path, epochs: int, cache: Path) -> Path:
+    """Pretrain a random ViT on the source task; its blocks exported as a `ViTModel` body."""
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    init = make_vit(tmp / "vit-init", patch_size=4, layers=8, num_labels=len(SOURCE_CLASSES))
+    spec = _job("upstream", init, tmp / "source", len(SOURCE_CLASSES), 100, epochs)
+    spec["training"].update(lr=0.003, warmup_steps=20)
+    wall = _run(tmp / "upstream", spec, "upstream", cache)
+    exported = tmp / "upstream-export"
+    subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "export", "upstream", "--to", str(exported)]
+        + ["--workdir", str(tmp / "upstream")],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PIPETRANSFORMER_CACHE": str(cache)},
+    )
+    body = tmp / "body"
+    ViTForImageClassification.from_pretrained(exported).vit.save_pretrained(body)
+    AutoImageProcessor.from_pretrained(exported).save_pretrained(body)
+    store = Store.open(sqlite_url(tmp / "upstream" / "store.db"), migrate=False)
+    acc = store.evaluations("upstream")[-1].accuracy
+    store.close()
+    progress(f"upstream: {epochs} epochs in {wall:.0f}s, source held-out accuracy {acc:.3f}")
+    return body
+
+
+def linear_probe(body: Path, data: Path) -> float:
+    """Held-out accuracy of logistic regression on the frozen body's final [CLS] features."""
+    import torch
+    from PIL import Image
+    from sklearn.linear_model import LogisticRegression
+    from transformers import AutoImageProcessor, ViTModel
+
+    processor = AutoImageProcessor.from_pretrained(body)
+    model = ViTModel.from_pretrained(body, add_pooling_layer=False).eval()
+
+    def features(split: str) -> tuple[np.ndarray, np.ndarray]:
+        files = sorted((data / split).glob("*/*.png"))
+        out = []
+        for i in range(0, len(files), 256):
+            images = [Image.open(p).convert("RGB") for p in files[i : i + 256]]
+            pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+            with torch.no_grad():
+                out.append(model(pixel_values=pixels).last_hidden_state[:, 0].numpy())
+        return np.concatenate(out), np.array([int(p.parent.name) for p in files])
+
+    (x, y), (xt, yt) = features("train"), features("test")
+    probe = LogisticRegression(max_iter=2000).fit(x, y)
+    return float((probe.predict(xt) == yt).mean())
+
+
+# -- the compared jobs ----------------------------------------------------------------------------
+
+
+def configurations(alpha: Fraction, keep: int) -> dict[str, dict | None]:
+    """name -> the freeze section of its spec (None: the baseline, no freezing)."""
+    configs: dict[str, dict | None] = {"baseline": None}
+    base = {"policy": "gradient", "keep_trainable": keep}
+    for name, extra in ABLATION.items():
+        if name != "all":
+            configs[name] = {**base, "alpha": float(alpha), **extra}
+    for a in ALPHAS:
+        configs[f"all a={a}"] = {**base, "alpha": float(a), **ABLATION["all"]}
+    configs["all schedule"] = {**base, "policy": "schedule", "alpha": float(alpha)}
+    configs["all schedule"].update(ABLATION["all"])
+    return configs
+
+
+def history(workdir: Path, job_id: str, wall: float) -> dict[str, Any]:
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    try:
+        metrics, evals = store.metrics(job_id), store.evaluations(job_id)
+        depth = store.get_job(job_id).spec.model.depth
+    finally:
+        store.close()
+    t0 = metrics[0].time  # the first step's end: start-up (and that step) come before it
+    steps_per_epoch = max(m.step for m in metrics) / max(e.epoch for e in evals)
+    epochs: dict[int, list[float]] = {}
+    for m in metrics:
+        epochs.setdefault(int((m.step - 1) // steps_per_epoch) + 1, []).append(m.samples_per_s or 0)
+    first_freeze = next((e.epoch for e, m in _evals_with_frozen(evals, metrics) if m > 0), None)
+    half = [m.time for m in metrics if (m.frozen or 0) >= depth / 2]
+    span = metrics[-1].time - t0
+    return {
+        "wall_s": wall,
+        "startup_s": wall - span,
+        "final_accuracy": evals[-1].accuracy,
+        "evals": [(e.epoch, e.time - t0 + (wall - span), e.accuracy) for e in evals],
+        "samples_per_s_by_epoch": {k: statistics.median(v) for k, v in sorted(epochs.items())},
+        "first_freeze_epoch": first_freeze,
+        "half_frozen_fraction": (metrics[-1].time - half[0]) / span if half else 0.0,
+        "final_frozen": metrics[-1].frozen or 0,
+    }
+
+
+def _evals_with_frozen(evals: list, metrics: list) -> list[tuple[Any, int]]:
+    """Each evaluation with the boundary its epoch's last step trained under."""
+    frozen = {m.step: m.frozen or 0 for m in metrics}
+    return [(e, frozen.get(e.step, 0)) for e in evals]
+
+
+def time_to(hist: dict, accuracy: float) -> float | None:
+    """Seconds from the run's start until its held-out accuracy first reached `accuracy`."""
+    return next((t for _, t, acc in hist["evals"] if acc >= accuracy - 1e-12), None)
+
+
+# -- figures --------------------------------------------------------------------------------------
+
+
+def plot(per_seed: list[dict], summary: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, hist in per_seed[0].items():
+        by_epoch = hist["samples_per_s_by_epoch"]
+        ax.plot(list(by_epoch), list(by_epoch.values()), marker="o", ms=3, label=name)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("samples/s (median step)")
+    ax.set_title("Fine-tuning throughput per epoch (first seed)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(str(out / "paper-throughput.png"))
+    fig.savefig(paths[-1], dpi=120)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(summary["ablation"])
+    ours = [summary["ablation"][n]["wall_time_speedup"] for n in names]
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, ours, 0.4, label="this project (2 CPU processes)")
+    ax.bar(x + 0.2, [PAPER["ablation"][n] for n in names], 0.4, label="paper (ViT-B, ImageNet)")
+    ax.set_xticks(x, names)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("wall-time speed-up over the baseline")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(str(out / "paper-ablation.png"))
+    fig.savefig(paths[-1], dpi=120)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = list(summary["alpha_sweep"])
+    alphas = [float(Fraction(a)) for a in labels]
+    sweep = summary["alpha_sweep"]
+    ax.plot(alphas, [sweep[a]["wall_time_speedup"] for a in labels], "o-", label="speed-up")
+    ax.plot(alphas, [PAPER["alpha_sweep"][a] for a in labels], "s--", label="paper's speed-up")
+    ax.set_xlabel("alpha")
+    ax.set_ylabel("wall-time speed-up")
+    ax2 = ax.twinx()
+    ax2.plot(
+        alphas,
+        [sweep[a]["accuracy_delta_pp"] for a in labels],
+        "^-",
+        color="tab:red",
+        label="accuracy delta (pp)",
+    )
+    ax2.set_ylabel("held-out accuracy delta (pp)")
+    lines = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
+    ax.legend(lines, [h.get_label() for h in lines], fontsize=8, loc="upper left")
+    fig.tight_layout()
+    paths.append(str(out / "paper-alpha.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close("all")
+    return paths
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def _med(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[str, Any]:
+    """Per configuration: medians over seeds of speed-up, accuracy delta and time to the
+    baseline's accuracy (a seed that never reaches it counts as no speed-up there)."""
+    rows: dict[str, dict] = {}
+    for name in per_seed[0]:
+        speedups, deltas, tta, first, half = [], [], [], [], []
+        for runs in per_seed:
+            base, hist = runs["baseline"], runs[name]
+            speedups.append(base["wall_s"] / hist["wall_s"])
+            deltas.append(100 * (hist["final_accuracy"] - base["final_accuracy"]))
+            t_base, t_this = (
+                time_to(base, base["final_accuracy"]),
+                time_to(hist, base["final_accuracy"]),
+            )
+            tta.append(t_base / t_this if t_base and t_this else 0.0)
+            first.append(hist["first_freeze_epoch"])
+            half.append(hist["half_frozen_fraction"])
+        rows[name] = {
+            "wall_time_speedup": _med(speedups),
+            "accuracy_delta_pp": _med(deltas),
+            "time_to_baseline_accuracy_speedup": _med(tta),
+            "wall_s": _med([r[name]["wall_s"] for r in per_seed]),
+            "final_accuracy": _med([r[name]["final_accuracy"] for r in per_seed]),
+            "first_freeze_epoch": _med(first),
+            "half_frozen_fraction": _med(half),
+        }
+    default = f"all a={default_alpha}"
+    ablation = {n: rows[n] for n in ABLATION if n != "all"} | {"all": rows[default]}
+    sweep = {str(a): rows[f"all a={a}"] for a in ALPHAS}
+    policies = {
+        "gradient": {k: rows[default][k] for k in ("first_freeze_epoch", "half_frozen_fraction")},
+        "schedule": {
+            k: rows["all schedule"][k] for k in ("first_freeze_epoch", "half_frozen_fraction")
+        },
+    }
+    return {"rows": rows, "ablation": ablation, "alpha_sweep": sweep, "policies": policies}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, default=10, help="fine-tuning epochs")
+    parser.add_argument("--upstream-epochs", type=int, default=20)
+    parser.add_argument("--copies", type=int, default=4, help="drawings of each digit")
+    parser.add_argument("--alpha", type=Fraction, default=Fraction(1, 4), help="'all' alpha")
+    parser.add_argument("--keep-trainable", type=int, default=2)
+    parser.add_argument("--only", nargs="+", help="run only these configurations (and baseline)")
+    parser.add_argument("--keep", type=Path, help="keep the runs under this directory")
+    args = parser.parse_args()
+    if args.alpha not in ALPHAS:
+        raise SystemExit(f"--alpha must be one of the sweep's {', '.join(map(str, ALPHAS))}")
+    configs = configurations(args.alpha, args.keep_trainable)
+    if args.only:
+        configs = {k: v for k, v in configs.items() if k == "baseline" or k in args.only}
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or Path(scratch)
+        cache = tmp / "cache"
+        progress("making the source and target images ...")
+        jittered_digits(tmp / "source", SOURCE_CLASSES, args.copies, seed=1)
+        jittered_digits(tmp / "target", TARGET_CLASSES, args.copies, seed=2)
+        progress(f"upstream: pretraining on digits 0-4 ({args.upstream_epochs} epochs) ...")
+        body = upstream(tmp, args.upstream_epochs, cache)
+        probe = linear_probe(body, tmp / "target")
+        progress(f"linear probe on digits 5-9: {probe:.3f}")
+        per_seed: list[dict[str, dict]] = []
+        names = list(configs)
+        for k, seed in enumerate(args.seeds):
+            runs: dict[str, dict] = {}
+            order = names[k % len(names) :] + names[: k % len(names)]  # drift hits all alike
+            for name in order:
+                spec = _job("ft", body, tmp / "target", len(TARGET_CLASSES), seed, args.epochs)
+                if configs[name] is not None:
+                    spec["freeze"] = configs[name]
+                job = f"s{seed}-{len(runs)}"
+                wall = _run(tmp / job, spec, job, cache)
+                runs[name] = history(tmp / job, job, wall)
+                progress(
+                    f"seed {seed} {name}: {wall:.0f}s, accuracy "
+                    f"{runs[name]['final_accuracy']:.3f}, first freeze epoch "
+                    f"{runs[name]['first_freeze_epoch']}"
+                )
+            per_seed.append({n: runs[n] for n in names})
+        summary = summarise(per_seed, args.alpha) if not args.only else {"rows": {}}
+        figures = plot(per_seed, summary, out_dir()) if not args.only else []
+    headline = summary.get("ablation", {}).get("all", {})
+    emit(
+        {
+            "benchmark": "paper",
+            "wall_time_speedup": headline.get("wall_time_speedup"),
+            "accuracy_delta_pp": headline.get("accuracy_delta_pp"),
+            "linear_probe_accuracy": probe,
+            "ablation": summary.get("ablation"),
+            "alpha_sweep": summary.get("alpha_sweep"),
+            "policies": summary.get("policies"),
+            "configurations": summary["rows"],
+            "paper": PAPER,
+            "goals": {"wall_time_speedup": 1.8, "accuracy_delta_pp": -0.5},
+            "config": {
+                "seeds": args.seeds,
+                "epochs": args.epochs,
+                "upstream_epochs": args.upstream_epochs,
+                "copies": args.copies,
+                "alpha": str(args.alpha),
+                "keep_trainable": args.keep_trainable,
+            },
+            "per_seed": per_seed,
+            "figures": figures,
+            "environment": environment(),
+        },
+        save_as="paper.json",
+    )
+
+
+if __name__ == "__main__":
+    main()
