@@ -113,7 +113,7 @@ def _train_relayouts(
         targets[~torch.from_numpy(b.valid)] = IGNORE
         inputs = x[b.indices][sl] if pipe.is_first else None
         pipe.train_step(inputs, targets[sl], b.global_valid)
-        pipe.sync_and_clip(SPEC.training.grad_clip)
+        norms = pipe.sync_and_clip(spec.training.grad_clip).per_block
         for name, p in pipe.model.named_parameters():
             if not p.requires_grad:
                 assert p.grad is None, f"frozen {name} got a gradient"
@@ -125,6 +125,7 @@ def _train_relayouts(
         "replica": replica,
         "stages": [st.index for st, _ in layout.placements(rank)],
         "graded": sorted(graded),
+        "norms": norms,  # the last step's per-block gradient norms
         "params": {k: v.detach().clone() for k, v in pipe.model.state_dict().items()},
         "optim": {k: v.clone() for k, v in _optimizer_tensors(pipe.model, opt).items()},
         "in_optimizer": sorted(
@@ -263,6 +264,10 @@ def test_freezing_in_place_gives_the_same_weights_as_one_process(
             # zero-bubble schedules need a stage's input to require grad (see
             # trainer.pipeline.carries_gradient): autograd crosses frozen blocks there
             assert r["graded"] == [], f"autograd went back through frozen {r['graded']}"
+    # AutoFreeze's per-block norms, the same on every rank: 0 for the frozen blocks 0-2
+    for r in results:
+        assert r["norms"][:3] == [0.0, 0.0, 0.0] and r["norms"][3] > 0, r["norms"]
+        assert r["norms"] == results[0]["norms"]
     # at F = 3 some rank has nothing left to train: the first stage's with one stage per rank,
     # the one running stages 1 and 2 with zbv's V placement
     assert any(not r["in_optimizer"] and not r["optim"] for r in results)
