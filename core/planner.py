@@ -14,10 +14,11 @@ arguments; each is what one call site needs:
   back, blocks [0, boundary) frozen and out of the pipeline, the rest split evenly, whatever
   `freeze.relayout` says, but for 'off': there the frozen blocks never leave the pipeline (all
   blocks are split evenly and [0, boundary) stay frozen in their stages), so that its later
-  freezes can keep stage 0 at block 0. The current pipeline depth is kept where it divides the world (the rest become replicas), else shallower
-  depths are tried, then deeper ones; the current micro-batch count is kept where the replica
-  batch and the schedule allow it, else the first candidate the schedule accepts. Version
-  current + 1 (1 without a current layout). The controller's answer to a new rendezvous.
+  freezes can keep stage 0 at block 0. The current pipeline depth is kept where it divides the
+  world (the rest become replicas), else shallower depths are tried, then deeper ones; the
+  current micro-batch count is kept where the replica batch and the schedule allow it, else the
+  first candidate the schedule accepts. Version current + 1 (1 without a current layout). The
+  controller's answer to a new rendezvous.
 * start-up measurement (`profiles`, `boundary` 0 and `world` the spec's world): AutoPipe on the
   measured profiles with S and R fixed to the spec's (the launched world): the partition when
   `parallel.partition` is 'autopipe' (else the current layout's cuts stay), the micro-batch count
@@ -351,7 +352,7 @@ def _repartition_counts(
     return {(stages, r): counts}
 
 
-def _in_place(spec: JobSpec, boundary: int, current: Layout) -> Planned:
+def _in_place(boundary: int, current: Layout) -> Planned:
     """`freeze.relayout: off`: the current layout with blocks [0, boundary) frozen in place."""
     if current.stages[0].start not in (0, boundary):
         raise PlanError(
@@ -372,7 +373,7 @@ def _relayout(
     spec: JobSpec, world: int, boundary: int, current: Layout, profiles: Mapping[int, Profile]
 ) -> Planned:
     if spec.freeze.relayout == "off":
-        return _in_place(spec, boundary, current)
+        return _in_place(boundary, current)
     p, L, f = spec.parallel, spec.model.depth, boundary
     gb = spec.training.global_batch_size
     cost = cost_model(spec, f)
