@@ -11,24 +11,39 @@ arguments; each is what one call site needs:
   provisional (the smallest candidate for `parallel.stages`) until the workers measure. The
   controller records it when a job is created or first published.
 * re-formed world (`world` given, no `profiles`): `world` workers after a node was lost or came
-  back, blocks [0, boundary) frozen and out of the pipeline, the rest split evenly. The current
-  pipeline depth is kept where it divides the world (the rest become replicas), else shallower
-  depths are tried, then deeper ones; the current micro-batch count is kept where the replica
-  batch and the schedule allow it, else the first candidate the schedule accepts. Version
-  current + 1 (1 without a current layout). The controller's answer to a new rendezvous.
+  back, blocks [0, boundary) frozen and out of the pipeline, the rest split evenly, whatever
+  `freeze.relayout` says, but for 'off': there the frozen blocks never leave the pipeline (all
+  blocks are split evenly and [0, boundary) stay frozen in their stages), so that its later
+  freezes can keep stage 0 at block 0. The current pipeline depth is kept where it divides the
+  world (the rest become replicas), else shallower depths are tried, then deeper ones; the
+  current micro-batch count is kept where the replica batch and the schedule allow it, else the
+  first candidate the schedule accepts. Version current + 1 (1 without a current layout). The
+  controller's answer to a new rendezvous.
 * start-up measurement (`profiles`, `boundary` 0 and `world` the spec's world): AutoPipe on the
   measured profiles with S and R fixed to the spec's (the launched world): the partition when
   `parallel.partition` is 'autopipe' (else the current layout's cuts stay), the micro-batch count
   when it is 'auto' (else the spec's). Marked `planner="autopipe"`, version current + 1.
-* re-layout (`profiles` otherwise: after a freeze, or a re-formed world the workers measure):
-  AutoPipe + AutoDP: every S' x R' = world with S' <= active blocks and R' dividing the batch is
-  planned (cuts only after the boundary, the frozen prefix out of the pipeline; the spec's
-  micro-batch count where it divides the replica batch, else the candidates), and the lowest
-  predicted step time wins (ties: fewer stages). Marked `planner="autopipe"`, version current + 1.
+* re-layout (`profiles` otherwise: after a freeze, or a re-formed world the workers measure),
+  as `freeze.relayout` says:
+  - 'elastic' (AutoPipe + AutoDP): every S' x R' = world with S' <= active blocks and R'
+    dividing the batch is planned (cuts only after the boundary, the frozen prefix out of the
+    pipeline; the spec's micro-batch count where it divides the replica batch, else the
+    candidates), and the lowest predicted step time wins (ties: fewer stages).
+  - 'repartition' (AutoPipe without AutoDP): the same with one shape, the current layout's
+    replicas R and S' = world / R pipeline ranks (its stages per rank kept): the frozen prefix
+    leaves the pipeline and the active blocks are re-partitioned over as many stages as before.
+    PlanError when fewer blocks stay active than there are stages.
+  - 'off': nothing is measured (`profile_sizes` is empty; `needs_measurement` is False for a
+    layout this situation would re-plan): the current stages, ranks, replicas and micro-batch
+    count stay and only the freeze boundary moves (blocks [0, boundary) frozen in place, stage 0
+    still starting at block 0; the planner mark stays the current one).
+  'elastic' and 'repartition' are marked `planner="autopipe"`; all three are version
+  current + 1.
 
 `needs_measurement(spec, layout)` says whether a worker should measure before training under an
 assigned layout; then, and at every re-layout, it calls `trainer.profile.measured_layout` with
-the same `world`, `boundary` and `current`. Raises PlanError, saying why, when nothing fits.
+the same `world`, `boundary` and `current` (which measures nothing when `profile_sizes` is
+empty). Raises PlanError, saying why, when nothing fits.
 """
 
 from __future__ import annotations
@@ -84,6 +99,11 @@ def needs_measurement(spec: JobSpec, layout: Layout) -> bool:
     """Whether workers should re-plan `layout` from measurement before training under it: the
     spec asks for AutoPipe or an automatic micro-batch count, and it was not measured yet."""
     p = spec.parallel
+    if spec.freeze.relayout == "off":
+        # re-layouts keep the layout as it is: only the spec's own world at F = 0 is planned
+        world, f = layout.world_size, layout.freeze_boundary
+        if _situation(spec, world, f, measured=True) == "relayout":
+            return False
     return layout.planner != "autopipe" and (p.partition == "autopipe" or p.microbatches == "auto")
 
 
@@ -126,15 +146,25 @@ def plan_layout(
     return _relayout(spec, world, boundary, current, profiles)
 
 
-def profile_sizes(spec: JobSpec, *, world: int | None = None, boundary: int = 0) -> set[int]:
+def profile_sizes(
+    spec: JobSpec,
+    *,
+    world: int | None = None,
+    boundary: int = 0,
+    current: Layout | None = None,
+) -> set[int]:
     """The micro-batch sizes (samples) a measured `plan_layout` with these arguments needs
-    profiles at. Raises PlanError when no shape fits the world (before anything is measured)."""
+    profiles at: none for a re-layout under `freeze.relayout: off`; `current` is needed for one
+    under 'repartition' (its replicas are kept). Raises PlanError when no shape fits the world
+    (before anything is measured)."""
     world = spec.parallel.world_size if world is None else world
     gb = spec.training.global_batch_size
     if _situation(spec, world, boundary, measured=True) == "startup":
         replica_batch = gb // spec.parallel.replicas
         return {replica_batch // m for m in _startup_counts(spec)}
-    counts = _relayout_counts(spec, world, boundary)
+    if spec.freeze.relayout == "off":
+        return set()
+    counts = _relayout_counts(spec, world, boundary, current)
     return {gb // r // m for (_, r), ms in counts.items() for m in ms}
 
 
@@ -188,11 +218,15 @@ def _reformed(spec: JobSpec, world: int, boundary: int, current: Layout | None) 
     preferred = current.pipeline_ranks if current is not None else p.stages
     virtual = current.virtual_stages if current is not None else p.virtual_stages
     m_now = current.microbatches if current is not None else p.microbatches
+    # where the pipeline starts: after the frozen prefix, or at block 0 when frozen blocks stay
+    # in their stages (`freeze.relayout: off`, whose later freezes keep stage 0 at block 0)
+    lo = 0 if spec.freeze.relayout == "off" else f
     why: list[str] = []
     for depth in _world_shapes(preferred, world):
         replicas, stages = world // depth, depth * virtual
-        if stages > L - f:
-            why.append(f"{depth}x{replicas}: {stages} stages > {L - f} active blocks")
+        if stages > L - lo:
+            what = "blocks" if lo == 0 else "active blocks"
+            why.append(f"{depth}x{replicas}: {stages} stages > {L - lo} {what}")
             continue
         if gb % replicas:
             why.append(f"{depth}x{replicas}: batch {gb} does not split into {replicas} replicas")
@@ -206,7 +240,7 @@ def _reformed(spec: JobSpec, world: int, boundary: int, current: Layout | None) 
         if m is None:
             why.append(f"{depth}x{replicas}: no micro-batch count suits {p.schedule!r}")
             continue
-        ranges = [(a + f, b + f) for a, b in uniform_partition(L - f, stages)]
+        ranges = [(a + lo, b + lo) for a, b in uniform_partition(L - lo, stages)]
         layout = Layout.build(
             ranges,
             num_blocks=L,
@@ -260,8 +294,15 @@ def _startup(
     return Planned(layout.model_copy(update={"planner": "autopipe"}), f"autopipe: {best.summary()}")
 
 
-def _relayout_counts(spec: JobSpec, world: int, boundary: int) -> dict[tuple[int, int], list[int]]:
-    """Micro-batch counts to try per (stages, replicas) shape of `world` a re-layout considers."""
+def _relayout_counts(
+    spec: JobSpec, world: int, boundary: int, current: Layout | None = None
+) -> dict[tuple[int, int], list[int]]:
+    """Micro-batch counts to try per (stages, replicas) shape of `world` a re-layout considers
+    (stages: model chunks per replica)."""
+    if spec.freeze.relayout == "repartition":
+        if current is None:
+            raise ValueError("a 'repartition' re-layout keeps the current replicas: pass current")
+        return _repartition_counts(spec, world, boundary, current)
     p, L, f = spec.parallel, spec.model.depth, boundary
     gb = spec.training.global_batch_size
     shapes = [
@@ -278,16 +319,72 @@ def _relayout_counts(spec: JobSpec, world: int, boundary: int) -> dict[tuple[int
     return counts
 
 
+def _repartition_counts(
+    spec: JobSpec, world: int, boundary: int, current: Layout
+) -> dict[tuple[int, int], list[int]]:
+    """The one shape a 'repartition' re-layout plans: the current replicas R, world / R
+    pipeline ranks with the current stages per rank; the micro-batch counts the schedule takes."""
+    p, L, f = spec.parallel, spec.model.depth, boundary
+    gb = spec.training.global_batch_size
+    r, virtual = current.replicas, current.virtual_stages
+    if world % r or gb % r:
+        raise PlanError(
+            f"freeze.relayout 'repartition' keeps {r} replica(s), which do not divide "
+            f"{world} worker(s) and batch {gb}"
+        )
+    depth = world // r
+    stages = depth * virtual
+    if stages > L - f:
+        raise PlanError(
+            f"freeze.relayout 'repartition' keeps {r} replica(s) of {stages} stage(s) on "
+            f"{world} worker(s), but freezing blocks 0..{f - 1} leaves {L - f} of {L} blocks "
+            "active: every stage needs an active block; raise freeze.keep_trainable to at "
+            f"least {stages} or use freeze.relayout 'elastic'"
+        )
+    fixed = p.microbatches != "auto" and (gb // r) % p.microbatches == 0
+    options = [p.microbatches] if fixed else microbatch_candidates(stages, gb // r)
+    counts = [m for m in options if schedule_problem(p.schedule, depth, virtual, m) is None]
+    if not counts:
+        raise PlanError(
+            f"freeze.relayout 'repartition': no micro-batch count of {options} suits "
+            f"{p.schedule!r} on {depth} rank(s) x {virtual} stage(s)"
+        )
+    return {(stages, r): counts}
+
+
+def _in_place(boundary: int, current: Layout) -> Planned:
+    """`freeze.relayout: off`: the current layout with blocks [0, boundary) frozen in place."""
+    if current.stages[0].start not in (0, boundary):
+        raise PlanError(
+            f"freeze.relayout 'off' keeps the stages, but stage 0 of layout v{current.version} "
+            f"starts at block {current.stages[0].start}, not at 0 or the boundary {boundary}"
+        )
+    data = current.model_dump() | {"version": current.version + 1, "freeze_boundary": boundary}
+    layout = Layout.model_validate(data)
+    shape = f"{layout.pipeline_ranks}x{layout.replicas}"
+    return Planned(
+        layout,
+        f"F={boundary}: frozen in place (freeze.relayout off): {shape} stages and "
+        f"{layout.microbatches} micro-batches kept",
+    )
+
+
 def _relayout(
     spec: JobSpec, world: int, boundary: int, current: Layout, profiles: Mapping[int, Profile]
 ) -> Planned:
+    if spec.freeze.relayout == "off":
+        return _in_place(boundary, current)
     p, L, f = spec.parallel, spec.model.depth, boundary
     gb = spec.training.global_batch_size
     cost = cost_model(spec, f)
+    counts = _relayout_counts(spec, world, f, current)
+    # 'elastic' shapes have one stage per rank; 'repartition' keeps the current stages per rank
+    # (the cost model plans one stage per device, so each model chunk is planned as its own)
+    virtual = current.virtual_stages if spec.freeze.relayout == "repartition" else 1
     plans = [
         plan(
             _restrict(profiles, {gb // r // m for m in ms}),
-            devices=world,
+            devices=s * r,
             global_batch=gb,
             cost=cost,
             microbatches=ms,
@@ -295,7 +392,7 @@ def _relayout(
             replicas=r,
             allowed_cuts=range(f + 1, L),
         )
-        for (s, r), ms in _relayout_counts(spec, world, f).items()
+        for (s, r), ms in counts.items()
     ]
     best = min(plans, key=lambda pl: (pl.step_time_s, pl.stages))
     ranges = [(max(a, f), b) for a, b in best.ranges]  # frozen blocks leave the pipeline
@@ -305,8 +402,13 @@ def _relayout(
         replicas=best.replicas,
         microbatches=best.microbatches,
         schedule=p.schedule,
+        virtual_stages=virtual,
+        placement=SCHEDULES[p.schedule].placement if virtual > 1 else "loop",
         version=current.version + 1,
         freeze_boundary=f,
         planner="autopipe",
     )
-    return Planned(layout, f"F={f}: {best.summary()}")
+    reason = f"F={f}: {best.summary()}"
+    if spec.freeze.relayout == "repartition":
+        reason += f" (repartition: {best.replicas} replica(s) kept)"
+    return Planned(layout, reason)

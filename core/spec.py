@@ -767,7 +767,17 @@ class FreezeSpec(_Strict):
     decision points after warm-up) and never past
     L - keep_trainable; it never decreases. The classifier head is never frozen. A manual override
     (`pipetransformer freeze`) is applied at the next decision point, may only move forward and
-    is bounded by the model and keep_trainable, not by alpha. Implemented in core/freeze.py."""
+    is bounded by the model and keep_trainable, not by alpha. Implemented in core/freeze.py.
+
+    How the job re-lays itself out when F moves (`relayout`; planned in core/planner.py):
+    'elastic' (the default: AutoPipe + AutoDP) takes the frozen blocks out of the pipeline (the
+    first stage's rank runs them forward-only, AutoCache may serve them), re-partitions the
+    active blocks and turns freed ranks into replicas; 'repartition' (AutoPipe without AutoDP)
+    does the same but keeps the current number of replicas, hence the pipeline depth, so every
+    stage needs an active block: keep_trainable must be at least parallel.stages x
+    parallel.virtual_stages; 'off' keeps every stage, replica and the micro-batch count as they
+    are and freezes blocks in place (no gradient, no optimizer, no gradient sync; they still run
+    forward in their stages, without AutoCache)."""
 
     policy: Literal["gradient", "schedule", "off"] = Field(
         "off",
@@ -822,6 +832,16 @@ class FreezeSpec(_Strict):
         "spilling to disk) instead of recomputing it. 'auto' uses it where measurement says it "
         "is cheaper. Cached outputs are only valid for deterministic inputs: a data pipeline "
         "with random augmentation must use 'off'",
+    )
+    relayout: Literal["elastic", "repartition", "off"] = Field(
+        "elastic",
+        description="what happens to the layout when the freeze boundary moves: 'elastic' "
+        "(AutoPipe + AutoDP) moves the frozen blocks out of the pipeline, re-partitions the "
+        "active blocks and makes freed ranks replicas; 'repartition' (AutoPipe only) moves the "
+        "frozen blocks out and re-partitions the active blocks over the same number of stages, "
+        "keeping the replicas (needs keep_trainable >= parallel.stages x "
+        "parallel.virtual_stages); 'off' keeps the stages, replicas and micro-batches and "
+        "freezes blocks in place (they still run forward in their stages; no AutoCache)",
     )
 
     @field_validator("every", mode="before")
@@ -927,6 +947,15 @@ class JobSpec(_Strict):
                 f"freeze.keep_trainable ({fz.keep_trainable}) must be less than model.depth "
                 f"({self.model.depth}) when freeze.policy is {fz.policy!r}: at least one block "
                 "must be freezable; lower freeze.keep_trainable or raise model.depth"
+            )
+        if fz.relayout == "repartition" and fz.keep_trainable < p.num_stages:
+            # checked whatever the policy: manual overrides freeze up to keep_trainable too
+            raise ValueError(
+                f"freeze.keep_trainable ({fz.keep_trainable}) must be at least parallel.stages "
+                f"x parallel.virtual_stages ({p.stages} x {p.virtual_stages} = {p.num_stages}) "
+                "with freeze.relayout 'repartition': it keeps every stage, and each needs a "
+                "trainable block after freezing; raise freeze.keep_trainable, lower "
+                "parallel.stages or use freeze.relayout 'elastic'"
             )
         beyond = [
             u

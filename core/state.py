@@ -92,8 +92,9 @@ class Layout(_Model):
     def _contiguous(self) -> Layout:
         if not self.stages:
             raise ValueError("a layout needs at least one stage")
-        # Frozen blocks may leave the pipeline (run forward-only before stage 0), so the first
-        # stage starts at block 0 or at the freeze boundary; after that, ranges are contiguous.
+        # Frozen blocks may leave the pipeline (run forward-only before stage 0) or stay frozen
+        # in their stages (freeze.relayout 'off'), so the first stage starts at the freeze
+        # boundary or at block 0; after that, ranges are contiguous.
         if self.stages[0].start not in (0, self.freeze_boundary):
             raise ValueError(
                 f"stage 0 starts at block {self.stages[0].start}; expected 0 or the freeze "

@@ -37,7 +37,8 @@ d = model.dim, H = int(d x mlp_ratio), h = heads, k = num_classes, t = tokens be
   generating and splitting it (float64 noise, index copies).
 * Processes: 128 MiB a worker (forked from the node's fork server, which holds torch's pages),
   512 MiB a node (torchrun agent and fork server) and 256 MiB for the controller and etcd;
-  AutoCache's RAM tier (at most 256 MiB) on the first stage unless freeze.cache is off.
+  AutoCache's RAM tier (at most 256 MiB) on the first stage unless freeze.cache is off, or
+  freeze.relayout is off (frozen blocks stay in their stages: there is no prefix to cache).
 
 A worker's peak: process + data + max(its state and activations, one unit while initialising,
 the data while loading). On a GPU (`runtime.device: cuda`) the state and activations live in
@@ -265,7 +266,7 @@ def estimate(spec: JobSpec) -> Estimate:
     held = data.samples * input_bytes_per_sample(m)
     total = model_params(m)
     cache = 0
-    if spec.freeze.cache != "off":
+    if spec.freeze.cache != "off" and spec.freeze.relayout != "off":
         cache = min(CACHE_RAM_BYTES, data.train * tokens(m) * m.dim * F32)
     ranks = []
     for r in range(P):

@@ -206,6 +206,19 @@ def test_recompute_and_microbatches_lower_activations() -> None:
     assert plain.microbatch == 256 // 4
 
 
+def test_the_cache_tier_is_counted_only_where_a_prefix_can_leave_the_pipeline() -> None:
+    first = {
+        (cache, relayout): estimate(
+            _spec(freeze={"policy": "schedule", "cache": cache, "relayout": relayout})
+        ).ranks[0]
+        for cache in ("auto", "off")
+        for relayout in ("elastic", "off")
+    }
+    assert first["auto", "elastic"].other_bytes > first["off", "elastic"].other_bytes
+    # frozen blocks stay in their stages: nothing for AutoCache to serve
+    assert first["auto", "off"].other_bytes == first["off", "elastic"].other_bytes
+
+
 def test_examples_fit_a_small_machine() -> None:
     for path in sorted((REPO / "examples").glob("*.yaml")):
         spec = load_spec(path)

@@ -83,3 +83,44 @@ def test_freeze_requests_are_validated_before_anything_is_filed(store, etcd) -> 
     assert request.layers == 4 and request.who == "ana@lab"
     with pytest.raises(OverrideError, match="already has a pending"):
         file_freeze_request(etcd, store.get_job("j"), 4, "again")
+
+
+def test_relayout_modes_in_real_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`freeze.relayout: off` keeps the 2x1 [0-2|3-5] stages while F moves past stage 0's blocks;
+    'repartition' keeps 2x1 and starts stage 0 at F. A decision every 3 steps under the
+    schedule policy freezes F = 2, 3, 4 at steps 3, 6, 9 (alpha-bound of 6 blocks)."""
+    monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
+    workdir = tmp_path / "runs"
+    for mode, keep in (("off", 1), ("repartition", 2)):
+        spec = write_spec(
+            tmp_path / f"{mode}.yaml",
+            model={"depth": 6},
+            training={"epochs": 1, "max_steps": 10},
+            freeze={"policy": "schedule", "every": 3, "relayout": mode, "keep_trainable": keep},
+        )
+        run = cli("run", str(spec), "--workdir", str(workdir), "--job-id", mode)
+        assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    for mode in ("off", "repartition"):
+        job = store.get_job(mode)
+        assert job.state == "completed" and job.step == 10 and job.freeze_boundary == 4, mode
+        layouts = [h.layout for h in store.layouts(mode)]
+        assert [lay.freeze_boundary for lay in layouts] == [0, 2, 3, 4], mode
+        assert [lay.version for lay in layouts] == [1, 2, 3, 4], mode
+        for lay in layouts:
+            assert (lay.pipeline_ranks, lay.replicas, lay.microbatches) == (2, 1, 4), lay.short
+        steps = [m.step for m in store.metrics(mode)]
+        assert steps == list(range(1, 11)), "no step lost or repeated across the re-layouts"
+        assert [m.frozen for m in store.metrics(mode) if m.step in (3, 4, 10)] == [0, 2, 4]
+    # off: the same stages throughout, stage 0 all frozen at the end; no prefix to cache
+    for lay in (h.layout for h in store.layouts("off")):
+        assert [(s.start, s.end) for s in lay.stages] == [(0, 3), (3, 6)], lay.short
+    assert not [e for e in store.events("off", limit=500) if e.kind == "cache_decided"]
+    # repartition: the frozen prefix leaves the pipeline, the active blocks are cut again
+    for lay in [h.layout for h in store.layouts("repartition")][1:]:
+        f = lay.freeze_boundary
+        assert lay.stages[0].start == f and f < lay.stages[1].start < 6, lay.short
+        assert lay.planner == "autopipe"
+    # so AutoCache decides on the prefix at each boundary, as under elastic
+    decided = [e for e in store.events("repartition", limit=500) if e.kind == "cache_decided"]
+    assert {e.data["boundary"] for e in decided} == {2, 3, 4}

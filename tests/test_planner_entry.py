@@ -14,7 +14,7 @@ from core.state import Layout
 from trainer import profile as profile_mod
 
 
-def _spec(depth: int = 8, **parallel) -> JobSpec:
+def _spec(depth: int = 8, freeze: dict | None = None, **parallel) -> JobSpec:
     base = {"stages": 2, "replicas": 2, "microbatches": "auto", "partition": "autopipe"}
     return JobSpec.model_validate(
         {
@@ -22,6 +22,7 @@ def _spec(depth: int = 8, **parallel) -> JobSpec:
             "model": {"depth": depth},
             "training": {"global_batch_size": 48},
             "parallel": {**base, **parallel},
+            "freeze": freeze or {},
         }
     )
 
@@ -169,6 +170,127 @@ def test_fewer_measurements_than_asked_are_interpolated() -> None:
     current = plan_layout(spec).layout
     planned = plan_layout(spec, current=current, profiles=_profiles(8, {2, 12}))
     assert planned.layout.world_size == 4 and planned.layout.planner == "autopipe"
+
+
+# -- freeze.relayout: how a freeze re-lays the job out -------------------------------------------
+
+
+def test_elastic_is_the_default_and_plans_as_before() -> None:
+    spec = _spec(microbatches=4)
+    assert spec.freeze.relayout == "elastic"
+    explicit = _spec(microbatches=4, freeze={"relayout": "elastic"})
+    current = plan_layout(spec).layout
+    profiles = _profiles(8, profile_sizes(spec, world=4, boundary=2))
+    assert profile_sizes(explicit, world=4, boundary=2) == profile_sizes(spec, world=4, boundary=2)
+    assert plan_layout(
+        explicit, world=4, boundary=2, current=current, profiles=profiles
+    ) == plan_layout(spec, world=4, boundary=2, current=current, profiles=profiles)
+
+
+def test_off_moves_only_the_boundary_and_measures_nothing(fake_measure) -> None:
+    spec = _spec(freeze={"relayout": "off"}, partition="uniform", microbatches=4)
+    current = plan_layout(spec).layout  # 2x2 [0-3|4-7]
+    assert profile_sizes(spec, world=4, boundary=5, current=current) == set()
+    for boundary in (3, 5):  # inside stage 0, then past all of its blocks
+        planned = profile_mod.measured_layout(spec, world=4, boundary=boundary, current=current)
+        layout = planned.layout
+        assert layout.freeze_boundary == boundary and layout.version == current.version + 1
+        assert layout.stages == current.stages  # ranges and ranks: frozen blocks stay in place
+        assert (layout.replicas, layout.microbatches, layout.schedule) == (2, 4, "gpipe")
+        assert planned.reason.startswith(f"F={boundary}: frozen in place")
+        current = layout
+    assert fake_measure == [], "nothing is measured"
+    # the same without any profile at all (the planner does not read them)
+    again = plan_layout(spec, world=4, boundary=6, current=current, profiles={})
+    assert again.layout.freeze_boundary == 6 and again.layout.stages == current.stages
+    # workers starting under such a layout (a re-formed world) measure nothing either
+    measured = _spec(freeze={"relayout": "off"})
+    assert planner.needs_measurement(measured, plan_layout(measured).layout)  # start-up
+    reformed = plan_layout(measured, world=2, boundary=3, current=current).layout
+    assert not planner.needs_measurement(measured, reformed)
+    assert planner.needs_measurement(_spec(), plan_layout(_spec(), world=2, boundary=3).layout)
+    # a re-formed world keeps the frozen blocks in the pipeline, so later freezes can stay in
+    # place; elastic and repartition move them out
+    assert reformed.stages[0].start == 0 and reformed.freeze_boundary == 3
+    assert _ranges(reformed) == [(0, 4), (4, 8)]
+    later = plan_layout(measured, world=2, boundary=5, current=reformed, profiles={}).layout
+    assert later.stages == reformed.stages and later.freeze_boundary == 5
+    for mode in ("elastic", "repartition"):
+        moved = _spec(freeze={"relayout": mode, "keep_trainable": 2})
+        assert plan_layout(moved, world=2, boundary=3, current=current).layout.stages[0].start == 3
+
+
+def test_repartition_keeps_the_replicas_and_moves_the_prefix_out(fake_measure) -> None:
+    spec = _spec(freeze={"relayout": "repartition", "keep_trainable": 2}, microbatches=4)
+    current = plan_layout(spec).layout  # 2x2
+    sizes = profile_sizes(spec, world=4, boundary=3, current=current)
+    assert sizes == {48 // 2 // 4}  # one shape: 2 stages x the current 2 replicas, m = 4
+    planned = profile_mod.measured_layout(spec, world=4, boundary=3, current=current)
+    assert fake_measure == [sizes]
+    profiles = _profiles(8, sizes)
+    expected = plan(
+        profiles,
+        devices=4,
+        global_batch=48,
+        cost=CostModel(freeze_boundary=3),
+        microbatches=[4],
+        stages=2,
+        replicas=2,
+        allowed_cuts=range(4, 8),
+    )
+    layout = planned.layout
+    assert (layout.pipeline_ranks, layout.replicas, layout.microbatches) == (2, 2, 4)
+    assert layout.freeze_boundary == 3 and layout.stages[0].start == 3  # the prefix left
+    assert _ranges(layout) == [(max(a, 3), b) for a, b in expected.ranges]
+    assert all(s.start > 3 for s in layout.stages[1:])  # cuts only after the boundary
+    assert layout.planner == "autopipe" and layout.version == current.version + 1
+    assert planned.reason == f"F=3: {expected.summary()} (repartition: 2 replica(s) kept)"
+    # where elastic would choose another shape, repartition still keeps 2x2
+    elastic = _spec(microbatches=4)
+    shapes = {
+        (p.layout.pipeline_ranks, p.layout.replicas)
+        for f in range(1, 7)
+        for p in [
+            plan_layout(
+                elastic,
+                world=4,
+                boundary=f,
+                current=current,
+                profiles=_profiles(8, profile_sizes(elastic, world=4, boundary=f)),
+            )
+        ]
+    }
+    assert shapes - {(2, 2)}, "elastic re-shapes the job somewhere"
+    for f in range(1, 7):
+        kept = plan_layout(
+            spec,
+            world=4,
+            boundary=f,
+            current=current,
+            profiles=_profiles(8, profile_sizes(spec, world=4, boundary=f, current=current)),
+        ).layout
+        assert (kept.pipeline_ranks, kept.replicas) == (2, 2) and kept.stages[0].start == f
+    # the replicas of the layout in force are kept, not the spec's
+    one = plan_layout(spec, world=2, boundary=1, current=current).layout  # re-formed: 2x1
+    assert (one.pipeline_ranks, one.replicas) == (2, 1)
+    assert profile_sizes(spec, world=2, boundary=3, current=one) == {48 // 4}
+    after = plan_layout(spec, world=2, boundary=3, current=one, profiles=_profiles(8, {12}))
+    assert (after.layout.pipeline_ranks, after.layout.replicas) == (2, 1)
+    with pytest.raises(ValueError, match="pass current"):
+        profile_sizes(spec, world=4, boundary=3)
+
+
+def test_repartition_needs_an_active_block_per_stage() -> None:
+    # the spec check (keep_trainable >= stages) holds for the spec's shape; a re-formed world
+    # may be deeper, and then the planner says why it cannot keep every stage
+    spec = _spec(freeze={"relayout": "repartition", "keep_trainable": 2}, microbatches=4)
+    deep = Layout.build([(0, 2), (2, 4), (4, 6), (6, 8)], num_blocks=8, replicas=1, microbatches=4)
+    message = r"keeps 1 replica\(s\) of 4 stage\(s\) on 4 worker\(s\).*leaves 2 of 8 blocks active"
+    with pytest.raises(PlanError, match=message):
+        profile_sizes(spec, world=4, boundary=6, current=deep)
+    with pytest.raises(PlanError, match="keep_trainable to at least 4"):
+        plan_layout(spec, world=4, boundary=6, current=deep, profiles=_profiles(8, {12}))
+    assert profile_sizes(spec, world=4, boundary=4, current=deep) == {12}  # 4 active: fits
 
 
 # -- the measuring edge and the old entry points -------------------------------------------------

@@ -100,6 +100,26 @@ def test_bad_specs_name_the_field(data: dict, field: str, phrase: str) -> None:
     assert phrase in problems[field]
 
 
+def test_relayout_modes_parse_and_repartition_needs_a_trainable_block_per_stage() -> None:
+    assert parse_spec({"name": "x"}).freeze.relayout == "elastic"  # today's behaviour
+    base = {"name": "x", "model": {"depth": 8}, "parallel": {"stages": 2}}
+    for mode in ("elastic", "off"):  # neither keeps every stage with an active block
+        assert parse_spec({**base, "freeze": {"relayout": mode}}).freeze.relayout == mode
+    assert "freeze.relayout" in _problems({**base, "freeze": {"relayout": "sometimes"}})
+    ok = {"relayout": "repartition", "policy": "schedule", "keep_trainable": 2}
+    assert parse_spec({**base, "freeze": ok}).freeze.relayout == "repartition"
+    # with policy 'off' too: a manual override may freeze up to keep_trainable
+    for policy in ("gradient", "schedule", "off"):
+        freeze = {"relayout": "repartition", "policy": policy}
+        msg = _problems({**base, "freeze": freeze})["<spec>"]
+        assert "freeze.keep_trainable (1)" in msg and "parallel.stages" in msg, msg
+        assert "(2 x 1 = 2)" in msg and "'repartition'" in msg and "raise" in msg, msg
+    virtual = {"stages": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b"}
+    freeze = {"relayout": "repartition", "policy": "schedule", "keep_trainable": 3}
+    msg = _problems({**base, "parallel": virtual, "freeze": freeze})["<spec>"]
+    assert "freeze.keep_trainable (3)" in msg and "(2 x 2 = 4)" in msg, msg
+
+
 def test_measured_and_multi_stage_options_parse() -> None:
     spec = parse_spec({"name": "x", "parallel": {"partition": "autopipe", "microbatches": "auto"}})
     assert spec.parallel.microbatches == "auto" and spec.parallel.partition == "autopipe"

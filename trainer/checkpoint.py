@@ -119,7 +119,9 @@ def _optimizer_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> d
     and tensors at a fraction of the cost (it runs in the training thread at each checkpoint)."""
     names = {p: n for n, p in module.named_parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if params and all(p in names and optimizer.state.get(p) for p in params):
+    if not params:  # nothing trains on this rank (all its blocks frozen in place): no state
+        return {}
+    if all(p in names and optimizer.state.get(p) for p in params):
         return {f"state.{names[p]}.{k}": v for p in params for k, v in optimizer.state[p].items()}
     # fresh optimizer: this initialises the state, giving load_checkpoint its keys
     full = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
@@ -631,6 +633,8 @@ def load_checkpoint(
     state = _state_dict(module, optimizer)  # initialises optimizer state, giving load its keys
     loaded = _load_packed(path, state, group)
     module.load_state_dict(loaded["model"])
+    if not any(group["params"] for group in optimizer.param_groups):
+        return  # nothing trains here: no optimizer state to load (DCP refuses an empty one)
     full = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
     full.update(loaded["optim"])
     set_optimizer_state_dict(module, optimizer, full, options=_OPTIONS)

@@ -11,8 +11,9 @@ The count, per sample (T tokens, width d, MLP hidden h = mlp_ratio x d, a multip
     head forward    2 d K                        K classes, on the CLS token
 
 A trainable unit costs 3x its forward (forward, then the gradients of its input and of its
-weights); a frozen unit costs its forward when the frozen prefix is recomputed and nothing when
-AutoCache serves its output. Norms, softmax, GELU and the optimizer are left out (under 2 % for
+weights); a frozen unit costs its forward when the frozen prefix is recomputed, or runs in its
+stage (`freeze.relayout: off`: no backward crosses it), and nothing when AutoCache serves its
+output. Norms, softmax, GELU and the optimizer are left out (under 2 % for
 ViT-B/16), as everyone does, so MFU slightly understates the work done.
 """
 
@@ -75,8 +76,9 @@ def head_forward_flops(spec: ModelSpec) -> float:
 
 def training_flops_per_sample(spec: ModelSpec, boundary: int = 0, cached: bool = False) -> float:
     """Model FLOPs of one training sample with blocks [0, boundary) (and the embedding below them)
-    frozen: 3x forward for what trains, 1x for the frozen prefix when recomputed, 0 when it
-    comes from the activation cache (`cached`)."""
+    frozen: 3x forward for what trains, 1x for the frozen blocks when recomputed (as a prefix
+    outside the pipeline or in place in their stages), 0 when they come from the activation
+    cache (`cached`)."""
     if not 0 <= boundary <= spec.depth:
         raise ValueError(f"boundary {boundary} outside a model of {spec.depth} blocks")
     block, embed, head = (

@@ -23,7 +23,11 @@ def build_optimizer(module: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
     # on a GPU the fused kernel updates every parameter in a few launches (the step counts live
     # on the device too); elsewhere the default (for-each) implementation
     fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.lr, fused=fused or None)
+    # a rank whose blocks are all frozen in place (`freeze.relayout: off`) trains nothing, but
+    # the loop still steps, sets the LR and checkpoints its optimizer: AdamW refuses an empty
+    # parameter list, not one empty group (a step over it does nothing)
+    kept = [g for g in groups if g["params"]] or [{"params": [], "weight_decay": 0.0}]
+    return torch.optim.AdamW(kept, lr=spec.lr, fused=fused or None)
 
 
 class MasterWeights:

@@ -101,9 +101,11 @@ class RankModel(nn.Module):
     (`trainer.models.init_unit`, the same values `build_model` gives it) unless a checkpoint
     will fill it.
 
-    With a freeze boundary F > 0, the frozen prefix (embedding and blocks [0, F)) belongs to the
-    rank running the first stage of each replica, outside the pipeline; its parameters have
-    `requires_grad=False`, so they are in no optimizer and no gradient sync."""
+    With a freeze boundary F > 0 the embedding and blocks [0, F) are frozen: their parameters
+    have `requires_grad=False`, so they are in no optimizer and no gradient sync. Where the
+    first stage starts at F they are the frozen prefix, which belongs to the rank running the
+    first stage of each replica, outside the pipeline; where it starts at block 0
+    (`freeze.relayout: off`) they stay in their stages and run forward there."""
 
     def __init__(
         self,
@@ -121,8 +123,8 @@ class RankModel(nn.Module):
         f = freeze_boundary
         owns_prefix = stages[0].index == 0
         owned = {i for s in stages for i in range(s.start, s.end)}
-        if owns_prefix:
-            owned |= set(range(f))
+        if owns_prefix:  # the blocks before the first stage: the prefix outside the pipeline
+            owned |= set(range(stages[0].start))
         self.embed = empty_unit(spec, "embed") if owns_prefix else None
         self.blocks = nn.ModuleDict(
             {str(i): empty_unit(spec, f"blocks.{i}") for i in sorted(owned)}
@@ -230,10 +232,12 @@ class RankPipeline:
                 dtype=stage_input_dtype(model_spec, stage.start),
                 device=device,
             )
-            if stage.index > 0:
+            if stage.index > 0 and carries_gradient(layout, stage.start):
                 example_in.requires_grad_(True)
             example_out = torch.zeros(
-                stage_output_shape(model_spec, stage.end, mb), requires_grad=True, device=device
+                stage_output_shape(model_spec, stage.end, mb),
+                requires_grad=carries_gradient(layout, stage.end),
+                device=device,
             )
             self.stages.append(
                 PipelineStage(
@@ -356,14 +360,27 @@ class RankPipeline:
         return GradNorms(norm, sq[:depth].sqrt().tolist())
 
 
+def carries_gradient(layout: Layout, cut: int) -> bool:
+    """Whether the hidden states crossing a stage boundary before block `cut` carry a gradient
+    back: only when a block before the cut trains. With blocks frozen in place
+    (`freeze.relayout: off`) a boundary at or below F carries none: the stage after it neither
+    computes nor sends an input gradient (autograd stops at its frozen blocks) and the stage
+    before it, all frozen, waits for none. Zero-bubble schedules are the exception: they find a
+    non-first stage's weight gradients from its input's autograd graph
+    (`torch.distributed.pipelining`'s `stage_backward_input`), so that input must require grad
+    whatever is frozen before it."""
+    return cut > layout.freeze_boundary or layout.schedule in SPLIT_BACKWARD
+
+
 def replicate(
     module: StageModule, group: dist.ProcessGroup | None, device: torch.device
 ) -> nn.Module:
     """`module` with its gradients summed over `group` (the replicas) by DDP, or as it is with a
     single replica. The stage's loss is already divided by the *global* batch's sample count, so
     the replicas' gradients add up (DDP's default hook averages: replaced by a sum). The pipeline
-    stage drives DDP (no_sync for all but the last micro-batch's backward)."""
-    if group is None:
+    stage drives DDP (no_sync for all but the last micro-batch's backward). A stage whose blocks
+    are all frozen (`freeze.relayout: off`) has no gradient to sum, and DDP refuses it."""
+    if group is None or not any(p.requires_grad for p in module.parameters()):
         return module
     ddp = DistributedDataParallel(
         module,

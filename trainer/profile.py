@@ -330,9 +330,15 @@ def measured_layout(
     device; default the CPU) at the job's precision: measures the model at the
     micro-batch sizes `planner.profile_sizes` names (stored measurements reused), then plans.
     At start-up (`boundary` 0, `world` the spec's) S and R stay the spec's; otherwise (after a
-    freeze, or in a re-formed world) S' x R' = `world` is searched. See core.planner."""
-    sizes = planner.profile_sizes(spec, world=world, boundary=boundary)
-    profiles = measure_profiles(spec.model, sizes, device, precision=spec.training.precision)
+    freeze, or in a re-formed world) `freeze.relayout` says what is searched: S' x R' = `world`
+    ('elastic'), the current R ('repartition'), or nothing, measuring nothing ('off': the
+    stages stay). See core.planner."""
+    sizes = planner.profile_sizes(spec, world=world, boundary=boundary, current=current)
+    profiles = (
+        measure_profiles(spec.model, sizes, device, precision=spec.training.precision)
+        if sizes
+        else {}
+    )
     return planner.plan_layout(
         spec, world=world, boundary=boundary, current=current, profiles=profiles
     )

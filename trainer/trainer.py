@@ -378,7 +378,10 @@ class Trainer:
         """AutoPipe + AutoDP in the running processes: plan the layout for the new boundary
         (rank 0 measures; everyone adopts), commit state, rebuild the training groups, and load
         each block's weights and optimizer state onto its new owner from the committed
-        checkpoint (resharded by block name). Frozen blocks keep their exact values."""
+        checkpoint (resharded by block name). Frozen blocks keep their exact values.
+        `freeze.relayout` picks the plan (core/planner.py): 'repartition' keeps the replicas;
+        'off' measures nothing and keeps the stages, so the rebuild only freezes blocks in
+        place (their optimizer state and gradient sync go)."""
         t0 = time.monotonic()
         planned = agree_on_layout(
             self.ctx.rank,
