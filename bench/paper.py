@@ -230,7 +230,8 @@ def history(workdir: Path, job_id: str, wall: float) -> dict[str, Any]:
     epochs: dict[int, list[float]] = {}
     for m in metrics:
         epochs.setdefault(int((m.step - 1) // steps_per_epoch) + 1, []).append(m.samples_per_s or 0)
-    first_freeze = next((e.epoch for e, m in _evals_with_frozen(evals, metrics) if m > 0), None)
+    # the epoch at whose end the first freeze came: the one before the first that trained frozen
+    first_freeze = next((e.epoch - 1 for e, m in _evals_with_frozen(evals, metrics) if m > 0), None)
     half = [m.time for m in metrics if (m.frozen or 0) >= depth / 2]
     span = metrics[-1].time - t0
     return {
