@@ -213,8 +213,12 @@ def configurations(alpha: Fraction, keep: int) -> dict[str, dict | None]:
             configs[name] = {**base, "alpha": float(alpha), **extra}
     for a in ALPHAS:
         configs[f"all a={a}"] = {**base, "alpha": float(a), **ABLATION["all"]}
-    configs["all schedule"] = {**base, "policy": "schedule", "alpha": float(alpha)}
-    configs["all schedule"].update(ABLATION["all"])
+    configs["all schedule"] = {
+        **base,
+        "policy": "schedule",
+        "alpha": float(alpha),
+        **ABLATION["all"],
+    }
     return configs
 
 

@@ -303,7 +303,7 @@ def _relayout_counts(
         if current is None:
             raise ValueError("a 'repartition' re-layout keeps the current replicas: pass current")
         return _repartition_counts(spec, world, boundary, current)
-    p, L, f = spec.parallel, spec.model.depth, boundary
+    L, f = spec.model.depth, boundary
     gb = spec.training.global_batch_size
     shapes = [
         (s, world // s)
@@ -312,11 +312,16 @@ def _relayout_counts(
     ]
     if not shapes:
         raise PlanError(f"no stages x replicas = {world} fits {L - f} active blocks and batch {gb}")
-    counts: dict[tuple[int, int], list[int]] = {}
-    for s, r in shapes:
-        fixed = p.microbatches != "auto" and (gb // r) % p.microbatches == 0
-        counts[(s, r)] = [p.microbatches] if fixed else microbatch_candidates(s, gb // r)
-    return counts
+    return {(s, r): _microbatch_options(spec, s, r) for s, r in shapes}
+
+
+def _microbatch_options(spec: JobSpec, stages: int, replicas: int) -> list[int]:
+    """The micro-batch counts a re-layout tries for `stages` x `replicas`: the spec's count
+    where it divides the replica batch, else the candidates for that depth."""
+    m, replica_batch = spec.parallel.microbatches, spec.training.global_batch_size // replicas
+    if m != "auto" and replica_batch % m == 0:
+        return [m]
+    return microbatch_candidates(stages, replica_batch)
 
 
 def _repartition_counts(
@@ -341,8 +346,7 @@ def _repartition_counts(
             "active: every stage needs an active block; raise freeze.keep_trainable to at "
             f"least {stages} or use freeze.relayout 'elastic'"
         )
-    fixed = p.microbatches != "auto" and (gb // r) % p.microbatches == 0
-    options = [p.microbatches] if fixed else microbatch_candidates(stages, gb // r)
+    options = _microbatch_options(spec, stages, r)
     counts = [m for m in options if schedule_problem(p.schedule, depth, virtual, m) is None]
     if not counts:
         raise PlanError(

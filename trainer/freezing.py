@@ -98,8 +98,8 @@ class Freezing:
     def decide(
         self,
         ts: TrainState,
-        pipeline: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
+        pipeline: dist.ProcessGroup,
+        device: torch.device,
     ) -> FreezeDecision:
         """A decision point (collective): the decision every rank adopts; `ts.freeze` moves on.
         The caller re-lays out when the boundary moved past its layout's. `pipeline` and
@@ -107,7 +107,7 @@ class Freezing:
         gathers its per-block sums."""
         drift = None
         if self.drift is not None:
-            drift = self.drift.ratios(pipeline, device or torch.device("cpu"))
+            drift = self.drift.ratios(pipeline, device)
             self.drift.reset()
         decision, request = from_rank0(self.rank, lambda: self._on_rank0(ts, drift))
         self.meter.reset()
