@@ -192,16 +192,18 @@ class Config:
             blocks = {i: full.blocks[str(i)] for i in range(self.spec.depth)}
             self.model: StageModule | None = StageModule(
                 self.spec, 0, self.spec.depth, full.embed, blocks, full.head,
-                # bf16 weights compute in bf16 without autocast (norms keep float32 statistics)
-                precision="fp32" if bf16_weights else self.precision,
+                # bf16 weights compute in bf16 without autocast (norms keep float32 statistics),
+                # as a `training.precision: bf16-weights` job's stages do
+                precision="bf16-weights" if bf16_weights else self.precision,
             ).to(self.device)  # fmt: skip
             self.params = [p for p in self.model.parameters() if p.requires_grad]
             self.training = TrainingSpec()
             self.optimizer: torch.optim.Optimizer | None
-            if bf16_weights:
-                self.master = MasterWeights(self.model, self.training, torch.bfloat16)
-                self.optimizer = self.master.optimizer
-                self.inputs = self.inputs.to(torch.bfloat16)
+            if bf16_weights:  # the job's MasterWeights: AdamW and clipping on float32 masters
+                self.master = MasterWeights(self.model, torch.bfloat16)
+                self.params = list(self.master.module.parameters())
+                self.optimizer = build_optimizer(self.master.module, self.training)
+                self.inputs = self.inputs.to(torch.bfloat16)  # the batch arrives cast
             else:
                 self.optimizer = build_optimizer(self.model, self.training)
             mode = {"mode": self.variant.mode} if self.variant.mode else {}
@@ -239,15 +241,12 @@ class Config:
         with record_function("step/clip"):
             if self.master is not None:  # the bf16 gradients into the float32 master copies
                 self.master.load_grads()
-            clipped = self.master.master if self.master is not None else self.params
-            torch.nn.utils.clip_grad_norm_(clipped, self.training.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.params, self.training.grad_clip)
         with record_function("step/optimizer"):
-            if self.master is not None:
-                self.master.step()
-                self.master.zero_grad()
-            else:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.master is not None:  # the masters, rounded, into the bf16 weights
+                self.master.write_back()
         return loss.detach()
 
     def warm_up(self, steps: int) -> None:
@@ -270,7 +269,7 @@ class Config:
         assert self.model is not None and self.optimizer is not None
         state = [p for p in self.model.parameters()]
         if self.master is not None:
-            state += self.master.master + self.master.grads
+            state += self.master.resident()
         state += [
             t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
         ]

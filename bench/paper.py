@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ from store import Store, sqlite_url
 sys.path.insert(0, str(ROOT / "examples"))
 from assets import make_vit  # noqa: E402
 
-SOURCE_CLASSES, TARGET_CLASSES = range(0, 5), range(5, 10)
+CLASSES = range(10)
 ALPHAS = [Fraction(1, 5), Fraction(1, 4), Fraction(1, 3), Fraction(2, 5), Fraction(1, 2)]
 PAPER = {  # PipeTransformer's own figures (ViT-B/16; ablation on ImageNet, alpha on CIFAR-100)
     "ablation": {"freeze": 0.95, "freeze+pipe+cache": 1.26, "freeze+pipe+dp": 2.27, "all": 2.83},
@@ -76,19 +77,41 @@ ABLATION = {  # name -> freeze section (beside policy, alpha, keep_trainable)
 # -- the data and the upstream model --------------------------------------------------------------
 
 
-def jittered_digits(root: Path, classes: range, copies: int, seed: int, size: int = 32) -> Path:
-    """`root/{train,test}/<digit>/<n>.png`: each of scikit-learn's 8x8 digits of `classes` drawn
-    `copies` times at `size` pixels with a random rotation, scale, shift, tint and noise (fixed
-    by `seed`, so that a sample's pixels are the same every epoch and AutoCache applies). The
-    held-out images come from held-out digits, never from a training digit's other copies."""
+@dataclass(frozen=True)
+class Style:
+    """How a domain draws its digits: rotation (degrees either way), scale range, pixel noise
+    (standard deviation, of 255) and a background level (of 255) under the tinted strokes."""
+
+    rotation: float
+    scale: tuple[float, float]
+    noise: float
+    background: tuple[int, int]
+
+
+# the source (pretraining) domain and the target (fine-tuning) domain: the same ten classes, as
+# ImageNet-21k's concepts cover ImageNet-1k's and CIFAR's, drawn from other scans in another style
+SOURCE = Style(rotation=12, scale=(0.85, 1.15), noise=8, background=(0, 0))
+TARGET = Style(rotation=24, scale=(0.75, 1.05), noise=14, background=(20, 70))
+
+
+def jittered_digits(
+    root: Path, half: int, style: Style, copies: int, seed: int, size: int = 32
+) -> Path:
+    """`root/{train,test}/<digit>/<n>.png`: one `half` (0 or 1) of scikit-learn's 8x8 scans of each
+    digit, each drawn `copies` times at `size` pixels in `style` with a random rotation, scale,
+    shift, tint and noise (fixed by `seed`, so that a sample's pixels are the same every epoch and
+    AutoCache applies). The two halves never share a scan; the held-out images come from
+    held-out scans, never from a training scan's other copies."""
     from PIL import Image
     from sklearn.datasets import load_digits
 
     digits = load_digits()
+    halves = np.random.default_rng(0)  # the same split of the scans for every seed and style
     rng = np.random.default_rng(seed)
-    for label in classes:
+    for label in CLASSES:
         idx = np.flatnonzero(digits.target == label)
-        rng.shuffle(idx)
+        halves.shuffle(idx)
+        idx = idx[half::2]
         n_test = round(len(idx) * 0.2)
         for split, chosen in (("test", idx[:n_test]), ("train", idx[n_test:])):
             folder = root / split / str(label)
@@ -97,16 +120,19 @@ def jittered_digits(root: Path, classes: range, copies: int, seed: int, size: in
                 grey = Image.fromarray((digits.images[i] * (255 / 16)).astype(np.uint8))
                 grey = grey.resize((24, 24), Image.BILINEAR)
                 for c in range(copies):
-                    g = grey.rotate(rng.uniform(-12, 12), resample=Image.BILINEAR)
-                    side = int(round(24 * rng.uniform(0.85, 1.15)))
+                    g = grey.rotate(rng.uniform(-style.rotation, style.rotation), Image.BILINEAR)
+                    side = int(round(24 * rng.uniform(*style.scale)))
                     g = g.resize((side, side), Image.BILINEAR).crop((0, 0, size, size))
                     canvas = Image.new("L", (size, size))
                     at = rng.integers(0, max(1, size - side + 1), 2)
                     canvas.paste(g, (int(at[0]), int(at[1])))
                     pixels = np.asarray(canvas, dtype=np.float32)
-                    pixels = np.clip(pixels + rng.normal(0, 8, pixels.shape), 0, 255)
-                    rgb = (pixels[..., None] * rng.uniform(0.6, 1.0, 3)).astype(np.uint8)
-                    Image.fromarray(rgb).save(folder / f"{i}-{c}.png")
+                    back = rng.uniform(*style.background, 3) if style.background[1] else 0.0
+                    rgb = pixels[..., None] * rng.uniform(0.6, 1.0, 3) + back
+                    rgb = rgb + rng.normal(0, style.noise, rgb.shape)
+                    Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8)).save(
+                        folder / f"{i}-{c}.png"
+                    )
     return root
 
 
@@ -149,13 +175,19 @@ def _job(name: str, pretrained: Path, data: Path, classes: int, seed: int, epoch
     }
 
 
-def upstream(tmp: Path, epochs: int, cache: Path) -> Path:
-    """Pretrain a random ViT on the source task; its blocks exported as a `ViTModel` body."""
+def upstream(tmp: Path, epochs: int, cache: Path, device: str = "cpu") -> Path:
+    """Pretrain a random ViT on the source task (one process on `device`: `cuda` is the quick
+    way, as hub checkpoints come from accelerators; else 2 CPU processes); its blocks exported
+    as a `ViTModel` body."""
     from transformers import AutoImageProcessor, ViTForImageClassification
 
-    init = make_vit(tmp / "vit-init", patch_size=4, layers=8, num_labels=len(SOURCE_CLASSES))
-    spec = _job("upstream", init, tmp / "source", len(SOURCE_CLASSES), 100, epochs)
+    init = make_vit(tmp / "vit-init", patch_size=4, layers=8, num_labels=len(CLASSES))
+    spec = _job("upstream", init, tmp / "source", len(CLASSES), 100, epochs)
     spec["training"].update(lr=0.003, warmup_steps=20)
+    if device != "cpu":
+        spec["runtime"] = {"device": device}
+        spec["parallel"] = {"stages": 1, "replicas": 1, "microbatches": 1}
+        spec["data"]["loader_workers"] = 4
     wall = _run(tmp / "upstream", spec, "upstream", cache)
     exported = tmp / "upstream-export"
     subprocess.run(
@@ -374,7 +406,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=10, help="fine-tuning epochs")
     parser.add_argument("--upstream-epochs", type=int, default=20)
-    parser.add_argument("--copies", type=int, default=4, help="drawings of each digit")
+    parser.add_argument("--copies", type=int, default=4, help="drawings of each target scan")
+    parser.add_argument("--source-copies", type=int, default=16, help="of each source scan")
+    parser.add_argument(
+        "--upstream-device", default="cpu", help="where the upstream job runs (cpu, cuda)"
+    )
+    parser.add_argument(
+        "--body", type=Path, help="a pretrained body from an earlier --keep run (skip upstream)"
+    )
+    parser.add_argument(
+        "--upstream-only", action="store_true", help="pretrain, probe and stop (with --keep)"
+    )
     parser.add_argument("--alpha", type=Fraction, default=Fraction(1, 4), help="'all' alpha")
     parser.add_argument("--keep-trainable", type=int, default=2)
     parser.add_argument("--only", nargs="+", help="run only these configurations (and baseline)")
@@ -389,19 +431,24 @@ def main() -> None:
         tmp = args.keep or Path(scratch)
         cache = tmp / "cache"
         progress("making the source and target images ...")
-        jittered_digits(tmp / "source", SOURCE_CLASSES, args.copies, seed=1)
-        jittered_digits(tmp / "target", TARGET_CLASSES, args.copies, seed=2)
-        progress(f"upstream: pretraining on digits 0-4 ({args.upstream_epochs} epochs) ...")
-        body = upstream(tmp, args.upstream_epochs, cache)
+        jittered_digits(tmp / "target", 1, TARGET, args.copies, seed=2)
+        if args.body:
+            body = args.body
+        else:
+            jittered_digits(tmp / "source", 0, SOURCE, args.source_copies, seed=1)
+            progress(f"upstream: pretraining on the source scans ({args.upstream_epochs} epochs)")
+            body = upstream(tmp, args.upstream_epochs, cache, args.upstream_device)
         probe = linear_probe(body, tmp / "target")
-        progress(f"linear probe on digits 5-9: {probe:.3f}")
+        progress(f"linear probe on the target scans: {probe:.3f}")
+        if args.upstream_only:
+            return
         per_seed: list[dict[str, dict]] = []
         names = list(configs)
         for k, seed in enumerate(args.seeds):
             runs: dict[str, dict] = {}
             order = names[k % len(names) :] + names[: k % len(names)]  # drift hits all alike
             for name in order:
-                spec = _job("ft", body, tmp / "target", len(TARGET_CLASSES), seed, args.epochs)
+                spec = _job("ft", body, tmp / "target", len(CLASSES), seed, args.epochs)
                 if configs[name] is not None:
                     spec["freeze"] = configs[name]
                 job = f"s{seed}-{len(runs)}"
@@ -433,6 +480,8 @@ def main() -> None:
                 "epochs": args.epochs,
                 "upstream_epochs": args.upstream_epochs,
                 "copies": args.copies,
+                "source_copies": args.source_copies,
+                "body": str(args.body) if args.body else None,
                 "alpha": str(args.alpha),
                 "keep_trainable": args.keep_trainable,
             },

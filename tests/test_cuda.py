@@ -133,12 +133,13 @@ def test_nccl_groups_rebuilt_across_relayouts_without_memory_growth() -> None:
 @pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_a_one_rank_job_trains_on_cuda_through_the_cli(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["bf16", "bf16-weights"])
+def test_a_one_rank_job_trains_on_cuda_through_the_cli(tmp_path: Path, precision: str) -> None:
     spec = write_spec(
         tmp_path / "gpu.yaml",
         name="gpu",
         parallel={"stages": 1, "replicas": 1, "microbatches": 2},
-        training={"epochs": 2, "precision": "bf16"},
+        training={"epochs": 2, "precision": precision},
         runtime={"device": "cuda", "control_every_steps": 5},
     )
     work = tmp_path / "runs"

@@ -1,8 +1,10 @@
-"""trainer.optim.MasterWeights (bf16 parameters, float32 master copies in AdamW; bench/mfu.py's
-`bf16w` configurations, issue 29): the masters start as the float32 weights, one step equals
-AdamW on float32 weights given the same gradients, the model's weights are the rounded masters,
-and a digits ViT trained this way lands within the bf16 tolerance of float32 training
-(tests/test_cuda.py's; on a GPU, `-m cuda`)."""
+"""trainer.optim.MasterWeights (bf16 parameters, float32 master copies in AdamW;
+`training.precision: bf16-weights` and bench/mfu.py's `bf16w` configurations, issue 29): the
+masters start as the float32 weights under the model's own names, one step equals AdamW on
+float32 weights given the same gradients, the model's weights are the rounded masters, and a
+digits ViT trained this way lands within the bf16 tolerance of float32 training
+(tests/test_cuda.py's; on a GPU, `-m cuda`). The job's path (stages, replicas, checkpoints,
+re-layouts) is tested in tests/test_bf16_weights.py."""
 
 from __future__ import annotations
 
@@ -26,17 +28,32 @@ def _net() -> nn.Module:
 
 def test_masters_are_the_float32_weights_and_the_model_is_cast() -> None:
     net = _net()
-    before = [p.detach().clone() for p in net.parameters()]
+    net[1].weight.requires_grad_(False)
+    before = {k: v.detach().clone() for k, v in net.state_dict().items()}
     params = list(net.parameters())
-    mw = MasterWeights(net, TrainingSpec())
+    mw = MasterWeights(net)
     assert list(net.parameters()) == params  # the same objects, cast in place
     assert all(p.dtype == torch.bfloat16 for p in net.parameters())
-    assert all(m.dtype == torch.float32 for m in mw.master)
-    for m, b in zip(mw.master, before, strict=True):
-        assert torch.equal(m, b)
+    # the masters: float32, under the model's names, with its requires_grad flags
+    masters = dict(mw.module.named_parameters())
+    assert list(masters) == [n for n, _ in net.named_parameters()]
+    assert all(m.dtype == torch.float32 for m in masters.values())
+    assert [m.requires_grad for m in masters.values()] == [p.requires_grad for p in params]
+    assert mw.module.state_dict().keys() == before.keys()
+    for k, v in mw.module.state_dict().items():
+        assert torch.equal(v, before[k])
     # the same groups as build_optimizer gives the float32 model: matrices decay, the rest not
-    decay = [len(g["params"]) for g in mw.optimizer.param_groups]
-    assert decay == [2, 4]
+    opt = build_optimizer(mw.module, TrainingSpec())
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 3]
+
+
+def test_tied_parameters_share_one_master() -> None:
+    tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    mw = MasterWeights(tied)
+    masters = mw.module.state_dict(keep_vars=True)
+    assert masters["0.weight"] is masters["1.weight"]
+    assert len(list(mw.module.parameters())) == 1
 
 
 def test_a_step_is_adamw_on_float32_weights_given_the_same_gradients() -> None:
@@ -44,30 +61,49 @@ def test_a_step_is_adamw_on_float32_weights_given_the_same_gradients() -> None:
     ref = _net()
     net = _net()
     ref_opt = build_optimizer(ref, spec)
-    mw = MasterWeights(net, spec)
+    mw = MasterWeights(net)
+    opt = build_optimizer(mw.module, spec)
     x = torch.randn(5, 8)
     for _ in range(3):
         F.cross_entropy(net(x.bfloat16()).float(), torch.tensor([0, 1, 2, 3, 0])).backward()
         for r, p in zip(ref.parameters(), net.parameters(), strict=True):
             r.grad = p.grad.float()  # the reference sees exactly the bf16 gradients
         mw.load_grads()
-        mw.step()
-        mw.zero_grad()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mw.write_back()
         ref_opt.step()
         ref_opt.zero_grad()
-        for m, r, p in zip(mw.master, ref.parameters(), net.parameters(), strict=True):
+        for m, r, p in zip(mw.module.parameters(), ref.parameters(), net.parameters(), strict=True):
             assert torch.equal(m, r)
             assert torch.equal(p, m.to(torch.bfloat16))
             assert p.grad is None and m.grad is None
 
 
-def test_a_missing_gradient_counts_as_zero() -> None:
+def test_a_missing_gradient_leaves_the_master_without_one() -> None:
     net = _net()
-    mw = MasterWeights(net, TrainingSpec())
-    for g in mw.grads:
-        g.fill_(1.0)
+    mw = MasterWeights(net)
+    net(torch.randn(2, 8).bfloat16()).sum().backward()
+    net[2].bias.grad = None
     mw.load_grads()
-    assert all(torch.equal(m.grad, torch.zeros_like(m)) for m in mw.master)
+    grads = {n: m.grad for n, m in mw.module.named_parameters()}
+    assert grads["2.bias"] is None
+    assert grads["0.weight"].dtype == torch.float32
+    assert torch.equal(grads["0.weight"], net[0].weight.grad.float())
+
+
+def test_write_back_of_everything_takes_loaded_masters() -> None:
+    net = _net()
+    net[0].requires_grad_(False)
+    mw = MasterWeights(net)
+    with torch.no_grad():
+        for m in mw.module.parameters():
+            m.fill_(0.5)
+    mw.write_back()  # trainable only
+    assert torch.equal(net[2].weight, torch.full_like(net[2].weight, 0.5))
+    assert not torch.equal(net[0].weight, torch.full_like(net[0].weight, 0.5))
+    mw.write_back(everything=True)  # after a checkpoint loaded every master
+    assert torch.equal(net[0].weight, torch.full_like(net[0].weight, 0.5))
 
 
 def _train_digits(device: str, bf16_weights: bool, epochs: int = 10) -> float:
@@ -81,11 +117,8 @@ def _train_digits(device: str, bf16_weights: bool, epochs: int = 10) -> float:
     ).to(device)
     training = TrainingSpec(lr=3e-3)
     dtype = torch.bfloat16 if bf16_weights else torch.float32
-    if bf16_weights:
-        mw = MasterWeights(model, training)
-        opt = mw.optimizer
-    else:
-        opt = build_optimizer(model, training)
+    mw = MasterWeights(model) if bf16_weights else None
+    opt = build_optimizer(mw.module if mw else model, training)
     x, y = data.train.inputs.to(device, dtype), data.train.labels.to(device)
     gen = torch.Generator().manual_seed(0)
     step, total = 0, epochs * -(-len(y) // 64)
@@ -96,13 +129,12 @@ def _train_digits(device: str, bf16_weights: bool, epochs: int = 10) -> float:
             step += 1
             loss = F.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
-            if bf16_weights:
+            if mw:
                 mw.load_grads()
-                mw.step()
-                mw.zero_grad()
-            else:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if mw:
+                mw.write_back()
     model.eval()
     with torch.no_grad():
         logits = model(data.test.inputs.to(device, dtype))

@@ -92,7 +92,8 @@ def training_flops_per_sample(spec: ModelSpec, boundary: int = 0, cached: bool =
 
 
 def peak_flops(device_name: str | None, precision: str) -> float | None:
-    """The dense peak FLOP/s of one device at `precision` ("bf16" | "fp32"): from
+    """The dense peak FLOP/s of one device at `precision` ("fp32", or "bf16" and
+    "bf16-weights", whose matrix products both run in bfloat16): from
     $PIPETRANSFORMER_PEAK_TFLOPS when set (one number, the device's peak at the precision in
     use), else from `PEAK_TFLOPS` for a known GPU; None for the CPU or an unknown device."""
     override = os.environ.get(PEAK_ENV)
@@ -110,7 +111,7 @@ def peak_flops(device_name: str | None, precision: str) -> float | None:
         return None
     for key, peaks in PEAK_TFLOPS:
         if key in device_name:
-            tflops = peaks.get(precision)
+            tflops = peaks.get("fp32" if precision == "fp32" else "bf16")
             return tflops * 1e12 if tflops else None
     return None
 

@@ -124,16 +124,31 @@ class ClassifierHead(nn.Module):
         return self.fc(self.norm(x[:, 0]))
 
 
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["fp32", "bf16", "bf16-weights"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "bf16-weights")
+
+
+def weights_dtype(precision: Precision) -> torch.dtype:
+    """The dtype of the model's parameters while it computes: bfloat16 under `bf16-weights`
+    (float32 masters live in the optimizer's copy, `trainer.optim.MasterWeights`), else float32."""
+    return torch.bfloat16 if precision == "bf16-weights" else torch.float32
 
 
 def autocast(device: torch.device | str, precision: Precision) -> contextlib.AbstractContextManager:
     """The compute precision of a block's forward: bfloat16 autocast for `bf16` (matrix products
     and attention in bf16, norms and softmax statistics in float32; parameters and the residual
-    stream stay float32), nothing for `fp32`. Backward follows the forward's dtypes."""
-    if precision == "fp32":
+    stream stay float32), nothing for `fp32` and for `bf16-weights` (bf16 parameters compute in
+    their own dtype). Backward follows the forward's dtypes."""
+    if precision != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+def to_weights_dtype(x: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """A floating input (pixels, a stage's float32 hidden states) in the parameters' dtype; token
+    ids and float32-weight precisions pass as they are."""
+    dtype = weights_dtype(precision)
+    return x.to(dtype) if dtype != torch.float32 and x.is_floating_point() else x
 
 
 class StageModule(nn.Module):
@@ -173,6 +188,7 @@ class StageModule(nn.Module):
         # autocast inside the forward, not around the schedule: backward then runs outside it
         # (as autocast wants), and recomputation replays it (checkpoint records the state)
         with autocast(x.device, self.precision):
+            x = to_weights_dtype(x, self.precision)
             if self.embed is not None:
                 x = self.embed(x)
             remat = self.recompute and self.training and torch.is_grad_enabled()
@@ -181,8 +197,9 @@ class StageModule(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False) if remat else block(x)
             if self.head is not None:
                 x = self.head(x)
-        # what crosses a stage boundary (and reaches the loss) is float32 under either
-        # precision: the residual stream already is; the head's logits are cast back
+        # what crosses a stage boundary (and reaches the loss) is float32 under every
+        # precision: the residual stream already is under fp32 and bf16; the head's logits and
+        # bf16-weights' hidden states are cast back (exactly: bf16 -> float32 loses nothing)
         return x.float()
 
 

@@ -31,49 +31,74 @@ def build_optimizer(module: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
 
 
 class MasterWeights:
-    """Low-precision (bf16) model parameters trained through float32 master copies: the model
-    computes in its parameters' dtype (no autocast, no per-step weight casts, bf16 activations),
-    `load_grads` copies its gradients into the masters' float32 gradients (where clipping then
-    applies), `optimizer` (AdamW from `build_optimizer`, the same groups) updates the masters, and
-    `step` writes them back rounded to the model's dtype. Measured in bench/mfu.py (`bf16w`
-    configurations, issue 29); not wired into the training loop (`training.precision` keeps
-    float32 weights under autocast)."""
+    """Low-precision (bf16) model parameters trained through float32 master copies
+    (`training.precision: bf16-weights`): the model computes in its parameters' dtype (no
+    autocast, no per-step weight casts, bf16 activations), the optimizer updates the masters.
 
-    def __init__(self, module: nn.Module, spec: TrainingSpec, dtype: torch.dtype = torch.bfloat16):
-        """Masters from `module`'s trainable parameters as they are (float32: nothing is lost),
-        then `module` is cast to `dtype` in place (the same parameter objects)."""
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        holder = nn.ParameterList(nn.Parameter(p.detach().float().clone()) for p in self.params)
-        module.to(dtype)
-        self.master: list[nn.Parameter] = list(holder)
-        self.grads = [torch.zeros_like(m) for m in self.master]
-        self.optimizer = build_optimizer(holder, spec)
+    The masters live in `module`, a module of their own under the model's parameter names (and
+    with its persistent buffers), so it is what the optimizer is built over and what
+    checkpoints save and load: a checkpoint holds the float32 masters, the same tensors a
+    float32 job writes, and resumes under any precision. Per step: `load_grads` copies the
+    model's gradients into the masters' float32 gradients (replica sums, clipping and AutoFreeze
+    then work on those), the optimizer steps, and `write_back` rounds the trained masters into
+    the model's parameters."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+        """Masters from `model`'s parameters as they are (float32: nothing is lost); then
+        `model` is cast to `dtype` in place (the same parameter objects)."""
+        self.module = nn.Module()
+        masters: dict[int, nn.Parameter] = {}  # tied parameters share one master
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            *path, leaf = name.split(".")
+            owner = self.module
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            if isinstance(tensor, nn.Parameter):
+                if id(tensor) not in masters:
+                    master = nn.Parameter(tensor.detach().float().clone(), tensor.requires_grad)
+                    masters[id(tensor)] = master
+                    self._pairs.append((tensor, master))
+                owner.register_parameter(leaf, masters[id(tensor)])
+            else:
+                owner.register_buffer(leaf, tensor.detach().clone())
+        model.to(dtype)
+        self._grads: dict[int, torch.Tensor] = {}  # float32 gradient buffers, kept across steps
+
+    def resident(self) -> list[torch.Tensor]:
+        """The float32 tensors it keeps (masters and gradient buffers): what it costs in memory."""
+        return [m for _, m in self._pairs] + list(self._grads.values())
 
     @torch.no_grad()
     def load_grads(self) -> None:
-        """The model's gradients (None counts as zero) into the masters' float32 gradients."""
-        have = [
-            (g, p.grad) for g, p in zip(self.grads, self.params, strict=True) if p.grad is not None
-        ]
-        for g, p in zip(self.grads, self.params, strict=True):
-            if p.grad is None:
-                g.zero_()
-        if have:
-            torch._foreach_copy_([g for g, _ in have], [src for _, src in have])
-        for m, g in zip(self.master, self.grads, strict=True):
-            m.grad = g
+        """The model's gradients into the masters' float32 gradients; a parameter without a
+        gradient leaves its master without one (as it would have in a float32 model)."""
+        dst, src = [], []
+        for param, master in self._pairs:
+            if param.grad is None:
+                master.grad = None
+                continue
+            buf = self._grads.get(id(master))
+            if buf is None:
+                buf = self._grads[id(master)] = torch.empty_like(master)
+            master.grad = buf
+            dst.append(buf)
+            src.append(param.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on the masters, then the model's parameters are their rounded copies."""
-        self.optimizer.step()
-        torch._foreach_copy_(self.params, self.master)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        for m in self.master:
-            m.grad = None
+    def write_back(self, everything: bool = False) -> None:
+        """The model's trainable parameters (`everything`: all of them, after the masters were
+        loaded from a checkpoint) become their masters' rounded copies; the model's gradients
+        are dropped (the masters' copies served the step)."""
+        pairs = [(p, m) for p, m in self._pairs if everything or p.requires_grad]
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+        for param, _ in self._pairs:
+            param.grad = None
 
 
 def lr_at(step: int, total_steps: int, spec: TrainingSpec) -> float:

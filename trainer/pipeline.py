@@ -45,7 +45,9 @@ from trainer.models import (
     stage_input_dtype,
     stage_input_shape,
     stage_output_shape,
+    weights_dtype,
 )
+from trainer.optim import MasterWeights
 from trainer.units import empty_unit, initial_units
 
 SCHEDULE_CLASSES = {
@@ -137,6 +139,10 @@ class RankModel(nn.Module):
             frozen += [self.blocks[str(i)] for i in range(f) if str(i) in self.blocks]
             for module in frozen:
                 module.requires_grad_(False)
+        # bf16-weights: the float32 values just made become the masters, the model bf16 (before
+        # compiling, DDP and the stages see it)
+        dtype = weights_dtype(compute.precision)
+        self.master = MasterWeights(self, dtype) if dtype != torch.float32 else None
         if compute.compile:
             for block in self.blocks.values():
                 block.compile()  # in place: the parameter names stay those of the model
@@ -161,6 +167,12 @@ class RankModel(nn.Module):
         ]
         # a plain list, not a ModuleList: the same parameters must not register twice
         self.stage_modules: list[StageModule] = parts
+
+    @property
+    def state_module(self) -> nn.Module:
+        """What holds the training state under the model's parameter names, for the optimizer
+        and checkpoints: the float32 masters under `bf16-weights`, else the model itself."""
+        return self.master.module if self.master is not None else self
 
     def units(self) -> dict[str, nn.Module]:
         """The units this rank holds, by name (`embed`, `blocks.<i>`, `head`)."""
@@ -332,11 +344,14 @@ class RankPipeline:
         observe: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
     ) -> GradNorms:
         """Clip by the norm over *all* stages (the same norm a single process would compute) of
-        the gradients DDP summed over the replicas during backward. Returns that norm and the
+        the gradients DDP summed over the replicas during backward (under `bf16-weights`, the
+        masters' float32 copies of them: `MasterWeights.load_grads` first). Returns that norm and the
         per-block gradient norms before clipping (what AutoFreeze watches), the same on every
         rank. `observe` is handed this rank's (name, gradient) pairs once they are summed over the
         replicas and before clipping (AutoFreeze's drift meter)."""
-        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        named = [
+            (n, p.grad) for n, p in self.model.state_module.named_parameters() if p.grad is not None
+        ]
         grads = [g for _, g in named]
         if self.sync_after_step and grads:
             _sum_replica_grads(grads, self.groups.data_parallel)
@@ -404,8 +419,14 @@ def _sum_replica_grads(grads: list[torch.Tensor], group: dist.ProcessGroup) -> N
 
 
 def _sum_hook(group, bucket):  # noqa: ANN001, ANN202 (DDP checks the annotations' objects)
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    buffer = bucket.buffer()
+    if buffer.dtype == torch.float32:
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    # bf16 gradients (`bf16-weights`) are summed in float32 and rounded once, not at every add
+    wide = buffer.float()
+    work = dist.all_reduce(wide, group=group, async_op=True)
+    return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0]))
 
 
 class GradNorms(NamedTuple):

@@ -47,7 +47,7 @@ from core.planner import Planned
 from core.spec import JobSpec, ModelSpec
 from core.state import Layout
 from trainer.device import synchronize
-from trainer.models import Precision, autocast
+from trainer.models import Precision, autocast, to_weights_dtype, weights_dtype
 from trainer.units import example_input, initial_units
 
 PROFILE_FORMAT = 4  # bump when what is measured changes, so old stored profiles are not reused
@@ -164,7 +164,7 @@ def _measure_unit(
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with autocast(dev, precision):  # as StageModule runs it
-            return module(x).float()
+            return module(to_weights_dtype(x, precision)).float()
 
     out, act_bytes = _saved_bytes(module, lambda: forward(fresh_input()))
     grad = torch.randn_like(out)
@@ -216,7 +216,9 @@ def _measure(
     def unit(name: str) -> nn.Module:
         # one unit on the device at a time (the weights `build_model` gives it): the planning
         # rank measures beside its own training state, and the whole model need not fit
-        return initial_units(spec, seed, [name])[name].to(dev).train()
+        # (in the parameters' dtype the job computes with: bf16 under `bf16-weights`)
+        built = initial_units(spec, seed, [name])[name]
+        return built.to(dev, weights_dtype(precision)).train()
 
     x = _example_input(spec, microbatch, dev)
     kw = {"repeats": repeats, "warmup": warmup, "precision": precision}

@@ -31,6 +31,7 @@ def build_training(
     (verified once per node against its pinned checksum). Only units no checkpoint fills get
     their seed-derived initialisation. Frozen blocks (below the layout's boundary) are in no
     optimizer. Collective."""
+    compute = compute or Compute.for_spec(spec)  # the spec's precision and compile, on the CPU
     recompute = recompute_flags(spec, layout)
     replica_batch = spec.training.global_batch_size // layout.replicas
     init = spec.init
@@ -46,11 +47,14 @@ def build_training(
         compute,
         fresh=_fresh_units(load_from, spec),
     )
-    optimizer = build_optimizer(pipe.model, spec.training)
+    state = pipe.model.state_module  # the float32 masters under bf16-weights
+    optimizer = build_optimizer(state, spec.training)
     if load_from:
-        load_checkpoint(load_from, pipe.model, optimizer)
+        load_checkpoint(load_from, state, optimizer)
     elif init.checkpoint:
-        load_weights(init.checkpoint, pipe.model, init.skip)
+        load_weights(init.checkpoint, state, init.skip)
+    if pipe.model.master is not None and (load_from or init.checkpoint):
+        pipe.model.master.write_back(everything=True)
     return pipe, optimizer
 
 

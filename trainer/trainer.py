@@ -52,7 +52,7 @@ from core.state import Layout, StageLayout
 from trainer.cache import DEFAULT_RAM_BYTES, ActivationCache, CachePolicy, choose_memory
 from trainer.checkpointing import Checkpointing
 from trainer.collective import flag_from, from_rank0, ranks_where
-from trainer.data import Split, load_dataset
+from trainer.data import Split, load_dataset, onto_device
 from trainer.device import Compute, local_placement, peak_memory_mib, reset_peak_memory
 from trainer.feed import Feed
 from trainer.flops import mfu, peak_flops, training_flops_per_sample
@@ -100,6 +100,9 @@ class Trainer:
         self.ctx, self.spec, self.tspec = ctx, ctx.spec, ctx.spec.training
         self.leave = leave or LeaveRequest()
         self.data = load_dataset(self.spec.data, self.spec.model)
+        if ctx.compute.cuda:  # built-in sets small enough live on the GPU (a batch is a gather)
+            free = torch.cuda.mem_get_info(ctx.compute.device)[0]
+            self.data = onto_device(self.data, ctx.compute.device, free)
         if ctx.rank == 0:  # where the data came from, once per generation
             ctx.reporter.emit(DataOpened, origin=self._data_origin())
         self.sampler = ElasticSampler(
@@ -225,7 +228,7 @@ class Trainer:
         self, reason: str, wait: bool = True, continues_under: Layout | None = None
     ) -> None:
         self.checkpoints.save(
-            self.state, self.pipe.model, self.optimizer, reason, wait, continues_under
+            self.state, self.pipe.model.state_module, self.optimizer, reason, wait, continues_under
         )
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -260,7 +263,7 @@ class Trainer:
             if epoch_done and self._evaluate_and_check_target():
                 self._checkpoint("target")
                 return RunOutcome.TARGET
-            self.checkpoints.periodic(st, self.pipe.model, self.optimizer, epoch_done)
+            self.checkpoints.periodic(st, self.pipe.model.state_module, self.optimizer, epoch_done)
             # decision points run with policy 'off' too: a manual override is applied there
             if not self._finished() and is_decision_point(spec.freeze, st.step, epoch_done):
                 decision = self.freezing.decide(st, self.pipe.groups.pipeline, self.pipe.device)
@@ -289,9 +292,14 @@ class Trainer:
         set_lr(self.optimizer, lr)
         loss = pipe.train_step(inputs, targets, b.global_valid, indices=b.indices)
         drift = self.freezing.drift
+        master = pipe.model.master  # bf16-weights: the step updates the float32 masters
+        if master is not None:
+            master.load_grads()
         norms = pipe.sync_and_clip(self.tspec.grad_clip, drift.add if drift else None)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if master is not None:
+            master.write_back()
         self.freezing.observe(norms.per_block)
         if pipe.is_last and pipe.groups.data_parallel is not None:
             total = torch.tensor([loss], device=pipe.device)

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trainer.models import Precision, autocast
+from trainer.models import PRECISIONS, Precision, autocast, to_weights_dtype
 
 
 class PrefixRunner(Protocol):
@@ -50,8 +50,10 @@ class FrozenPrefix:
         *,
         precision: Precision = "fp32",
     ):
-        if precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be fp32 or bf16 (got {precision!r})")
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)} (got {precision!r})"
+            )
         self.embed = embed
         self.blocks = {int(k): m for k, m in blocks.items()}
         self.precision: Precision = precision
@@ -101,7 +103,7 @@ class FrozenPrefix:
         blocks = [self.blocks[i] for i in range(boundary)]
         device = self.device
         with self._frozen([self.embed, *blocks], device):
-            x = self.embed(inputs.to(device))
+            x = self.embed(to_weights_dtype(inputs.to(device), self.precision))
             for block in blocks:
                 x = block(x)
         return x.float()
@@ -112,7 +114,7 @@ class FrozenPrefix:
         blocks = [self.blocks[i] for i in range(start, end)]
         device = self.device
         with self._frozen(blocks, device):
-            x = x.to(device)
+            x = to_weights_dtype(x.to(device), self.precision)
             for block in blocks:
                 x = block(x)
         return x.float()
