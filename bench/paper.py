@@ -405,7 +405,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=10, help="fine-tuning epochs")
-    parser.add_argument("--upstream-epochs", type=int, default=20)
+    parser.add_argument("--upstream-epochs", type=int, default=60)
     parser.add_argument("--copies", type=int, default=4, help="drawings of each target scan")
     parser.add_argument("--source-copies", type=int, default=16, help="of each source scan")
     parser.add_argument(

@@ -17,15 +17,18 @@ d = model.dim, H = int(d x mlp_ratio), h = heads, k = num_classes, t = tokens be
   LayerNorms, the MLP). Embedding: vit c p^2 d + d (patch projection) + d (CLS) + (n+1) d
   (positions); bert V d (tokens) + d (CLS) + (L+1) d (positions) + 2d (LayerNorm). Head:
   2d + dk + k. Exact: tests/test_admission.py counts the real modules.
-* Per parameter of a worker's stages: 16 bytes (weight, gradient, AdamW's two moments) + 12
-  (the checkpoint snapshot of weights and moments, kept between checkpoints). A worker builds
+* Per parameter of a worker's stages: 16 bytes (weight, gradient, AdamW's two moments; 20 under
+  `training.precision: bf16-weights`: bf16 weight and gradient, float32 master and its gradient,
+  the moments) + 12 (the checkpoint snapshot of weights and moments, kept between checkpoints). A worker builds
   only its own units (meta device, then materialised), initialising one unit at a time on the
   CPU (4 bytes a parameter of the largest unit).
 * Activations one micro-batch leaves for backward, per block: 4 b t (8d + 2H + h + 4) (the
   block input, both LayerNorm outputs and statistics, qkv, the attention output and logsumexp,
   the residual sum, the MLP's hidden layer before and after GELU). With dropout > 0 attention
   is unfused and keeps t x t per head: + 4 b h t^2 x 3 + 4 b t x 3d, and b t (H + d) bytes of
-  masks. tests/test_admission.py checks this against the tensors autograd saves (within 10%).
+  masks. Under `bf16-weights` every activation inside a block is bf16: 2 bytes where these say
+  4 (the stage's output, handed to the next stage, stays float32). tests/test_admission.py
+  checks this against the tensors autograd saves (within 10%), in float32 and in bf16.
   Embedding: its inputs (vit 4 b c image_size^2; bert 8 b L + 4 b t (d + 2)); head:
   4 b (2d + k). Each stage also holds its output (4 b t d) per micro-batch in flight, and once
   one block's activations (backward's workspace, or the block being recomputed). With
@@ -109,11 +112,26 @@ def model_params(m: ModelSpec) -> int:
     return embed_params(m) + m.depth * block_params(m) + head_params(m)
 
 
-def block_activation_bytes(m: ModelSpec, b: int) -> int:
-    """Bytes one block keeps for backward for a micro-batch of `b` samples."""
+def activation_element_bytes(precision: str) -> int:
+    """Bytes of an activation element inside a block: 2 where the weights are bf16 (everything
+    they compute is bf16), else 4 (float32, and bf16 autocast's mixture is bounded by it)."""
+    return 2 if precision == "bf16-weights" else F32
+
+
+def state_bytes_per_parameter(precision: str) -> int:
+    """Training state per trainable parameter: `STATE_BYTES`, and under bf16-weights the bf16
+    weight and gradient beside the float32 master and its gradient (2 + 2 + 4 + 4 + 8 = 20)."""
+    return STATE_BYTES + 4 if precision == "bf16-weights" else STATE_BYTES
+
+
+def block_activation_bytes(m: ModelSpec, b: int, element: int = F32) -> int:
+    """Bytes one block keeps for backward for a micro-batch of `b` samples, `element` bytes an
+    activation element (`activation_element_bytes`)."""
     d, h, t = m.dim, hidden(m), tokens(m)
-    out = F32 * b * t * (8 * d + 2 * h + m.heads + 4)
-    if m.dropout > 0:  # unfused attention: scores, probabilities, mask; bool dropout masks
+    # LayerNorm statistics and attention's logsumexp stay float32 at any precision
+    out = element * b * t * (8 * d + 2 * h) + F32 * b * t * (m.heads + 4)
+    if m.dropout > 0:  # unfused attention: q, k, v, scores, probabilities (float32 when unfused:
+        # seen on the CPU in bf16); bool dropout masks
         out += F32 * b * m.heads * t * t * 3 + F32 * b * t * 3 * d + b * t * (h + d)
     return out
 
@@ -239,12 +257,13 @@ def estimate(spec: JobSpec) -> Estimate:
     b = max(1, t.global_batch_size // (p.replicas * micro))
     S, P = p.num_stages, p.stages
     rule = SCHEDULES[p.schedule]
-    block_act, block_in = block_activation_bytes(m, b), F32 * b * tokens(m) * m.dim
+    element = activation_element_bytes(t.precision)
+    block_act, block_in = block_activation_bytes(m, b, element), element * b * tokens(m) * m.dim
     stages = []
     for s, (a, c) in enumerate(initial_ranges(spec)):
         params = (c - a) * block_params(m)
         kept = block_in if p.recompute_for(s) else block_act  # per block, per micro-batch
-        act = (c - a) * kept + block_in  # + the stage's output
+        act = (c - a) * kept + F32 * b * tokens(m) * m.dim  # + the stage's (float32) output
         if a == 0:
             params += embed_params(m)
             act += embed_activation_bytes(m, b)
@@ -277,7 +296,7 @@ def estimate(spec: JobSpec) -> Estimate:
                 rank=r,
                 stages=tuple(s.index for s in mine),
                 params=params,
-                state_bytes=params * (STATE_BYTES + SNAPSHOT_BYTES),
+                state_bytes=params * (state_bytes_per_parameter(t.precision) + SNAPSHOT_BYTES),
                 activation_bytes=sum(s.activation_bytes for s in mine),
                 build_bytes=max(block_params(m), embed_params(m), head_params(m)) * F32,
                 data_bytes=held,

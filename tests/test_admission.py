@@ -12,6 +12,7 @@ import torch
 from core.spec import JobSpec, ModelSpec, load_spec, parse_spec
 from orchestrator.admission import (
     GIB,
+    activation_element_bytes,
     admit,
     block_activation_bytes,
     block_params,
@@ -69,13 +70,15 @@ def _saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
     "shape",
     [*SHAPES, {"dropout": 0.1}, {"dropout": 0.1, "image_size": 32, "dim": 128, "heads": 8}],
 )
-def test_activation_estimate_bounds_what_a_block_keeps(shape: dict) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16-weights"])
+def test_activation_estimate_bounds_what_a_block_keeps(shape: dict, precision: str) -> None:
     spec, batch = ModelSpec(**shape), 8
+    dtype = torch.bfloat16 if precision == "bf16-weights" else torch.float32
     torch.manual_seed(0)
-    block = Block(spec).train()
-    x = torch.randn(batch, num_tokens(spec), spec.dim, requires_grad=True)
+    block = Block(spec).train().to(dtype)
+    x = torch.randn(batch, num_tokens(spec), spec.dim, dtype=dtype, requires_grad=True)
     measured = _saved_bytes(block, x)
-    estimated = block_activation_bytes(spec, batch)
+    estimated = block_activation_bytes(spec, batch, activation_element_bytes(precision))
     assert measured <= estimated <= 1.1 * measured, (measured, estimated)
 
 

@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from core.spec import DataSpec, ModelSpec, TrainingSpec
 from core.state import Layout, StageLayout
 from store import Store, sqlite_url
 from tests.fixtures_run import cli, write_spec
-from trainer.data import load_dataset
+from trainer.data import Dataset, load_dataset, onto_device
 from trainer.device import Compute
 from trainer.models import StageModule, init_unit
 from trainer.optim import build_optimizer, lr_at, set_lr
@@ -158,3 +159,24 @@ def test_a_one_rank_job_trains_on_cuda_through_the_cli(tmp_path: Path, precision
     status = cli("status", "--workdir", str(work), "--json")
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["state"] == "completed"
+
+
+def test_in_memory_sets_stay_on_the_host_where_they_do_not_fit_or_are_read_by_loaders() -> None:
+    data = load_dataset(DataSpec(dataset="digits"), DIGITS)
+    size = sum(s.inputs.numel() * s.inputs.element_size() for s in (data.train, data.test))
+    # more than an eighth of the free memory: stays (and nothing touches a GPU)
+    assert onto_device(data, torch.device("cuda", 0), free_bytes=8 * size - 8) is data
+    assert onto_device(data, torch.device("cpu"), free_bytes=2**40) is data
+    sourced = Dataset(train=object(), test=data.test)  # a data source's split: loader processes
+    assert onto_device(sourced, torch.device("cuda", 0), free_bytes=2**40) is sourced
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_in_memory_sets_that_fit_move_to_the_gpu() -> None:
+    data = load_dataset(DataSpec(dataset="digits"), DIGITS)
+    moved = onto_device(data, torch.device("cuda", 0), free_bytes=2**40)
+    for before, after in ((data.train, moved.train), (data.test, moved.test)):
+        assert after.inputs.is_cuda and not after.labels.is_cuda
+        assert torch.equal(after.inputs.cpu(), before.inputs)
+        assert torch.equal(after.read(np.arange(5)).cpu(), before.read(np.arange(5)))
