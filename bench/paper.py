@@ -3,15 +3,21 @@ ViT, against a static pipeline, with PipeTransformer's ablation and its alpha sw
 
 Design (PipeTransformer, ICML 2021, Section 5, on 2 worker processes of 1 thread each):
 
+    data        scikit-learn's 8x8 digit scans, split in two halves that share no scan: the
+                source domain draws one half (`--source-copies` times each, small rotations, no
+                background), the target domain the other half (`--copies` times each, larger
+                rotations and scales, more noise, a tinted background). The same ten classes in
+                both, as ImageNet-21k's concepts cover ImageNet-1k's and CIFAR-100's
     upstream    one job pretrains a Hugging Face ViT (8 blocks of width 64, 32x32 images, 4x4
-                patches) from a random initialisation on a source task, digits 0-4 (scikit-learn's
-                digits drawn with random rotation, scale, shift, tint and noise); its checkpoint
-                is exported (`pipetransformer export`) and kept as a body (`ViTModel`, no head),
-                as hub pretraining checkpoints are
+                patches) from a random initialisation on the source domain (`--upstream-device
+                cuda`: minutes on a GPU; on the CPU about an hour at the defaults); its
+                checkpoint is exported (`pipetransformer export`) and kept as a body
+                (`ViTModel`, no head), as hub pretraining checkpoints are. `--body DIR` takes a
+                body kept from an earlier `--keep DIR --upstream-only` run instead
     probe       a linear probe (logistic regression on the body's final [CLS] features) on the
-                downstream task: what the pretrained features give without fine-tuning
-    downstream  every compared job fine-tunes the body on digits 5-9, classes the source task never
-                had, through the `transformers` path with a new head, for the same epochs:
+                target domain: what the pretrained features give without fine-tuning
+    downstream  every compared job fine-tunes the body on the target domain through the
+                `transformers` path with a new head, for the same epochs:
 
       baseline          static pipeline, 2 stages x 1 replica, no freezing
       freeze            AutoFreeze only: layout and replicas unchanged, no cache
@@ -29,8 +35,9 @@ included), final held-out accuracy, time to reach the baseline's final accuracy,
 over the baseline, the epoch of the first freeze and the fraction of the run spent with at least
 half of the blocks frozen.
 
-    .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 0.25]
-        [--keep-trainable 2] [--only NAME ...] [--keep DIR]
+    .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 1/4]
+        [--keep-trainable 2] [--only NAME ...] [--keep DIR] [--upstream-device cuda]
+        [--upstream-epochs 60] [--body DIR | --upstream-only]
 
 One JSON line (also bench/out/paper.json) and figures in bench/out/: paper-throughput.png
 (samples/s over epochs per configuration), paper-ablation.png (speed-up bars), paper-alpha.png

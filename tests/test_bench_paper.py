@@ -1,0 +1,96 @@
+"""bench/paper.py's pure parts (the jobs themselves are real `pipetransformer run` jobs that only
+the benchmark runs): the two image domains share no scan and are the same every time, the
+configurations are the paper's ablation and alpha sweep, and the summary's speed-ups, accuracy
+deltas and times to the baseline's accuracy follow from the runs given."""
+
+from __future__ import annotations
+
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import paper  # noqa: E402
+
+
+def _scans(root: Path) -> dict[str, set[str]]:
+    """split -> the scan ids drawn (file `<scan>-<copy>.png`)."""
+    return {
+        split: {p.stem.split("-")[0] for p in (root / split).glob("*/*.png")}
+        for split in ("train", "test")
+    }
+
+
+def test_domains_share_no_scan_and_are_reproducible(tmp_path: Path) -> None:
+    src = paper.jittered_digits(tmp_path / "s", 0, paper.SOURCE, copies=1, seed=1)
+    tgt = paper.jittered_digits(tmp_path / "t", 1, paper.TARGET, copies=2, seed=2)
+    s, t = _scans(src), _scans(tgt)
+    assert not (s["train"] | s["test"]) & (t["train"] | t["test"])  # no scan in both domains
+    for d in (s, t):
+        assert not d["train"] & d["test"]  # held-out scans never trained on, in any copy
+        assert 0.15 < len(d["test"]) / (len(d["train"]) + len(d["test"])) < 0.25
+    assert sorted(p.name for p in (tgt / "train").iterdir()) == [str(c) for c in range(10)]
+    assert len(list((tgt / "train" / "3").glob("*.png"))) == 2 * len(
+        {p.stem.split("-")[0] for p in (tgt / "train" / "3").glob("*.png")}
+    )
+    again = paper.jittered_digits(tmp_path / "t2", 1, paper.TARGET, copies=2, seed=2)
+    for a in sorted((tgt / "test").glob("*/*.png"))[:20]:
+        b = again / "test" / a.parent.name / a.name
+        assert np.array_equal(np.asarray(Image.open(a)), np.asarray(Image.open(b)))
+    # the target domain's tinted background: its typical pixel (the background's) is brighter
+    tinted = [np.median(np.asarray(Image.open(p))) for p in sorted((tgt / "test").glob("*/*"))]
+    plain = [np.median(np.asarray(Image.open(p))) for p in sorted((src / "test").glob("*/*"))]
+    assert np.median(tinted) > np.median(plain) + 10
+
+
+def test_configurations_are_the_ablation_and_the_sweep() -> None:
+    configs = paper.configurations(Fraction(1, 4), keep=2)
+    assert configs["baseline"] is None
+    assert configs["freeze"]["relayout"] == "off" and configs["freeze"]["cache"] == "off"
+    assert configs["freeze+pipe+cache"]["relayout"] == "repartition"
+    assert configs["freeze+pipe+dp"] == {
+        "policy": "gradient", "keep_trainable": 2, "alpha": 0.25, "relayout": "elastic",
+        "cache": "off",
+    }  # fmt: skip
+    assert [configs[f"all a={a}"]["alpha"] for a in paper.ALPHAS] == [0.2, 0.25, 1 / 3, 0.4, 0.5]
+    assert configs["all schedule"]["policy"] == "schedule"
+
+
+def _run(wall: float, final: float, evals: list[float], first: int | None = 1) -> dict:
+    return {
+        "wall_s": wall,
+        "final_accuracy": final,
+        "evals": [(e + 1, wall * (e + 1) / len(evals), a) for e, a in enumerate(evals)],
+        "first_freeze_epoch": first,
+        "half_frozen_fraction": 0.5 if first else 0.0,
+    }
+
+
+def test_summary_is_medians_over_seeds_against_each_seeds_baseline() -> None:
+    names = paper.configurations(Fraction(1, 4), keep=2)
+    seeds = []
+    for k, base_wall in enumerate((100.0, 120.0, 110.0)):
+        runs = {n: _run(50.0 + k, 0.8, [0.5, 0.79, 0.8]) for n in names}
+        runs["baseline"] = _run(base_wall, 0.81, [0.6, 0.7, 0.81], first=None)
+        runs["freeze"] = _run(base_wall, 0.7, [0.5, 0.6, 0.7])  # never reaches the baseline's
+        seeds.append(runs)
+    summary = paper.summarise(seeds, Fraction(1, 4))
+    row = summary["ablation"]["all"]
+    assert row["wall_time_speedup"] == pytest.approx(110 / 52)  # median of 100/50, 120/51, 110/52
+    assert row["accuracy_delta_pp"] == pytest.approx(-1.0)
+    assert row["time_to_baseline_accuracy_speedup"] == 0.0  # 0.80 never reaches 0.81
+    assert summary["ablation"]["freeze"]["wall_time_speedup"] == pytest.approx(1.0)
+    assert summary["ablation"]["freeze"]["accuracy_delta_pp"] == pytest.approx(-11.0)
+    assert set(summary["alpha_sweep"]) == {str(a) for a in paper.ALPHAS}
+    assert summary["policies"]["gradient"]["first_freeze_epoch"] == 1
+
+
+def test_time_to_an_accuracy_is_the_first_evaluation_reaching_it() -> None:
+    hist = _run(90.0, 0.8, [0.5, 0.8, 0.7])
+    assert paper.time_to(hist, 0.8) == pytest.approx(60.0)
+    assert paper.time_to(hist, 0.81) is None
