@@ -31,13 +31,13 @@ Design (PipeTransformer, ICML 2021, Section 5, on 2 worker processes of 1 thread
 Each configuration is a real job through `pipetransformer run`; per seed the configurations run
 one after another in a rotated order, so that load drift on this shared machine hits them alike.
 Per configuration (medians over seeds): the run's wall time (the `run` command, start-up
-included), final held-out accuracy, time to reach the baseline's final accuracy, the speed-up
+included) and the speed-up of its span from first to last step, final held-out accuracy, time to reach the baseline's final accuracy, the speed-up
 over the baseline, the epoch of the first freeze and the fraction of the run spent with at least
 half of the blocks frozen.
 
     .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 1/4]
         [--keep-trainable 2] [--only NAME ...] [--keep DIR] [--upstream-device cuda]
-        [--upstream-epochs 60] [--body DIR | --upstream-only]
+        [--upstream-epochs 60] [--body DIR | --upstream-only] [--from-json paper.json]
 
 One JSON line (also bench/out/paper.json) and figures in bench/out/: paper-throughput.png
 (samples/s over epochs per configuration), paper-ablation.png (speed-up bars), paper-alpha.png
@@ -47,6 +47,7 @@ One JSON line (also bench/out/paper.json) and figures in bench/out/: paper-throu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -375,10 +376,15 @@ def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[
     baseline's accuracy (a seed that never reaches it counts as no speed-up there)."""
     rows: dict[str, dict] = {}
     for name in per_seed[0]:
-        speedups, deltas, tta, first, half = [], [], [], [], []
+        speedups, spans, deltas, tta, first, half = [], [], [], [], [], []
         for runs in per_seed:
             base, hist = runs["baseline"], runs[name]
             speedups.append(base["wall_s"] / hist["wall_s"])
+            # the same without the time outside the first-to-last-step span (start-up: etcd,
+            # controller, workers, the model; the last checkpoint), which does not shrink
+            spans.append(
+                (base["wall_s"] - base["startup_s"]) / (hist["wall_s"] - hist["startup_s"])
+            )
             deltas.append(100 * (hist["final_accuracy"] - base["final_accuracy"]))
             t_base, t_this = (
                 time_to(base, base["final_accuracy"]),
@@ -389,6 +395,8 @@ def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[
             half.append(hist["half_frozen_fraction"])
         rows[name] = {
             "wall_time_speedup": _med(speedups),
+            "training_span_speedup": _med(spans),
+            "startup_s": _med([r[name]["startup_s"] for r in per_seed]),
             "accuracy_delta_pp": _med(deltas),
             "time_to_baseline_accuracy_speedup": _med(tta),
             "wall_s": _med([r[name]["wall_s"] for r in per_seed]),
@@ -428,9 +436,25 @@ def main() -> None:
     parser.add_argument("--keep-trainable", type=int, default=2)
     parser.add_argument("--only", nargs="+", help="run only these configurations (and baseline)")
     parser.add_argument("--keep", type=Path, help="keep the runs under this directory")
+    parser.add_argument(
+        "--from-json", type=Path, help="summarise and plot an earlier run's paper.json again"
+    )
     args = parser.parse_args()
     if args.alpha not in ALPHAS:
         raise SystemExit(f"--alpha must be one of the sweep's {', '.join(map(str, ALPHAS))}")
+    if args.from_json:
+        earlier = json.loads(args.from_json.read_text().strip().splitlines()[-1])
+        alpha = Fraction(earlier["config"]["alpha"])
+        summary = summarise(earlier["per_seed"], alpha)
+        earlier |= {
+            "wall_time_speedup": summary["ablation"]["all"]["wall_time_speedup"],
+            "accuracy_delta_pp": summary["ablation"]["all"]["accuracy_delta_pp"],
+            "configurations": summary["rows"],
+            **{k: summary[k] for k in ("ablation", "alpha_sweep", "policies")},
+            "figures": plot(earlier["per_seed"], summary, out_dir()),
+        }
+        emit(earlier, save_as="paper.json")
+        return
     configs = configurations(args.alpha, args.keep_trainable)
     if args.only:
         configs = {k: v for k, v in configs.items() if k == "baseline" or k in args.only}

@@ -64,6 +64,7 @@ def test_configurations_are_the_ablation_and_the_sweep() -> None:
 def _run(wall: float, final: float, evals: list[float], first: int | None = 1) -> dict:
     return {
         "wall_s": wall,
+        "startup_s": 20.0,
         "final_accuracy": final,
         "evals": [(e + 1, wall * (e + 1) / len(evals), a) for e, a in enumerate(evals)],
         "first_freeze_epoch": first,
@@ -82,6 +83,8 @@ def test_summary_is_medians_over_seeds_against_each_seeds_baseline() -> None:
     summary = paper.summarise(seeds, Fraction(1, 4))
     row = summary["ablation"]["all"]
     assert row["wall_time_speedup"] == pytest.approx(110 / 52)  # median of 100/50, 120/51, 110/52
+    assert row["training_span_speedup"] == pytest.approx(90 / 32)  # 20 s of start-up each
+    assert row["startup_s"] == 20.0
     assert row["accuracy_delta_pp"] == pytest.approx(-1.0)
     assert row["time_to_baseline_accuracy_speedup"] == 0.0  # 0.80 never reaches 0.81
     assert summary["ablation"]["freeze"]["wall_time_speedup"] == pytest.approx(1.0)
