@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -116,3 +117,23 @@ def emit(result: dict[str, Any], save_as: str | None = None) -> None:
     if save_as:
         (out_dir() / save_as).write_text(line + "\n")
     print(line, flush=True)
+
+
+def run_cli_job(workdir: Path, spec: dict[str, Any]) -> tuple[subprocess.CompletedProcess, float]:
+    """`pipetransformer run` of `spec` as job `spec["name"]` under `workdir/<name>`, in a fresh
+    process as a user would; the finished process and its wall time (s)."""
+    import yaml
+
+    name = spec["name"]
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "run", str(path)]
+        + ["--workdir", str(workdir / name), "--job-id", name],
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+    )
+    return res, time.perf_counter() - t0

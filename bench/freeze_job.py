@@ -14,17 +14,12 @@ One JSON line (also bench/out/freeze_job.json).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-from _common import ROOT, emit, environment, progress
+from _common import emit, environment, progress, run_cli_job
 from job_mfu import TINY, VIT_B16
 
 from store import Store, sqlite_url
@@ -51,18 +46,7 @@ def job_spec(name: str, freeze: dict[str, Any], args: argparse.Namespace) -> dic
 
 def run_job(workdir: Path, spec: dict[str, Any]) -> dict[str, Any]:
     name = spec["name"]
-    path = workdir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    t0 = time.perf_counter()
-    res = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "run", str(path)]
-        + ["--workdir", str(workdir / name), "--job-id", name],
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-    )
-    wall = time.perf_counter() - t0
+    res, wall = run_cli_job(workdir, spec)
     if res.returncode != 0:
         return {"job": name, "error": (res.stdout + res.stderr)[-2000:]}
     store = Store.open(sqlite_url(workdir / name / "store.db"), migrate=False)

@@ -14,17 +14,12 @@ One JSON line (also bench/out/job_mfu.json).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-from _common import ROOT, emit, environment, progress
+from _common import emit, environment, progress, run_cli_job
 
 from store import Store, sqlite_url
 
@@ -64,17 +59,7 @@ def job_spec(name: str, precision: str, batch: int, epochs: int, quick: bool) ->
 def run_job(workdir: Path, spec: dict[str, Any], skip: int) -> dict[str, Any]:
     """Run one job through the CLI; its reported per-step MFU and samples/s (medians)."""
     name = spec["name"]
-    path = workdir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    t0 = time.perf_counter()
-    res = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "run", str(path)]
-        + ["--workdir", str(workdir / name), "--job-id", name],
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-    )
+    res, wall = run_cli_job(workdir, spec)
     if res.returncode != 0:
         return {"job": name, "error": (res.stdout + res.stderr)[-2000:]}
     store = Store.open(sqlite_url(workdir / name / "store.db"), migrate=False)
@@ -90,7 +75,7 @@ def run_job(workdir: Path, spec: dict[str, Any], skip: int) -> dict[str, Any]:
         "steps_measured": len(steps),
         "mfu": statistics.median(mfus) if mfus else None,  # None: no known peak (CPU)
         "samples_per_s": statistics.median(m.samples_per_s for m in steps),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall,
     }
 
 
