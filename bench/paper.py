@@ -31,9 +31,9 @@ Design (PipeTransformer, ICML 2021, Section 5, on 2 worker processes of 1 thread
 Each configuration is a real job through `pipetransformer run`; per seed the configurations run
 one after another in a rotated order, so that load drift on this shared machine hits them alike.
 Per configuration (medians over seeds): the run's wall time (the `run` command, start-up
-included) and the speed-up of its span from first to last step, final held-out accuracy, time to reach the baseline's final accuracy, the speed-up
-over the baseline, the epoch of the first freeze and the fraction of the run spent with at least
-half of the blocks frozen.
+included) and its speed-up over the baseline, the speed-up of its span from first to last step,
+final held-out accuracy, time to reach the baseline's final accuracy, the epoch of the first
+freeze and the fraction of the run spent with at least half of the blocks frozen.
 
     .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 1/4]
         [--keep-trainable 2] [--only NAME ...] [--keep DIR] [--upstream-device cuda]

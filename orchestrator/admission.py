@@ -19,16 +19,18 @@ d = model.dim, H = int(d x mlp_ratio), h = heads, k = num_classes, t = tokens be
   2d + dk + k. Exact: tests/test_admission.py counts the real modules.
 * Per parameter of a worker's stages: 16 bytes (weight, gradient, AdamW's two moments; 20 under
   `training.precision: bf16-weights`: bf16 weight and gradient, float32 master and its gradient,
-  the moments) + 12 (the checkpoint snapshot of weights and moments, kept between checkpoints). A worker builds
-  only its own units (meta device, then materialised), initialising one unit at a time on the
-  CPU (4 bytes a parameter of the largest unit).
+  the moments) + 12 (the checkpoint snapshot of weights and moments, kept between checkpoints).
+  A worker builds only its own units (meta device, then materialised), initialising one unit
+  at a time on the CPU (4 bytes a parameter of the largest unit).
 * Activations one micro-batch leaves for backward, per block: 4 b t (8d + 2H + h + 4) (the
   block input, both LayerNorm outputs and statistics, qkv, the attention output and logsumexp,
   the residual sum, the MLP's hidden layer before and after GELU). With dropout > 0 attention
   is unfused and keeps t x t per head: + 4 b h t^2 x 3 + 4 b t x 3d, and b t (H + d) bytes of
-  masks. Under `bf16-weights` every activation inside a block is bf16: 2 bytes where these say
-  4 (the stage's output, handed to the next stage, stays float32). tests/test_admission.py
-  checks this against the tensors autograd saves (within 10%), in float32 and in bf16.
+  masks. Under `bf16-weights` a block's activations are bf16, 2 bytes where these say 4, except
+  LayerNorm's statistics and attention's logsumexp (float32 at any precision) and unfused
+  attention's tensors (float32, seen on the CPU); the stage's output, handed to the next stage,
+  stays float32. tests/test_admission.py checks this against the tensors autograd saves (within
+  10%), in float32 and in bf16.
   Embedding: its inputs (vit 4 b c image_size^2; bert 8 b L + 4 b t (d + 2)); head:
   4 b (2d + k). Each stage also holds its output (4 b t d) per micro-batch in flight, and once
   one block's activations (backward's workspace, or the block being recomputed). With

@@ -117,7 +117,8 @@ def test_bf16_weights_train_through_relayouts(tmp_path: Path) -> None:
 def test_a_bf16_weights_job_freezes_relays_out_and_caches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real job: 2 stages re-planned as blocks freeze, the frozen prefix served from AutoCache, its checkpoints float32 (what a float32 job writes)."""
+    """A real job: 2 stages re-planned as blocks freeze, the frozen prefix served from AutoCache,
+    its checkpoints float32 (what a float32 job writes)."""
     monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
     workdir = tmp_path / "runs"
     spec = write_spec(
