@@ -23,10 +23,6 @@ from trainer.checkpoint import _optimizer_tensors, _SafeReader, save_checkpoint
 from trainer.models import build_model
 from trainer.relayout import build_training
 
-# float results compared across computations (the float32 reference): run again under other
-# kernels (scripts/test.sh)
-pytestmark = pytest.mark.numerics
-
 BF16 = JobSpec.model_validate(
     {**SPEC.model_dump(), "training": {**SPEC.training.model_dump(), "precision": "bf16-weights"}}
 )
@@ -80,6 +76,7 @@ def _train(rank: int, world: int, ckpt_dir: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.numerics  # compared with the float32 reference: again under other kernels
 def test_bf16_weights_train_through_relayouts(tmp_path: Path) -> None:
     results = run_distributed(_train, 2, str(tmp_path))
     # a checkpoint carries the float32 masters: what the next layout loads is what was saved
