@@ -119,20 +119,26 @@ def emit(result: dict[str, Any], save_as: str | None = None) -> None:
     print(line, flush=True)
 
 
-def run_cli_job(workdir: Path, spec: dict[str, Any]) -> tuple[subprocess.CompletedProcess, float]:
-    """`pipetransformer run` of `spec` as job `spec["name"]` under `workdir/<name>`, in a fresh
-    process as a user would; the finished process and its wall time (s)."""
+def run_cli_job(
+    workdir: Path,
+    spec: dict[str, Any],
+    job_id: str | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.CompletedProcess, float]:
+    """`pipetransformer run` of `spec` as job `job_id` (default: the spec's name) under
+    `workdir/<job_id>`, in a fresh process as a user would, with `env` added to the environment;
+    the finished process and its wall time (s)."""
     import yaml
 
-    name = spec["name"]
-    path = workdir / f"{name}.yaml"
+    job = job_id or spec["name"]
+    path = workdir / f"{job}.yaml"
     path.write_text(yaml.safe_dump(spec))
     t0 = time.perf_counter()
     res = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "run", str(path)]
-        + ["--workdir", str(workdir / name), "--job-id", name],
+        + ["--workdir", str(workdir / job), "--job-id", job],
         cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
         capture_output=True,
         text=True,
     )

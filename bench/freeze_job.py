@@ -19,29 +19,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import job_mfu
 from _common import emit, environment, progress, run_cli_job
-from job_mfu import TINY, VIT_B16
 
 from store import Store, sqlite_url
 
 
 def job_spec(name: str, freeze: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "name": name,
-        "model": {**(TINY if args.quick else VIT_B16), "num_classes": 10},
-        "data": {"dataset": "synthetic", "synthetic_samples": args.batch * 32},
-        "training": {
-            "epochs": args.epochs,
-            "global_batch_size": args.batch,
-            "lr": 0.001,
-            "warmup_steps": 10,
-            "precision": "fp32" if args.quick else "bf16-weights",
-        },
-        "parallel": {"stages": 1, "replicas": 1, "microbatches": 1, "compile": not args.quick},
-        "freeze": freeze,
-        "runtime": {"device": "cpu" if args.quick else "cuda", "control_every_steps": 10},
-        "checkpoint": {"every_epochs": 1000, "keep": 1},
-    }
+    """bench/job_mfu.py's job (bf16-weights; fp32 for --quick) with 32 batches of data, 10
+    classes, the given freeze section, and the control key read every 10 steps."""
+    precision = "fp32" if args.quick else "bf16-weights"
+    spec = job_mfu.job_spec(name, precision, args.batch, args.epochs, args.quick)
+    spec["model"] = {**spec["model"], "num_classes": 10}
+    spec["data"]["synthetic_samples"] = args.batch * 32
+    spec["training"]["warmup_steps"] = 10
+    spec["runtime"]["control_every_steps"] = 10
+    spec["freeze"] = freeze
+    return spec
 
 
 def run_job(workdir: Path, spec: dict[str, Any]) -> dict[str, Any]:

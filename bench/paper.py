@@ -53,15 +53,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
-from _common import ROOT, emit, environment, out_dir, progress
+from _common import ROOT, emit, environment, out_dir, progress, run_cli_job
 
 from store import Store, sqlite_url
 
@@ -144,18 +142,9 @@ def jittered_digits(
     return root
 
 
-def _run(workdir: Path, spec: dict, job_id: str, cache: Path) -> float:
-    """`pipetransformer run` of `spec` as job `job_id`; returns its wall time (s)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / f"{job_id}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "PIPETRANSFORMER_CACHE": str(cache), "COLUMNS": "200"}
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(path), "--workdir", str(workdir)]
-    t0 = time.perf_counter()
-    res = subprocess.run(
-        [*cmd, "--job-id", job_id], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    wall = time.perf_counter() - t0
+def _run(tmp: Path, spec: dict, job_id: str, cache: Path) -> float:
+    """`pipetransformer run` of `spec` as job `job_id` under `tmp/<job_id>`; its wall time (s)."""
+    res, wall = run_cli_job(tmp, spec, job_id, {"PIPETRANSFORMER_CACHE": str(cache)})
     if res.returncode != 0:
         raise SystemExit(f"{job_id} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     return wall
@@ -196,7 +185,7 @@ def upstream(tmp: Path, epochs: int, cache: Path, device: str = "cpu") -> Path:
         spec["runtime"] = {"device": device}
         spec["parallel"] = {"stages": 1, "replicas": 1, "microbatches": 1}
         spec["data"]["loader_workers"] = 4
-    wall = _run(tmp / "upstream", spec, "upstream", cache)
+    wall = _run(tmp, spec, "upstream", cache)
     exported = tmp / "upstream-export"
     subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "export", "upstream", "--to", str(exported)]
@@ -483,7 +472,7 @@ def main() -> None:
                 if configs[name] is not None:
                     spec["freeze"] = configs[name]
                 job = f"s{seed}-{len(runs)}"
-                wall = _run(tmp / job, spec, job, cache)
+                wall = _run(tmp, spec, job, cache)
                 runs[name] = history(tmp / job, job, wall)
                 progress(
                     f"seed {seed} {name}: {wall:.0f}s, accuracy "

@@ -30,9 +30,9 @@ decision points so far including the current one, T = 1 at the first):
 * Policy `gradient` asks whether each block has *settled*, by one of two criteria
   (`freeze.criterion`; 'auto' takes `noise` when the job starts from trained weights, `decay`
   otherwise: `settle_criterion`). Both are below; "Why two criteria" says why.
-* `decay`: a block has *converged* at decision point T when its gradient norm has **decayed to at most
-  `threshold` times its peak**: `n_T <= threshold * max(n_1, ..., n_T)`, the peak taken over all
-  decision points so far including the current one (so at the first decision point nothing has
+* `decay`: a block has *converged* at decision point T when its gradient norm has **decayed to at
+  most `threshold` times its peak**: `n_T <= threshold * max(n_1, ..., n_T)`, the peak taken over
+  all decision points so far including the current one (so at the first decision point nothing has
   converged unless threshold = 1). A block whose norm is 0 at its peak too (no gradient ever)
   counts as converged; a non-finite current norm counts as not converged, and non-finite norms
   never become the peak. Blocks already frozen count as converged, so a converged block after a
@@ -93,12 +93,12 @@ while the fresh head's weights grow and pass more of the loss back into the body
 sets a new peak and nothing decays to 0.2 of it. The level of a block's gradient says how much
 loss signal reaches it, not whether it still has somewhere to go. Over the same run the drift
 ratio above is near the noise level from the first epochs on (the interval's summed gradient over
-its mean step norm, `||sum g|| / sum ||g||`, is 0.16-0.24 in epoch 1 and 0.08-0.18 from epoch 2, against
-1/sqrt(45 steps) = 0.15 for pure noise): the pretrained blocks have settled and only noise moves
-them, which is the regime PipeTransformer freezes in from its second epoch. Training from scratch,
-`decay` stays the default: there the drift is also near noise level long before the blocks stop
-changing what they compute (batch noise dominates every step), and freezing before the collapse
-measured below costs accuracy.
+its mean step norm, `||sum g|| / sum ||g||`, is 0.16-0.24 in epoch 1 and 0.08-0.18 from epoch 2,
+against 1/sqrt(45 steps) = 0.15 for pure noise): the pretrained blocks have settled and only noise
+moves them, which is the regime PipeTransformer freezes in from its second epoch. Training from
+scratch, `decay` stays the default: there the drift is also near noise level long before the
+blocks stop changing what they compute (batch noise dominates every step), and freezing before
+the collapse measured below costs accuracy.
 """
 
 from __future__ import annotations
@@ -379,8 +379,8 @@ def decide(
     `override`: a manual boundary request; the boundary becomes the larger of it and the automatic
     decision (`combine_override`), and the decision says whether it was applied, superseded or
     rejected. `drift`: one drift ratio per block for the interval (criterion `noise`, required
-    there); `from_trained` resolves criterion 'auto' (`settle_criterion`). The returned state records T, the norms (or None) and the per-block peaks including
-    them."""
+    there); `from_trained` resolves criterion 'auto' (`settle_criterion`). The returned state
+    records T, the norms (or None) and the per-block peaks including them."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if isinstance(boundary, bool) or not isinstance(boundary, int):

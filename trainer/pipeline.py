@@ -345,8 +345,8 @@ class RankPipeline:
     ) -> GradNorms:
         """Clip by the norm over *all* stages (the same norm a single process would compute) of
         the gradients DDP summed over the replicas during backward (under `bf16-weights`, the
-        masters' float32 copies of them: `MasterWeights.load_grads` first). Returns that norm and the
-        per-block gradient norms before clipping (what AutoFreeze watches), the same on every
+        masters' float32 copies of them: `MasterWeights.load_grads` first). Returns that norm and
+        the per-block gradient norms before clipping (what AutoFreeze watches), the same on every
         rank. `observe` is handed this rank's (name, gradient) pairs once they are summed over the
         replicas and before clipping (AutoFreeze's drift meter)."""
         named = [
