@@ -48,7 +48,7 @@ empty). Raises PlanError, saying why, when nothing fits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
 from core.partition import (
@@ -165,6 +165,8 @@ def profile_sizes(
     if spec.freeze.relayout == "off":
         return set()
     counts = _relayout_counts(spec, world, boundary, current)
+    if _forced(counts) is not None:
+        return set()  # one shape of one stage: nothing to choose, nothing to measure
     return {gb // r // m for (_, r), ms in counts.items() for m in ms}
 
 
@@ -315,6 +317,16 @@ def _relayout_counts(
     return {(s, r): _microbatch_options(spec, s, r) for s, r in shapes}
 
 
+def _forced(counts: Mapping[tuple[int, int], Sequence[int]]) -> tuple[int, int] | None:
+    """(replicas, micro-batches) when a re-layout has a single candidate, one stage of one
+    micro-batch count (a job on one device per replica: its stage is [F, L) whatever is
+    measured), else None."""
+    if len(counts) != 1:
+        return None
+    (stages, replicas), ms = next(iter(counts.items()))
+    return (replicas, ms[0]) if stages == 1 and len(ms) == 1 else None
+
+
 def _microbatch_options(spec: JobSpec, stages: int, replicas: int) -> list[int]:
     """The micro-batch counts a re-layout tries for `stages` x `replicas`: the spec's count
     where it divides the replica batch, else the candidates for that depth."""
@@ -382,6 +394,21 @@ def _relayout(
     gb = spec.training.global_batch_size
     cost = cost_model(spec, f)
     counts = _relayout_counts(spec, world, f, current)
+    forced = _forced(counts)
+    if forced is not None:
+        replicas, m = forced
+        layout = Layout.build(
+            [(f, L)],
+            num_blocks=L,
+            replicas=replicas,
+            microbatches=m,
+            schedule=p.schedule,
+            version=current.version + 1,
+            freeze_boundary=f,
+            planner="autopipe",
+        )
+        shape = f"1x{replicas}, {m} micro-batch(es)"
+        return Planned(layout, f"F={f}: {shape}, the only shape for {world} worker(s)")
     # 'elastic' shapes have one stage per rank; 'repartition' keeps the current stages per rank
     # (the cost model plans one stage per device, so each model chunk is planned as its own)
     virtual = current.virtual_stages if spec.freeze.relayout == "repartition" else 1

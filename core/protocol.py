@@ -286,6 +286,18 @@ class CheckpointFailed(_Event):
     error: str
 
 
+class RelayoutCost(_Model):
+    """Where a re-layout in the running processes spent its time (seconds on rank 0, which every
+    rank waits for) and how the state reached its new owners (`freeze.handover`)."""
+
+    handover: Literal["memory", "checkpoint"]
+    plan_s: NonNegative  # measuring (rank 0) and planning the new layout, agreed by every rank
+    checkpoint_s: NonNegative  # committing the old layout's state (the checkpoint path; else 0)
+    build_s: NonNegative  # new groups, stages and optimizer, filled by the move or the load
+    cache_s: NonNegative  # AutoCache's decision at the new boundary
+    moved_bytes: int = Field(ge=0)  # state sent between ranks, all ranks together (memory path)
+
+
 class LayoutPlanned(_Event):
     """The workers planned a layout from measurement (start-up AutoPipe, or a re-layout)."""
 
@@ -293,6 +305,7 @@ class LayoutPlanned(_Event):
     layout: Layout
     reason: str
     seconds: float | None = None
+    cost: RelayoutCost | None = None  # a re-layout in the running processes
 
 
 class FreezeDecided(_Event):

@@ -845,6 +845,15 @@ class FreezeSpec(_Strict):
         "parallel.virtual_stages); 'off' keeps the stages, replicas and micro-batches and "
         "freezes blocks in place (they still run forward in their stages; no AutoCache)",
     )
+    handover: Literal["memory", "checkpoint"] = Field(
+        "memory",
+        description="how a re-layout moves weights and optimizer state to their new owners: "
+        "'memory' sends them between the running ranks directly (each rank keeps what it keeps, "
+        "receives what it gains from a rank that held it; nothing is written or read back, and "
+        "durability stays with the checkpoint section's schedule); 'checkpoint' commits a "
+        "checkpoint under the old layout and every rank reads its blocks back from it (a "
+        "committed checkpoint at every re-layout, at the price of a storage round trip)",
+    )
 
     @field_validator("every", mode="before")
     @classmethod

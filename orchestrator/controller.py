@@ -62,6 +62,7 @@ from core.protocol import (
     Left,
     Metrics,
     PeerLost,
+    RelayoutCost,
     Started,
     UnreadableRequest,
     WorkerEvent,
@@ -757,7 +758,7 @@ class Controller:
                     data=e.payload(),
                 )
             case LayoutPlanned():
-                self._adopt_layout(e.layout, e.reason, e.seconds)
+                self._adopt_layout(e.layout, e.reason, e.seconds, e.cost)
                 self.roster.relaid(e.generation, e.layout)
             case FreezeDecided():
                 self._record_freeze(e)
@@ -809,18 +810,29 @@ class Controller:
                     data=e.payload(),
                 )
 
-    def _adopt_layout(self, layout: Layout, reason: str, seconds: float | None) -> None:
+    def _adopt_layout(
+        self,
+        layout: Layout,
+        reason: str,
+        seconds: float | None,
+        cost: RelayoutCost | None = None,
+    ) -> None:
         """Workers planned a layout from measurement: record it and make it the current one, so
-        a resumed generation starts with it instead of planning again."""
+        a resumed generation starts with it instead of planning again. A re-layout's cost (where
+        its pause went, how the state moved) is kept with the event."""
         self.store.record_layout(self.job_id, layout, reason=reason)
         self.etcd.put(keys.layout(self.job_id), layout.model_dump_json())
         self.layout = self.progress.layout = layout  # later progress updates carry its F
-        took = f" (measured and planned in {seconds:.1f}s)" if seconds is not None else ""
-        self._record_event(
-            "layout_planned",
-            f"layout v{layout.version}: {reason}{took}",
-            data={"layout": layout.describe()},
-        )
+        if cost is not None:
+            took = f" (re-laid out in {seconds:.2f}s, state moved by {cost.handover})"
+        elif seconds is not None:
+            took = f" (measured and planned in {seconds:.1f}s)"
+        else:
+            took = ""
+        data: dict[str, Any] = {"layout": layout.describe(), "seconds": seconds}
+        if cost is not None:
+            data["cost"] = cost.model_dump()
+        self._record_event("layout_planned", f"layout v{layout.version}: {reason}{took}", data=data)
 
     def _record_freeze(self, e: FreezeDecided) -> None:
         """A decision point moved the boundary or answered a manual request: audit what became

@@ -316,6 +316,102 @@ def test_a_cache_decides_for_its_own_directory_and_ram_share(tmp_path: Path) -> 
     assert not list((tmp_path / "node-cache").glob("cache-measure-*"))
 
 
+def test_servable_rows_need_no_inputs(tmp_path: Path) -> None:
+    # what the worker checks before it stops reading inputs: a row held at the current level
+    # (RAM or files, another process's too) or at the source level can be served from `None`
+    spec = VIT
+    prefix = FrozenPrefix.of(build_model(spec, seed=0))
+    x = _inputs(spec)
+    cache = _cache(spec, tmp_path, rows_in_ram=10)  # shared: every row also in the files
+    cache.set_boundary(2, prefix.fingerprints(2))
+    assert not cache.servable(np.arange(N)).any()
+    cache.get_or_compute(np.arange(0, 60), x[:60], prefix)  # 10 rows in RAM, all in the files
+    other = _cache(spec, tmp_path, rows_in_ram=0)  # another process of the node: the files
+    other.set_boundary(2, prefix.fingerprints(2))
+    for c in (cache, other):
+        assert c.servable(np.arange(N)).tolist() == [True] * 60 + [False] * (N - 60)
+    cache.get_or_compute(np.arange(60, N), x[60:], prefix)
+    assert other.servable(np.arange(N)).all()
+    # at the next boundary every row is at the source level, advanced without inputs
+    cache.set_boundary(4, prefix.fingerprints(4))
+    assert cache.servable(np.arange(N)).all()
+    served = cache.get_or_compute(np.arange(N), None, prefix)
+    assert cache.stats().advanced == N
+    torch.testing.assert_close(served, prefix.compute(x, 4))  # advanced in other batches
+    # a row beyond the files' capacity is never servable
+    capped = _cache(spec, tmp_path / "capped", rows_in_ram=0, disk_bytes=0)
+    capped.set_boundary(2, prefix.fingerprints(2))
+    capped.get_or_compute(np.arange(N), x, prefix)
+    assert not capped.servable(np.arange(N)).any()
+
+
+def test_later_boundaries_measure_only_the_recomputation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # serving and storing a row costs the same at any boundary: a cache measures them once per
+    # batch size, and a re-layout's decision at a new boundary writes no scratch files
+    spec = VIT
+    prefix = FrozenPrefix.of(build_model(spec, seed=0))
+    x = _inputs(spec, 32)
+    cache = _cache(spec, tmp_path / "node-cache", rows_in_ram=10)
+    first = cache.decide(CachePolicy("auto"), prefix, x, 2).costs
+    scratch: list[str] = []
+    real_mkdtemp = __import__("tempfile").mkdtemp
+    monkeypatch.setattr("tempfile.mkdtemp", lambda **kw: scratch.append(kw) or real_mkdtemp(**kw))
+    later = cache.decide(CachePolicy("auto"), prefix, x, 4).costs
+    assert scratch == [], "no scratch cache was written"
+    assert later.boundary == 4 and later.compute_s > 0
+    assert (later.ram_s, later.disk_s, later.disk_warm_s, later.store_s) == (
+        first.ram_s,
+        first.disk_s,
+        first.disk_warm_s,
+        first.store_s,
+    )
+    # another batch size (the replicas changed) is measured afresh
+    other = cache.decide(CachePolicy("auto"), prefix, x[:16], 4).costs
+    assert scratch and other.batch_size == 16
+    with pytest.raises(ValueError, match="batch 32, not 16"):
+        measure_prefix_costs(prefix, x[:16], 4, lookups=first)
+
+
+def test_a_tensor_digest_tells_values_apart_not_copies() -> None:
+    from trainer.cache.prefix import tensor_digest
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 48, generator=g)
+    d = tensor_digest(w)
+    assert len(d) == 16 and tensor_digest(w.clone()) == d  # the values, not the tensor
+    assert tensor_digest(w.t().contiguous().t()) == d  # nor its memory layout
+    for i in (0, 7, w.numel() - 1):  # one element one ulp off: always another digest
+        other = w.clone().view(-1)
+        other[i] = torch.nextafter(other[i], torch.tensor(float("inf")))
+        assert tensor_digest(other.view_as(w)) != d, i
+    swapped = w.clone().view(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert tensor_digest(swapped.view_as(w)) != d  # positions count
+    # every element width, and empty tensors
+    for t in (w.bfloat16(), w.double(), torch.arange(5), torch.tensor([True, False])):
+        assert len(tensor_digest(t)) == 16
+    assert tensor_digest(w.bfloat16()) != tensor_digest(w.half())
+    assert tensor_digest(torch.empty(0)) == b""
+
+
+def test_a_prefix_moved_bit_for_bit_inherits_its_digests(tmp_path: Path) -> None:
+    # an in-memory re-layout hands the frozen weights over unchanged: the new prefix takes the
+    # old one's digests for the units both hold, and its fingerprints are what hashing gives
+    spec = VIT
+    old = FrozenPrefix.of(build_model(spec, seed=0))
+    old.fingerprints(2)  # digests of embed, blocks 0 and 1 (frozen before)
+    moved = build_model(spec, seed=1)
+    moved.load_state_dict(build_model(spec, seed=0).state_dict())  # the same values, copied
+    new = FrozenPrefix.of(moved)
+    new.inherit_digests(FrozenPrefix(old.embed, {i: old.blocks[i] for i in range(2)}))
+    assert len(new._digests) == 3  # embed, blocks 0 and 1: taken, not hashed
+    assert new.fingerprints(4) == FrozenPrefix.of(build_model(spec, seed=0)).fingerprints(4)
+    # the blocks frozen since are hashed from their own weights
+    assert len(new._digests) == 5
+
+
 # -- precision, memory tiers, devices ----------------------------------------------------------
 
 

@@ -203,7 +203,8 @@ def test_prefix_materialised_on_the_gpu_from_meta_modules(dev: torch.device) -> 
     stage.load_state_dict(reference.state_dict())
     assert prefix.device == dev
     on_cpu = FrozenPrefix.of(reference)
-    # fingerprints hash the weights' bytes copied to the host: the same on any device
+    # fingerprints sum the weights' bits where they live (integer sums, in any order): the
+    # same on any device
     assert prefix.fingerprints(boundary) == on_cpu.fingerprints(boundary)
     x = _inputs(16)
     out = prefix.compute(x, boundary)

@@ -124,3 +124,53 @@ def test_relayout_modes_in_real_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # so AutoCache decides on the prefix at each boundary, as under elastic
     decided = [e for e in store.events("repartition", limit=500) if e.kind == "cache_decided"]
     assert {e.data["boundary"] for e in decided} == {2, 3, 4}
+
+
+def test_in_memory_and_checkpoint_handovers_train_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same job re-laid out twice (F=3 at step 3, AutoPipe's choice of shape; F=5 at step
+    6, where one active block leaves 1x2 as the only shape: rank 1 gains the embedding and
+    the frozen blocks) with `freeze.handover` memory and checkpoint. Both runs plan from the
+    same stored profiles, so it is the same computation twice: the same losses bit for bit.
+    The memory path writes no checkpoint at a re-layout and moves units over the wire; each
+    re-layout's cost is stored with its event."""
+    monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
+    workdir = tmp_path / "runs"
+    for handover in ("memory", "checkpoint"):
+        spec = write_spec(
+            tmp_path / f"{handover}.yaml",
+            model={"depth": 6},
+            training={"epochs": 1, "max_steps": 9},
+            freeze={
+                "policy": "schedule",
+                "every": 3,
+                "alpha": 0.5,
+                "handover": handover,
+                "cache": "off",  # cached rows differ from recomputed ones in the last bits
+            },
+            # periodic checkpoints only at the end: any other committed one is a re-layout's
+            checkpoint={"every_epochs": 100},
+        )
+        run = cli("run", str(spec), "--workdir", str(workdir), "--job-id", handover)
+        assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    shapes, losses = {}, {}
+    for handover in ("memory", "checkpoint"):
+        shapes[handover] = [h.layout.short for h in store.layouts(handover)]
+        losses[handover] = [m.loss for m in store.metrics(handover)]
+        assert len(losses[handover]) == 9
+        planned = [e for e in store.events(handover, limit=500) if e.kind == "layout_planned"]
+        costs = sorted((e.data["cost"] for e in planned if "cost" in e.data), key=str)
+        assert len(costs) == 2 and all(c["handover"] == handover for c in costs), costs
+        steps = sorted(c.step for c in store.checkpoints(handover))
+        if handover == "memory":
+            assert all(c["checkpoint_s"] == 0 for c in costs)
+            assert max(c["moved_bytes"] for c in costs) > 0  # -> 1x2 moves units to rank 1
+            assert steps == [9]
+        else:
+            assert all(c["checkpoint_s"] > 0 and c["moved_bytes"] == 0 for c in costs)
+            assert steps == [3, 6, 9]
+    assert shapes["memory"] == shapes["checkpoint"]
+    assert shapes["memory"][-1] == "1x2 [5-5] F=5 v3", shapes["memory"]
+    assert losses["memory"] == losses["checkpoint"]

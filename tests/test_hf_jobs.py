@@ -311,6 +311,11 @@ def test_a_sentence_pair_job_trains_and_caches(made: dict[str, Path], tmp_path: 
     assert job.state == "completed", job.message
     assert job.spec.model.width == 33  # the attention mask travels as one extra channel
     assert any(e.kind == "cache_decided" and e.data["use"] for e in store.events("bert", limit=500))
+    # once the cache held every training sample's output (the last epoch, at the boundary below
+    # to advance from), the first stage's rank stopped reading inputs
+    logs = "".join(p.read_text() for p in (tmp_path / "bert").glob("jobs/bert/workers-*.log"))
+    assert "inputs are no longer read" in logs, logs[-3000:]
+    assert [m.step for m in store.metrics("bert")] == list(range(1, job.step + 1))
     assert store.latest_checkpoint("bert") is not None
     # where the model and the data came from, in the summary and `status` (issue 23): the rows
     # are the workers' report (DataOpened), the rest the stored spec

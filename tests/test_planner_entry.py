@@ -220,6 +220,26 @@ def test_off_moves_only_the_boundary_and_measures_nothing(fake_measure) -> None:
         assert plan_layout(moved, world=2, boundary=3, current=current).layout.stages[0].start == 3
 
 
+def test_a_one_stage_relayout_with_one_count_measures_nothing(fake_measure) -> None:
+    # one device (a one-GPU job) and a fixed micro-batch count: the re-layout can only be
+    # [F, L) on that device, so nothing is measured and it is planned without profiles
+    spec = _spec(stages=1, replicas=1, microbatches=2)
+    current = plan_layout(spec).layout
+    assert profile_sizes(spec, world=1, boundary=3, current=current) == set()
+    planned = profile_mod.measured_layout(spec, world=1, boundary=3, current=current)
+    assert fake_measure == [], "nothing is measured"
+    layout = planned.layout
+    assert _ranges(layout) == [(3, 8)] and (layout.replicas, layout.microbatches) == (1, 2)
+    assert layout.version == current.version + 1 and layout.planner == "autopipe"
+    assert "the only shape for 1 worker" in planned.reason
+    # two replicas of one stage each, the same: 2 workers can only be 1x2 once 7 of 8 froze
+    two = _spec(stages=2, replicas=1, microbatches=2)
+    assert profile_sizes(two, world=2, boundary=7, current=plan_layout(two).layout) == set()
+    # an automatic micro-batch count leaves a choice: measured as before
+    auto = _spec(stages=1, replicas=1)
+    assert profile_sizes(auto, world=1, boundary=3, current=plan_layout(auto).layout)
+
+
 def test_repartition_keeps_the_replicas_and_moves_the_prefix_out(fake_measure) -> None:
     spec = _spec(freeze={"relayout": "repartition", "keep_trainable": 2}, microbatches=4)
     current = plan_layout(spec).layout  # 2x2

@@ -128,7 +128,10 @@ def _optimizer_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {k: v for k, v in full.items() if k.startswith("state.")}
 
 
-def _state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def state_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A rank's training state as `{"model": {name: tensor}, "optim": {"state.<name>.<key>":
+    tensor}}`: what a checkpoint holds of it, and what an in-memory re-layout moves. The
+    tensors are the live ones (no copies), once the optimizer has state."""
     return {"model": module.state_dict(), "optim": _optimizer_tensors(module, optimizer)}
 
 
@@ -227,7 +230,7 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier(group)
-    packed = _SnapshotStager().stage(_state_dict(module, optimizer))
+    packed = _SnapshotStager().stage(state_tensors(module, optimizer))
     dcp.save(packed, checkpoint_id=str(partial), process_group=group)
     if dist.is_initialized():
         dist.barrier(group)  # every shard is written (FileSystemWriter fsyncs each file)
@@ -237,7 +240,7 @@ def save_checkpoint(
     return SavedCheckpoint(str(path), size, checksum, meta)
 
 
-def _unit(name: str) -> str:
+def unit_of(name: str) -> str:
     """The partition unit (`embed`, `blocks.<i>`, `head`) a parameter or its optimizer state
     belongs to."""
     first, _, rest = name.removeprefix("state.").partition(".")
@@ -252,7 +255,7 @@ def _units(tensors: dict[str, Any]) -> dict[str, list[tuple[str, torch.Tensor]]]
         value = tensors[name]
         if not isinstance(value, torch.Tensor):  # would be pickled: never in a checkpoint
             raise TypeError(f"{name}: only tensors are checkpointed, not {type(value).__name__}")
-        key = _unit(name)
+        key = unit_of(name)
         if value.dtype != torch.float32:
             key += "@" + str(value.dtype).removeprefix("torch.")
         units.setdefault(key, []).append((name, value))
@@ -419,7 +422,7 @@ class AsyncCheckpointer:
             # A torn attempt from before a crash. No barrier is needed before the other ranks
             # write: dcp writes only after its first collective, which rank 0 joins after this.
             shutil.rmtree(_partial(path), ignore_errors=True)
-        state = _state_dict(module, optimizer)
+        state = state_tensors(module, optimizer)
         if not self.async_save:
             self._write_and_seal(job, state)  # a failure is kept for poll()/wait()
             if job.result is not None:  # all of it blocked training
@@ -630,7 +633,7 @@ def load_checkpoint(
     """Fill this rank's blocks and their optimizer state from a checkpoint written under any
     layout (DCP reshards by key). Reads tensors only: nothing in the checkpoint is unpickled
     beyond DCP's own index classes."""
-    state = _state_dict(module, optimizer)  # initialises optimizer state, giving load its keys
+    state = state_tensors(module, optimizer)  # initialises optimizer state, giving load its keys
     loaded = _load_packed(path, state, group)
     module.load_state_dict(loaded["model"])
     if not any(group["params"] for group in optimizer.param_groups):
@@ -707,5 +710,5 @@ def load_weights(
             "have the checkpoint's architecture (or list the unit in init.skip)"
         ) from None
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
-    assert not unexpected and all(_unit(n) in skip for n in missing), (missing, unexpected)
+    assert not unexpected and all(unit_of(n) in skip for n in missing), (missing, unexpected)
     return sorted({key.partition("@")[0] for key in units})

@@ -35,6 +35,7 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from core.handover import held_units
 from core.sampler import IGNORE
 from core.spec import SCHEDULES, ModelSpec, schedule_problem
 from core.state import Layout, StageLayout
@@ -123,16 +124,19 @@ class RankModel(nn.Module):
         compute = compute or Compute()
         self.spec, self.compute = spec, compute
         f = freeze_boundary
-        owns_prefix = stages[0].index == 0
-        owned = {i for s in stages for i in range(s.start, s.end)}
-        if owns_prefix:  # the blocks before the first stage: the prefix outside the pipeline
-            owned |= set(range(stages[0].start))
+        # its stages' blocks; on stage 0's rank also the embedding and the blocks before stage 0
+        # (the frozen prefix outside the pipeline); on the last stage's, the head
+        held = held_units(stages, spec.depth)
+        owns_prefix = "embed" in held
         self.embed = empty_unit(spec, "embed") if owns_prefix else None
         self.blocks = nn.ModuleDict(
-            {str(i): empty_unit(spec, f"blocks.{i}") for i in sorted(owned)}
+            {
+                u.removeprefix("blocks."): empty_unit(spec, u)
+                for u in held
+                if u.startswith("blocks.")
+            }
         )
-        has_head = any(s.end == spec.depth for s in stages)
-        self.head = empty_unit(spec, "head") if has_head else None
+        self.head = empty_unit(spec, "head") if "head" in held else None
         self.materialise(seed, fresh)
         if f > 0:
             frozen = [self.embed] if self.embed is not None else []
@@ -320,6 +324,17 @@ class RankPipeline:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor.to(self.device)
 
+    def release(self, keep_groups: bool = False) -> TrainingGroups | None:
+        """Done with this layout: its stages and schedule go; its training groups are destroyed
+        (`destroy_groups`), or, with `keep_groups`, returned for the next layout to reuse (a
+        re-layout to the same mesh shape: creating groups, and NCCL its communicators, costs
+        more than the rest of a re-layout)."""
+        if not keep_groups:
+            self.destroy_groups()
+            return None
+        self.stages, self.schedule = [], None
+        return self.groups
+
     def destroy_groups(self) -> None:
         """Release this layout's training groups (the control group stays). Every group of the
         mesh is destroyed, including one-rank groups, so no communicator outlives its layout."""
@@ -328,9 +343,12 @@ class RankPipeline:
         for name in mesh.mesh_dim_names or ():
             dist.destroy_process_group(mesh.get_group(name))
 
-    def _enter(self, inputs: torch.Tensor, indices: Sequence[int] | None = None) -> torch.Tensor:
+    def _enter(
+        self, inputs: torch.Tensor | None, indices: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """What the first pipeline stage consumes: the inputs, or the frozen prefix's output,
-        served from the activation cache when one is attached and the samples are known."""
+        served from the activation cache when one is attached and the samples are known (then
+        `inputs` may be None: the cache holds every sample's row)."""
         prefix = self.model.prefix
         if prefix is None:
             return self.to_device(inputs)
@@ -465,12 +483,19 @@ def build_rank_pipeline(
     recompute: list[bool] | None = None,
     compute: Compute | None = None,
     fresh: UnitSource | None = None,
+    groups: TrainingGroups | None = None,
 ) -> RankPipeline:
     """Mesh, model share and schedule for `rank` under `layout` (collective: every rank calls).
     `fresh(unit)` says which units get their seed-derived initialisation (default: all); the
-    others are left for the caller to load from a checkpoint."""
+    others are left for the caller to load from a checkpoint. `groups`: the previous layout's
+    training groups, kept for a layout of the same mesh shape (replicas x pipeline ranks)."""
     compute = compute or Compute()
-    groups = build_groups(layout, compute)
+    if groups is not None:
+        shape = tuple(groups.mesh.shape)
+        if shape != (layout.replicas, layout.pipeline_ranks):
+            raise ValueError(f"groups of a {shape} mesh cannot serve layout {layout.short}")
+    else:
+        groups = build_groups(layout, compute)
     local = [s for s, _ in layout.placements(rank)]
     flags = [recompute[s.index] for s in local] if recompute else [False] * len(local)
     model = RankModel(spec_model, seed, local, flags, layout.freeze_boundary, compute, fresh)

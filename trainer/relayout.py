@@ -1,6 +1,9 @@
-"""Building (and rebuilding) a rank's share of training for a layout. A re-layout is: commit
-state under the old layout, rebuild for the new one, load each block's weights and optimizer
-state from that checkpoint (resharded by block name). The same function starts and resumes a job."""
+"""Building (and rebuilding) a rank's share of training for a layout. The same function starts
+and resumes a job (state from a checkpoint, or a fine-tuning job's pretrained weights) and
+re-lays it out in the running processes: rebuild for the new layout, then fill each block's
+weights and optimizer state from the old layout's live state, moved between ranks
+(`trainer.handover`, `freeze.handover: memory`), or from a checkpoint committed under the old
+layout and resharded by block name (`freeze.handover: checkpoint`)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ from core.state import Layout
 from trainer.checkpoint import load_checkpoint, load_weights
 from trainer.collective import once_per_node
 from trainer.device import Compute
+from trainer.handover import Previous, receive_state
 from trainer.optim import build_optimizer
-from trainer.pipeline import RankPipeline, UnitSource, build_rank_pipeline
+from trainer.pipeline import RankPipeline, TrainingGroups, UnitSource, build_rank_pipeline
 from trainer.process import node_id
 
 
@@ -24,18 +28,23 @@ def build_training(
     rank: int,
     load_from: str | None = None,
     compute: Compute | None = None,
+    previous: Previous | None = None,
+    groups: TrainingGroups | None = None,
 ) -> tuple[RankPipeline, torch.optim.Optimizer]:
     """This rank's pipeline (mesh, stages, schedule) and optimizer under `layout`; with
-    `load_from`, weights and optimizer state come from that checkpoint, written under any layout;
-    without it, a fine-tuning spec (`init`) takes the weights of its pretrained checkpoint
-    (verified once per node against its pinned checksum). Only units no checkpoint fills get
-    their seed-derived initialisation. Frozen blocks (below the layout's boundary) are in no
-    optimizer. Collective."""
+    `previous` (an in-memory re-layout), weights and optimizer state come from the layout it
+    replaces, moved between the ranks; with `load_from`, from that checkpoint, written under any
+    layout; with neither, a fine-tuning spec (`init`) takes the weights of its pretrained
+    checkpoint (verified once per node against its pinned checksum). Only units nothing fills
+    get their seed-derived initialisation. Frozen blocks (below the layout's boundary) are in no
+    optimizer. `groups`: the previous layout's training groups, reused where the mesh shape
+    is the same. Collective."""
     compute = compute or Compute.for_spec(spec)  # the spec's precision and compile, on the CPU
     recompute = recompute_flags(spec, layout)
     replica_batch = spec.training.global_batch_size // layout.replicas
     init = spec.init
-    if init.checkpoint and init.checksum and not load_from:
+    filled = bool(load_from or previous)  # every unit comes from the state training had
+    if init.checkpoint and init.checksum and not filled:
         verify_once_per_node(rank, init.checkpoint, init.checksum)
     pipe = build_rank_pipeline(
         spec.model,
@@ -45,23 +54,27 @@ def build_training(
         replica_batch,
         recompute,
         compute,
-        fresh=_fresh_units(load_from, spec),
+        fresh=_fresh_units(filled, spec),
+        groups=groups,
     )
     state = pipe.model.state_module  # the float32 masters under bf16-weights
     optimizer = build_optimizer(state, spec.training)
-    if load_from:
+    if previous is not None:
+        receive_state(previous, layout, rank, state, optimizer)
+    elif load_from:
         load_checkpoint(load_from, state, optimizer)
     elif init.checkpoint:
         load_weights(init.checkpoint, state, init.skip)
-    if pipe.model.master is not None and (load_from or init.checkpoint):
+    if pipe.model.master is not None and (filled or init.checkpoint):
         pipe.model.master.write_back(everything=True)
     return pipe, optimizer
 
 
-def _fresh_units(load_from: str | None, spec: JobSpec) -> UnitSource | None:
-    """Which units start from their seed-derived initialisation: none when resuming (the
-    checkpoint holds every unit), those in `init.skip` when fine-tuning, all otherwise."""
-    if load_from:
+def _fresh_units(filled: bool, spec: JobSpec) -> UnitSource | None:
+    """Which units start from their seed-derived initialisation: none when resuming or
+    re-laying out (the checkpoint or the previous layout holds every unit), those in
+    `init.skip` when fine-tuning, all otherwise."""
+    if filled:
         return lambda unit: False
     if spec.init.checkpoint:
         skip = set(spec.init.skip)

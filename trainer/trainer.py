@@ -42,6 +42,7 @@ from core.protocol import (
     LayoutPlanned,
     Leaving,
     Metrics,
+    RelayoutCost,
     RunOutcome,
     Started,
 )
@@ -57,8 +58,9 @@ from trainer.device import Compute, local_placement, peak_memory_mib, reset_peak
 from trainer.feed import Feed
 from trainer.flops import mfu, peak_flops, training_flops_per_sample
 from trainer.freezing import Freezing
+from trainer.handover import Previous, handover_group
 from trainer.optim import lr_at, set_lr
-from trainer.pipeline import RankPipeline, masked_loss_sum
+from trainer.pipeline import RankPipeline, TrainingGroups, masked_loss_sum
 from trainer.process import LeaveRequest, Reporter, node_id, stdout_log
 from trainer.profile import measured_layout
 from trainer.relayout import build_training, verify_once_per_node
@@ -129,6 +131,10 @@ class Trainer:
         # what MFU is measured against: every device of the job at the blocks' precision
         self.peak_flops = peak_flops(ctx.compute.name(), self.tspec.precision)
         self.flops_per_sample = 0.0
+        self._cached_for: tuple[int, int] | None = None  # (epoch, layout version) checked
+        self._cached = False  # every training input served from AutoCache (`_inputs_cached`)
+        self._handover: dist.ProcessGroup | None = None  # made at the first re-layout
+        self._handover_made = False
         self._build(load_from=start.checkpoint, checksum=ctx.assignment.resume_checksum)
 
     def _data_origin(self) -> DataOrigin:
@@ -162,25 +168,40 @@ class Trainer:
         """One rank owns the loss of the global batch."""
         return self.replica == 0 and self.pipe.is_last
 
-    def _build(self, load_from: str | None, checksum: str | None = None) -> None:
-        """This rank's pipeline and optimizer for the layout in force (collective)."""
+    def _build(
+        self,
+        load_from: str | None = None,
+        checksum: str | None = None,
+        previous: Previous | None = None,
+        groups: TrainingGroups | None = None,
+    ) -> float:
+        """This rank's pipeline and optimizer for the layout in force, from a checkpoint, the
+        previous layout's state or the job's initialisation (collective). Returns the seconds
+        AutoCache's decision took."""
         ctx = self.ctx
         if load_from and checksum:
             verify_once_per_node(ctx.rank, load_from, checksum)
         self.pipe, self.optimizer = build_training(
-            self.spec, self.layout, ctx.rank, load_from, ctx.compute
+            self.spec, self.layout, ctx.rank, load_from, ctx.compute, previous, groups
         )
+        prefix = self.pipe.model.prefix
+        if previous is not None and previous.prefix is not None and prefix is not None:
+            # the frozen weights moved bit for bit: AutoCache's fingerprints need no new hashing
+            prefix.inherit_digests(previous.prefix)
         # dropout draws from torch's global generator, which a fresh process seeds at random
         # (building the model leaves it as it was): give each rank its own stream from here on
         # (stages and replicas draw different masks), the same whenever the run is repeated
         torch.manual_seed(dropout_seed(self.tspec.seed, ctx.rank, self.state.step))
+        t0 = time.monotonic()
         self._attach_cache()
+        cache_s = time.monotonic() - t0
         # MFU counts the frozen prefix's forward only where it is recomputed (collective)
         cached = bool(ranks_where(self.pipe.cache is not None, ctx.rank, ctx.world))
         self.flops_per_sample = training_flops_per_sample(
             self.spec.model, self.state.boundary, cached
         )
         reset_peak_memory(ctx.compute.device)  # each layout's peak is its own
+        return cache_s
 
     def _attach_cache(self) -> None:
         """AutoCache on a rank that runs a frozen prefix: one cache per process (files shared by
@@ -209,19 +230,35 @@ class Trainer:
         self.ctx.reporter.emit(CacheDecided, boundary=f, **decision.as_dict())
 
     def _new_cache(self, directory: Path) -> ActivationCache:
-        """The rank's activation cache: its memory tier on the GPU where it fits in half of the
-        free device memory (hits cost no copy), else in pinned host memory (copies overlap);
-        host memory on the CPU. Rows are written through to the node-local files only when
-        other workers share the node (they may serve the same samples after a re-layout); a
-        node's only worker keeps them in memory and spills to the files what does not fit."""
+        """The rank's activation cache. On a GPU whose free memory holds every row twice over,
+        its memory tier is on the GPU and holds every row (hits cost no copy, and nothing
+        spills); otherwise the tier has the default budget (`DEFAULT_RAM_BYTES`), on the GPU
+        where that fits in half of the free memory, else in pinned host memory (copies
+        overlap); host memory on the CPU. Rows are written through to the node-local files only
+        when other workers share the node (they may serve the same samples after a re-layout);
+        a node's only worker keeps them in memory and spills to the files what does not fit."""
         device, n = self.ctx.compute.device, len(self.data.train)
-        tier = min(DEFAULT_RAM_BYTES, n * self.spec.model.tokens * self.spec.model.width * 4)
+        rows = n * self.spec.model.tokens * self.spec.model.width * 4  # float32 rows
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        whole = free is not None and rows <= free // 2
+        tier = rows if whole else min(DEFAULT_RAM_BYTES, rows)
         memory = choose_memory(device, tier, free)
         shared = local_placement()[1] > 1
-        log.info("rank %d AutoCache memory tier: %s (shared: %s)", self.ctx.rank, memory, shared)
+        log.info(
+            "rank %d AutoCache memory tier: %s, %.0f MiB (shared: %s)",
+            self.ctx.rank,
+            memory,
+            tier / 2**20,
+            shared,
+        )
         return ActivationCache.for_model(
-            directory, self.spec.model, n, memory=memory, device=device, shared=shared
+            directory,
+            self.spec.model,
+            n,
+            ram_bytes=tier,
+            memory=memory,
+            device=device,
+            shared=shared,
         )
 
     def _checkpoint(
@@ -286,7 +323,9 @@ class Trainer:
         p = st.progress
         at = (p.epoch, p.samples_consumed, self.layout.replicas, self.replica)
         b = self.sampler.batch(*at)
-        inputs = self.feed.inputs(*at, b) if pipe.is_first else None
+        inputs = None
+        if pipe.is_first and not self._inputs_cached():
+            inputs = self.feed.inputs(*at, b)
         targets = _targets(pipe, self.data.train.labels, b)
         lr = lr_at(p.step, self.total_steps, self.tspec)
         set_lr(self.optimizer, lr)
@@ -325,6 +364,28 @@ class Trainer:
                 peak_memory_mib=peaks,
             )
         return epoch_done
+
+    def _inputs_cached(self) -> bool:
+        """Whether AutoCache serves the frozen prefix's output of every training sample (held at
+        the current boundary, or at the one below it to advance from), so that no input needs
+        reading: decided when an epoch starts or the layout changes. The data reader's processes
+        then stop, leaving their cores to training; they start again if an epoch is not
+        covered (after a boundary the cache cannot advance to)."""
+        key = (self.state.epoch, self.layout.version)
+        if key == self._cached_for:
+            return self._cached
+        cache, n = self.pipe.cache, len(self.data.train)
+        cached = cache is not None and bool(cache.servable(np.arange(n)).all())
+        if cached and not self._cached:
+            self.feed.close()
+            log.info(
+                "rank %d: AutoCache holds every training sample's output at F=%d: inputs are no "
+                "longer read",
+                self.ctx.rank,
+                self.state.boundary,
+            )
+        self._cached_for, self._cached = key, cached
+        return cached
 
     def _peak_memory(self) -> list[float | None] | None:
         """Every rank's peak GPU memory (MiB) since its layout was built, on every rank (a small
@@ -384,10 +445,12 @@ class Trainer:
 
     def relayout(self, boundary: int, why: str) -> None:
         """AutoPipe + AutoDP in the running processes: plan the layout for the new boundary
-        (rank 0 measures; everyone adopts), commit state, rebuild the training groups, and load
-        each block's weights and optimizer state onto its new owner from the committed
-        checkpoint (resharded by block name). Frozen blocks keep their exact values.
-        `freeze.relayout` picks the plan (core/planner.py): 'repartition' keeps the replicas;
+        (rank 0 measures; everyone adopts), rebuild the pipeline (the training groups only where
+        the mesh shape changes), and give each block's weights and optimizer state to its new
+        owner: moved between the ranks (`freeze.handover: memory`, `trainer.handover`) or
+        committed in a checkpoint and read back (resharded by block name; `checkpoint`). Frozen
+        blocks keep their exact values; where the pause went is reported with the layout
+        (`RelayoutCost`). `freeze.relayout` picks the plan (core/planner.py): 'repartition' keeps the replicas;
         'off' measures nothing and keeps the stages, so the rebuild only freezes blocks in
         place (their optimizer state and gradient sync go)."""
         t0 = time.monotonic()
@@ -401,16 +464,57 @@ class Trainer:
                 device=self.ctx.compute.device,
             ),
         )
-        self._checkpoint("relayout", continues_under=planned.layout)
-        self.pipe.destroy_groups()
-        self.state.adopt(planned.layout)
-        self._build(load_from=self.state.progress.checkpoint)
+        t_plan = time.monotonic()
+        handover = self.spec.freeze.handover
+        previous, checkpoint_s = None, 0.0
+        if handover == "checkpoint":
+            self._checkpoint("relayout", continues_under=planned.layout)
+            checkpoint_s = time.monotonic() - t_plan
+        else:
+            previous = Previous(
+                self.layout,
+                self.pipe.model.state_module,
+                self.optimizer,
+                self._handover_group(),
+                self.ctx.compute.device,
+                self.pipe.model.prefix,
+            )
+        new = planned.layout
+        same_mesh = (new.replicas, new.pipeline_ranks) == (
+            self.layout.replicas,
+            self.layout.pipeline_ranks,
+        )
+        groups = self.pipe.release(keep_groups=same_mesh)
+        self.state.adopt(new)
+        if previous is None:
+            cache_s = self._build(load_from=self.state.progress.checkpoint, groups=groups)
+        else:
+            cache_s = self._build(previous=previous, groups=groups)
         if not self.pipe.is_first:
             self.feed.close()  # no inputs to read any more: its reader would idle to the end
-        dist.barrier()
-        report_layout(
-            self.ctx, planned, f"autofreeze ({why}); {planned.reason}", time.monotonic() - t0
+        # every rank is ready (this is the barrier), and what they received in all
+        moved = torch.tensor([previous.moved_bytes if previous else 0], dtype=torch.int64)
+        del previous  # the old layout's tensors go with it
+        dist.all_reduce(moved)
+        t_end = time.monotonic()
+        cost = RelayoutCost(
+            handover=handover,
+            plan_s=t_plan - t0,
+            checkpoint_s=checkpoint_s,
+            build_s=max(0.0, t_end - t_plan - checkpoint_s - cache_s),
+            cache_s=cache_s,
+            moved_bytes=int(moved),
         )
+        report_layout(self.ctx, planned, f"autofreeze ({why}); {planned.reason}", t_end - t0, cost)
+
+    def _handover_group(self) -> dist.ProcessGroup | None:
+        """The group in-memory re-layouts send state over: every rank, on the training backend,
+        made at the first re-layout and kept for the process's life (None for one rank)."""
+        if not self._handover_made:
+            compute = self.ctx.compute
+            self._handover = handover_group(self.ctx.world, compute.backend, compute.device)
+            self._handover_made = True
+        return self._handover
 
 
 def agree_on_layout(rank: int, plan: Callable[[], Planned]) -> Planned:
@@ -418,10 +522,18 @@ def agree_on_layout(rank: int, plan: Callable[[], Planned]) -> Planned:
     return from_rank0(rank, plan)
 
 
-def report_layout(ctx: Context, planned: Planned, reason: str, seconds: float) -> None:
+def report_layout(
+    ctx: Context,
+    planned: Planned,
+    reason: str,
+    seconds: float,
+    cost: RelayoutCost | None = None,
+) -> None:
     """Rank 0 tells the controller, which records the layout as the job's current one."""
     if ctx.rank == 0:
-        ctx.reporter.emit(LayoutPlanned, layout=planned.layout, reason=reason, seconds=seconds)
+        ctx.reporter.emit(
+            LayoutPlanned, layout=planned.layout, reason=reason, seconds=seconds, cost=cost
+        )
 
 
 def startup_layout(ctx: Context, layout: Layout) -> Layout:

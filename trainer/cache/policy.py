@@ -107,12 +107,15 @@ def decide_cache(
     repeats: int = 7,
     memory: MemoryTier = "host",
     device: torch.device | str | None = None,
+    lookups: PrefixCosts | None = None,
 ) -> CacheDecision:
     """Whether the first stage's rank should serve blocks [0, boundary) from the cache for
     batches like `inputs`. `off`/augmentation: no (nothing measured); `on`: yes; `auto`: measure
     (`measure_prefix_costs`) and compare recomputation with the expected lookup time at
     `ram_fraction` (`ActivationCache.ram_fraction`), the file part read cold, with the cache's
-    `memory` tier serving `device`."""
+    `memory` tier serving `device`. `lookups`: what an earlier measurement of the same cache at
+    the same batch size found for serving and storing rows (only recomputation is measured
+    again; see `measure_prefix_costs`)."""
     if not policy.enabled:
         why = "data augmentation makes cached outputs invalid" if policy.augmentation else "off"
         return CacheDecision(False, f"cache off: {why}")
@@ -126,6 +129,8 @@ def decide_cache(
         repeats=repeats,
         memory=memory,
         device=device,
+        lookups=lookups,
+        files=ram_fraction < 1.0,  # a memory tier holding every row never reads the files
     )
     lookup = costs.lookup_s(ram_fraction)
     use = policy.should_use_cache(costs.compute_s, lookup)

@@ -119,6 +119,14 @@ class FrozenPrefix:
                 x = block(x)
         return x.float()
 
+    @staticmethod
+    def _memo(name: str, module: nn.Module) -> tuple:
+        # in-place updates bump a tensor's version counter, so an unchanged key means unchanged
+        # values: frozen blocks are hashed once (the device is part of the key: pointers of
+        # different devices may coincide)
+        tensors = module.state_dict(keep_vars=True).items()
+        return (name, tuple((k, str(t.device), t.data_ptr(), t._version) for k, t in tensors))
+
     def _digest(self, name: str, module: nn.Module) -> str:
         tensors = list(module.state_dict(keep_vars=True).items())
         meta = [k for k, t in tensors if t.is_meta]
@@ -127,20 +135,27 @@ class FrozenPrefix:
                 f"{name}.{meta[0]} is on the meta device: materialise the module (to_empty + "
                 "load its weights) before fingerprinting it"
             )
-        # in-place updates bump a tensor's version counter, so an unchanged key means unchanged
-        # values: frozen blocks are hashed once (the device is part of the key: pointers of
-        # different devices may coincide)
-        memo = (name, tuple((k, str(t.device), t.data_ptr(), t._version) for k, t in tensors))
+        memo = self._memo(name, module)
         if memo not in self._digests:
             h = hashlib.blake2b(digest_size=16)
             h.update(f"{name}:{type(module).__name__}".encode())
             for key, t in tensors:
-                # the bytes on the CPU: the same weights give the same digest on any device
-                t = t.detach().to("cpu").contiguous().reshape(-1)
-                h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
-                h.update(t.view(torch.uint8).numpy().tobytes())
+                h.update(f"{key}:{t.dtype}:{t.numel()}".encode())
+                h.update(tensor_digest(t))
             self._digests[memo] = h.hexdigest()
         return self._digests[memo]
+
+    def inherit_digests(self, other: FrozenPrefix) -> None:
+        """Take `other`'s digests of the embedding and the blocks both hold, instead of hashing
+        their weights again: for a prefix whose weights were moved here bit for bit from
+        `other`'s (an in-memory re-layout), where they were frozen already. Blocks `other`
+        does not hold are hashed when first fingerprinted, as ever."""
+        pairs = [("embed", self.embed, other.embed)]
+        pairs += [
+            (f"blocks.{i}", self.blocks[i], m) for i, m in other.blocks.items() if i in self.blocks
+        ]
+        for name, mine, theirs in pairs:
+            self._digests[self._memo(name, mine)] = other._digest(name, theirs)
 
     def fingerprints(self, boundary: int) -> list[str]:
         """Chained fingerprints of the frozen weights and the compute precision: element k
@@ -161,3 +176,37 @@ class FrozenPrefix:
             h.update(self._digest(f"blocks.{i}", self.blocks[i]).encode())
             chain.append(h.hexdigest())
         return chain
+
+
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# per projection: the multiplier and increment of the index, and the final multiplier (odd)
+_PROJECTIONS = (
+    (0x9E3779B97F4A7C15, 0x632BE59BD9B4E5, 0xBF58476D1CE4E5B9),
+    (0x94D049BB133111EB, 0x2545F4914F6CDD1D, 0xD6E8FEB86659FD93),
+)
+
+
+def _int64(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """16 bytes that identify a tensor's values, computed where it lives (no copy to the host:
+    hashing a large frozen prefix byte by byte on the CPU cost a GPU job's re-layout a third of
+    a second). Each of two projections reads the elements' bits as integers and sums them, each
+    times a pseudo-random odd coefficient of its position, modulo 2^64: changing any one
+    element always changes both sums, and any other change leaves them both unchanged with
+    probability about 2^-128. Integer sums do not depend on the order of addition, so the same
+    values give the same digest on any device."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    ints = flat.view(_AS_INT[flat.element_size()]).to(torch.int64)
+    index = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+    sums = []
+    for scale, offset, final in _PROJECTIONS:
+        c = index * _int64(scale) + _int64(offset)  # wraps modulo 2^64
+        c = (c ^ (c >> 31)) * _int64(final)
+        sums.append(int((ints * (c | 1)).sum()) & ((1 << 64) - 1))
+    return b"".join(v.to_bytes(8, "little") for v in sums)

@@ -35,6 +35,7 @@ from trainer.cache.stats import CacheStats
 
 if TYPE_CHECKING:
     from trainer.cache.policy import CacheDecision, CachePolicy
+    from trainer.cache.timing import PrefixCosts
 
 Indices = torch.Tensor | np.ndarray | Sequence[int]
 
@@ -115,6 +116,7 @@ class ActivationCache:
             row_bytes=self.row_bytes,
         )
         self.boundary: int | None = None
+        self._lookups: dict[int, PrefixCosts] = {}  # measured lookup costs by batch size
         self._counts = dict.fromkeys(
             ("hits_ram", "hits_disk", "misses", "advanced", "computed", "stored"), 0
         )
@@ -252,6 +254,21 @@ class ActivationCache:
                 ram.put(rows_np[up], src, state)
         return hits, from_ram, out
 
+    def servable(self, indices: Indices) -> np.ndarray:
+        """Which of `indices` `get_or_compute` can serve without their inputs: rows held at the
+        current level (in this process's memory tier or the files, whoever wrote them), or at
+        the source level, to be advanced through the blocks in between. Counts nothing."""
+        if self.boundary is None:
+            raise RuntimeError("set_boundary() first")
+        idx = self._indices(indices)
+        ram, disk = self._masks(idx, self._files.level, CURRENT)
+        ok = ram | disk
+        if not ok.all():
+            rest = idx[~ok]
+            ram, disk = self._masks(rest, self._files.source, SOURCE)
+            ok[~ok] = ram | disk
+        return ok
+
     def lookup(self, indices: Indices) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the current level for `indices`: `(hits, values)`, `hits` a bool tensor (CPU)
         over the indices, `values` `[hits.sum(), tokens, dim]` in the order of the hits, on
@@ -302,7 +319,7 @@ class ActivationCache:
     def get_or_compute(
         self,
         indices: Indices,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | None,
         prefix: PrefixRunner,
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
@@ -313,18 +330,21 @@ class ActivationCache:
         given, else `inputs`' device), equal to `prefix.compute(inputs, F)`. Pass the pipeline's
         device when the inputs stay on the CPU (only the misses' inputs are then moved, by the
         prefix). Cached rows reach a CUDA device asynchronously from pinned staging in the
-        `pinned` mode, and by a gather on the device in the `device` mode."""
+        `pinned` mode, and by a gather on the device in the `device` mode. `inputs` may be None
+        where every row is `servable`: nothing is computed then (a row that is not raises)."""
         if self.boundary is None:
             raise RuntimeError("set_boundary() first")
         idx = self._indices(indices)
-        if len(inputs) != idx.size:
+        if inputs is not None and len(inputs) != idx.size:
             raise ValueError(f"{len(inputs)} inputs for {idx.size} indices")
         hits_t, values = self.lookup(idx)
         hits = hits_t.numpy()
         if device is not None:
             device = torch.device(device)
         else:
-            device = self.device if self.device is not None else inputs.device
+            device = self.device
+            if device is None:
+                device = inputs.device if inputs is not None else torch.device("cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if hits.all():
@@ -347,6 +367,11 @@ class ActivationCache:
                 self._counts["advanced"] += int(src_hit.sum())
                 todo = ~src_hit
         if todo.any():
+            if inputs is None:
+                raise ValueError(
+                    f"{int(todo.sum())} rows are not cached at F={self.boundary} or below, and "
+                    "no inputs were given to compute them"
+                )
             pos = miss_pos[todo]
             fresh = prefix.compute(inputs[as_index(pos, inputs.device)], self.boundary)
             self.store(miss_idx[todo], fresh)
@@ -392,11 +417,13 @@ class ActivationCache:
     ) -> CacheDecision:
         """`decide_cache` for this cache: its disk tier measured where its files live (the
         node-local cache directory, not /tmp), lookups expected at its own RAM fraction, served
-        from its own memory tier."""
+        from its own memory tier. Serving and storing rows is measured once per batch size and
+        reused at later boundaries (rows have one shape): a re-layout measures only the
+        recomputation of its prefix."""
         # the policy measures scratch caches of this class: imported here, not at the top
         from trainer.cache.policy import decide_cache
 
-        return decide_cache(
+        decision = decide_cache(
             policy,
             prefix,
             inputs,
@@ -405,7 +432,11 @@ class ActivationCache:
             ram_fraction=self.ram_fraction,
             memory=self.memory,
             device=self.device,
+            lookups=self._lookups.get(len(inputs)),
         )
+        if decision.costs is not None:
+            self._lookups[len(inputs)] = decision.costs
+        return decision
 
     def stats(self) -> CacheStats:
         level, source = self._files.level, self._files.source
