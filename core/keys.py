@@ -14,6 +14,8 @@
 /pipetransformer/jobs/<job>/agents/<host>-<pid> a `workers` launcher (torchx trainer role), on its lease
 /pipetransformer/jobs/<job>/exits/<host>-<pid> WorkerExit JSON: how a worker process ended (its fork
                                              server reports; the controller drains)
+/pipetransformer/jobs/<job>/alerts/<host>-<pid> RendezvousRefused JSON: a torchrun agent refused a
+                                             rendezvous state that did not verify (controller drains)
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
 
 What each key holds is typed in `core.protocol`. The one name outside etcd both sides
@@ -35,6 +37,10 @@ SPEC_ENV = "PIPETRANSFORMER_SPEC"
 # Kubernetes). Files shared across nodes over a network file system are not coherent, so on a
 # cluster it must not be the shared checkpoint volume, which is the default (one machine).
 ACTIVATION_CACHE_ENV = "PIPETRANSFORMER_ACTIVATION_CACHE"
+# The job's rendezvous secret, which keys the HMAC over the torchrun rendezvous state (a pickle):
+# its value (from a Kubernetes Secret), or a file holding it (a local run makes one per job).
+RDZV_SECRET_ENV = "PIPETRANSFORMER_RDZV_SECRET"
+RDZV_SECRET_FILE_ENV = "PIPETRANSFORMER_RDZV_SECRET_FILE"
 
 
 def job(job_id: str) -> str:
@@ -100,6 +106,14 @@ def exits(job_id: str) -> str:
 
 def exit_report(job_id: str, host: str, pid: int) -> str:
     return f"{exits(job_id)}{host}-{pid}"
+
+
+def alerts(job_id: str) -> str:
+    return f"{job(job_id)}/alerts/"
+
+
+def alert(job_id: str, host: str, pid: int) -> str:
+    return f"{alerts(job_id)}{host}-{pid}"
 
 
 def agents(job_id: str) -> str:

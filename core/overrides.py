@@ -75,9 +75,10 @@ def current_boundary(etcd: EtcdClient, job: JobFacts) -> int:
 
 
 def allowed_layers(job: JobFacts, current: int) -> tuple[int, int]:
-    """The range a request may ask for: forward from `current`, keeping the spec's
-    `freeze.keep_trainable` last blocks trainable (empty when lo > hi)."""
-    return current, max_boundary(job.spec.model.depth, job.spec.freeze.keep_trainable)
+    """The range a request may ask for: past `current` (a request at the boundary in force
+    would freeze nothing), keeping the spec's `freeze.keep_trainable` last blocks trainable
+    (empty when lo > hi)."""
+    return current + 1, max_boundary(job.spec.model.depth, job.spec.freeze.keep_trainable)
 
 
 def pending_request(etcd: EtcdClient, job_id: str) -> str | None:
@@ -89,7 +90,7 @@ def file_freeze_request(
     etcd: EtcdClient, job: JobFacts, layers: int, reason: str, who: str | None = None
 ) -> FreezeRequest:
     """Ask for blocks [0, layers) to be frozen at the job's next decision point. Valid only for
-    a running job, forward from the current boundary, and within the model (keeping
+    a running job, past the current boundary, and within the model (keeping
     `freeze.keep_trainable` blocks trainable); one pending request at a time. Nothing is filed
     when any rule fails (OverrideError names the rule)."""
     job_id = job.id
@@ -100,6 +101,16 @@ def file_freeze_request(
         apply_override(current, layers, job.spec.model.depth, job.spec.freeze.keep_trainable)
     except FreezeOverrideError as exc:
         raise OverrideError(str(exc)) from None
+    if layers == current:  # the decision point would only record it as superseded
+        lo, hi = allowed_layers(job, current)
+        frozen = (
+            f"blocks 0..{current - 1} are frozen already" if current else "nothing is frozen yet"
+        )
+        allowed = f"ask for {lo}..{hi}" if lo <= hi else "no further freezing is allowed"
+        raise OverrideError(
+            f"layers={layers} freezes nothing ({frozen}): layers is the new boundary, the "
+            f"number of bottom blocks to freeze; {allowed}"
+        )
     if not reason.strip():
         raise OverrideError("reason: say why (it is kept in the job's audit trail)")
     request = FreezeRequest(

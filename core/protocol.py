@@ -191,6 +191,20 @@ class WorkerExit(_Model):
     time: float = Field(default_factory=time.time)
 
 
+class RendezvousRefused(_Model):
+    """A torchrun agent refused the rendezvous state it read: not signed with the job's secret
+    (written by someone without it, or by an agent given another secret). Put under
+    `keys.alert` by the agent's rendezvous backend, before anything unpickled the state; the
+    controller records it as an event."""
+
+    run_id: str = Field(max_length=200)
+    key: str = Field(max_length=400)
+    reason: str = Field(max_length=400)
+    host: str = Field(max_length=255)
+    pid: int
+    time: float = Field(default_factory=time.time, allow_inf_nan=False)
+
+
 # -- worker events -------------------------------------------------------------------------------
 
 

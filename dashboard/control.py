@@ -171,10 +171,11 @@ def freeze_override_control(
             "New freeze boundary (blocks below it freeze)",
             min_value=0,
             max_value=depth,
-            value=min(lo + 1, hi) if lo < hi else lo,
+            value=min(lo, depth),
             step=1,
             disabled=why_not is not None,
-            help=f"forward only: {lo}..{hi} (the last {job.spec.freeze.keep_trainable} block(s) stay trainable)",
+            help=(f"forward only: {lo}..{hi}" if lo <= hi else "no further freezing is allowed")
+            + f" (the last {job.spec.freeze.keep_trainable} block(s) stay trainable)",
             key="override_layers",
         )
         reason = st.text_input(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -22,24 +23,41 @@ from sqlalchemy.engine import make_url
 
 from core import keys
 from core.etcd_client import EtcdClient, EtcdUnavailable
-from core.overrides import OverrideError, file_freeze_request, live_etcd_endpoint
+from core.overrides import (
+    OverrideError,
+    endpoint_file,
+    file_freeze_request,
+    live_etcd_endpoint,
+)
 from core.readings import mfu_text, peak_memory_text
 from core.spec import JobSpec, SpecError, load_spec, spec_from_text
 from orchestrator.controller import (
     Controller,
     ControllerError,
+    HandedOver,
     check_job_id,
+    controller_holder,
     job_dir,
     new_job_id,
 )
 from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.local import admission_problems, job_etcd, train_here
+from orchestrator.procs import EXIT_SIGTERM
 from orchestrator.progress import ProgressView
 from orchestrator.report import print_summary, provenance_rows
 from orchestrator.roles import TrainerPods, serve_node
 from orchestrator.sources import resolve_submission
-from store import DB_ENV, Store, UnknownJob, sqlite_url
+from store import (
+    DB_ENV,
+    Store,
+    StoreUnavailable,
+    UnknownJob,
+    server_of,
+    sqlite_url,
+    unreachable,
+    url_problem,
+)
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -59,13 +77,61 @@ def db_url(args: argparse.Namespace) -> str:
     return args.db or os.environ.get(DB_ENV) or local_store_url(args)
 
 
+def db_source(args: argparse.Namespace) -> str | None:
+    """Where the store URL came from, as an error names it: `--db` or `$PIPETRANSFORMER_DB`;
+    None for the default (SQLite in --workdir)."""
+    if args.db:
+        return "--db"
+    return f"${DB_ENV}" if os.environ.get(DB_ENV) else None
+
+
+# How long a command a person waits on gives a database server to answer before saying which
+# one did not (a controller role instead rides out DEFAULT_RETRY_S: its server may be starting).
+PROBE_TIMEOUT_S = 5.0
+
+
+def check_common(args: argparse.Namespace) -> None:
+    """The arguments commands share, checked before anything is created or contacted, each
+    refused in one line naming the argument (UsageError; ControllerError for --job-id)."""
+    workdir = getattr(args, "workdir", None)
+    if workdir is not None and Path(workdir).exists() and not Path(workdir).is_dir():
+        raise UsageError(
+            f"--workdir {workdir} is a file; give a directory (new or existing: it holds the "
+            "store, each job's etcd data and its checkpoints)"
+        )
+    if hasattr(args, "db") and (source := db_source(args)):
+        url = db_url(args)
+        if problem := url_problem(url):
+            # an unparsable URL is not shown: its password could not be masked
+            where = source if "is not a database URL" in problem else f"{source} {shown_url(url)}"
+            raise UsageError(f"{where}: {problem}")
+    if getattr(args, "job_id", None) is not None:
+        check_job_id(args.job_id)  # "" too: an empty id is a mistake, not a request for one
+
+
+def check_reachable(args: argparse.Namespace) -> None:
+    """A database server that does not answer, named within PROBE_TIMEOUT_S with how to check
+    it, instead of a traceback after the store's retries (SQLite needs no server)."""
+    url = db_url(args)
+    if (reason := unreachable(url, PROBE_TIMEOUT_S)) is None:
+        return
+    host, _, port = server_of(url).rpartition(":")
+    raise UsageError(
+        f"{db_source(args) or '--db'} {shown_url(url)}: could not connect to the PostgreSQL "
+        f"server at {host}:{port} ({reason}); check that it is up (`pg_isready -h {host} -p "
+        f"{port}`) and that the URL's host, port, user, password and database are right"
+    )
+
+
 def shown_url(url: str) -> str:
     """A store URL fit for output and logs: its password masked (a pod's URL comes from a
     Secret, and pod logs are read by many)."""
     return make_url(url).render_as_string(hide_password=True)
 
 
-def open_store(args: argparse.Namespace, create: bool = False) -> Store:
+def open_store(args: argparse.Namespace, create: bool = False, probe: bool = True) -> Store:
+    """The store the arguments name. `probe`: a server that does not answer is named within
+    seconds (see `check_reachable`); a controller role passes False and rides out an outage."""
     url = db_url(args)
     if (
         not create
@@ -76,6 +142,8 @@ def open_store(args: argparse.Namespace, create: bool = False) -> Store:
             f"no store at {Path(args.workdir).resolve() / 'store.db'}; "
             f"run a job first or pass the --workdir/--db (or ${DB_ENV}) that `run` used"
         )
+    if probe:
+        check_reachable(args)
     return Store.open(url)
 
 
@@ -119,9 +187,11 @@ def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True
     # a pretrained model's size is known once Controller.create has read its checkpoint
     if not spec.model.pending and (problems := admission_problems(spec, here=fresh)):
         raise SpecError(problems, spec_path or f"${keys.SPEC_ENV}")
-    job_id = check_job_id(args.job_id) if args.job_id else new_job_id(spec)
+    job_id = check_job_id(args.job_id) if args.job_id is not None else new_job_id(spec)
+    if fresh:  # before the workdir is made: nothing is created for a store that cannot be had
+        check_reachable(args)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    store = open_store(args, create=True)
+    store = open_store(args, create=True, probe=False)
     return spec, job_id, store
 
 
@@ -152,11 +222,34 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise UsageError(
             f"job {job.id} already completed (epoch {job.epoch}, step {job.step}); nothing to resume"
         )
+    refuse_if_controlled(job.id, job.workdir, args.etcd)
     started = time.monotonic()
     with job_etcd(args.etcd, args.workdir, job.id) as etcd:
         ctrl = Controller(store, etcd, job.id)
         train_here(ctrl, etcd, console, err)
         return _summary(store, ctrl, args, started)
+
+
+def refuse_if_controlled(job_id: str, workdir: str, explicit_etcd: str | None) -> None:
+    """A job whose controller is alive (a `run` or `resume` still training it, here or
+    elsewhere) is not resumed: say so at once, and where, instead of waiting for its lease or
+    its embedded etcd's data directory. Its etcd is `--etcd`, else the endpoint its running
+    launch left in the job's directory; none answering means nobody controls it."""
+    found = endpoint_file(workdir, job_id)
+    endpoint = explicit_etcd or (found.read_text().strip() if found.is_file() else None)
+    if not endpoint:
+        return
+    try:
+        with EtcdClient(endpoint, timeout=2, retry_timeout=2) as etcd:
+            holder = controller_holder(etcd, job_id)
+    except EtcdUnavailable:
+        return  # a stale endpoint file (its launch was killed); --etcd is checked by job_etcd
+    if holder is not None:
+        raise UsageError(
+            f"job {job_id} is running: its controller ({holder}) holds it through etcd at "
+            f"{endpoint}; follow it with `pipetransformer status {job_id}` or the dashboard, "
+            "or stop that run (Ctrl-C where it runs) before resuming"
+        )
 
 
 # -- status / dashboard ------------------------------------------------------------------------
@@ -212,6 +305,7 @@ def _check_readable(args: argparse.Namespace) -> None:
     if url == local_store_url(args):
         open_store(args).close()  # a local run's store: the same message as `status`
         return
+    check_reachable(args)
     store = Store(url, read_only=True)
     try:
         if store.revision() is None:
@@ -296,10 +390,15 @@ def cmd_db(args: argparse.Namespace) -> int:
     the controller, so no two controllers race to migrate)."""
     url = db_url(args)
     if args.action == "upgrade":
+        # no quick probe: the migration Job starts beside its database and rides out its start
         Path(args.workdir).mkdir(parents=True, exist_ok=True)  # where the default SQLite goes
-        store = Store.open(url, migrate=True)
+        try:
+            store = Store.open(url, migrate=True)
+        except StoreUnavailable as exc:
+            raise UsageError(f"{db_source(args) or '--db'}: {exc}") from None
         console.print(f"store {store!r} at revision {store.revision()}")
     else:
+        check_reachable(args)
         store = Store(url, read_only=True)
         console.print(f"store {store!r} at revision {store.revision() or 'none (empty)'}")
     store.close()
@@ -314,7 +413,19 @@ def cmd_controller(args: argparse.Namespace) -> int:
     (or takes over the generation a previous controller left running), and records what the
     trainer pods' workers report until they finish."""
     started = time.monotonic()
-    spec, job_id, store = _new_job(args, args.spec, fresh=False)
+    # PID 1 of the controller pod (which ignores signals it has no handler for): a pod's stop
+    # hands the job over between two ticks, its lease revoked, so that the controller Volcano
+    # starts in its place takes it over while the workers train on. Before the job is being
+    # supervised there is nothing to hand over: it exits at once.
+    supervising: list[Controller] = []
+
+    def on_sigterm(_signum: int, _frame: object) -> None:
+        if not supervising:
+            raise SystemExit(EXIT_SIGTERM)
+        supervising[0].leave()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    spec, job_id, store = _new_job(args, args.spec, fresh=False)  # rides out a starting DB
     with job_etcd(args.etcd, args.workdir, job_id, port=args.etcd_port) as etcd:
         try:
             ctrl = Controller(store, etcd, job_id)
@@ -331,8 +442,13 @@ def cmd_controller(args: argparse.Namespace) -> int:
             return TrainerPods(ctrl, etcd, args.join_timeout)
 
         rdzv_id = args.rdzv_id or f"{job_id}-{uuid.uuid4().hex[:6]}"
-        with ProgressView(console, ctrl.layout) as view:
-            ctrl.run(rdzv_id, launch, on_tick=view.update, attach=True)
+        supervising.append(ctrl)
+        try:
+            with ProgressView(console, ctrl.layout) as view:
+                ctrl.run(rdzv_id, launch, on_tick=view.update, attach=True)
+        except HandedOver as exc:
+            console.print(str(exc))
+            return EXIT_SIGTERM
         return _summary(store, ctrl, args, started)
 
 
@@ -346,6 +462,7 @@ def cmd_workers(args: argparse.Namespace) -> int:
         args.nnodes,
         args.max_restarts,
         args.join_timeout,
+        args.workdir,
     )
 
 
@@ -467,6 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, help="worker group restarts (default: runtime.max_restarts)"
     )
     p.add_argument("--join-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--workdir",
+        default="./runs",
+        help="where a job run on this machine keeps its rendezvous secret (default ./runs; "
+        "pods take theirs from $PIPETRANSFORMER_RDZV_SECRET)",
+    )
     p.set_defaults(fn=cmd_workers)
 
     p = sub.add_parser("etcd", help="serve an embedded etcd in the foreground")
@@ -479,9 +602,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_common(args)
         return args.fn(args)
     except (SpecError, UsageError, UnknownJob, ControllerError, OverrideError) as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}")
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)  # one line, for grep
         return 2
 
 

@@ -38,6 +38,7 @@ for where the job runs; what only pods need in `Pods`, None locally), then `cont
 
 # No `from __future__ import annotations`: torchx reads the parameter annotations as types.
 import os
+import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ from torchx.specs import RetryPolicy, macros
 from torchx.specs.finder import ComponentValidationException
 from torchx.specs.overlays import set_overlay
 
-from core.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
+from core.keys import ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
 from core.spec import JobSpec, SpecError, load_spec
 from orchestrator.etcd_server import free_port
 from orchestrator.pods import CACHE_DIR, PodVolumes, pod_overlay
@@ -80,7 +81,7 @@ def train(
     etcd: str = "",
     etcd_port: int = 0,
     nnodes: int = 1,
-    nproc_per_node: int = 2,
+    nproc_per_node: int = 0,
     join_timeout: float = 300.0,
     image: str = "",
     python: str = "",
@@ -92,6 +93,7 @@ def train(
     mounts: list[str] | None = None,
     max_retries: int = -1,
     db_secret: str = "pipetransformer-db",
+    rdzv_secret: str = "pipetransformer-rdzv",
     workdir_pvc: str = "pipetransformer-workdir",
     grace_period_s: int = 120,
     trainer_overlay: str = "",
@@ -119,7 +121,8 @@ def train(
         etcd_port: port of the controller's embedded etcd (default: a free port, picked now)
         nnodes: trainer replicas (one torchrun agent each); the job keeps training down to the
             spec's runtime.min_nodes of them
-        nproc_per_node: worker processes per trainer replica
+        nproc_per_node: worker processes per trainer replica (default: the spec's workers,
+            parallel.stages x parallel.replicas, shared evenly by the nnodes replicas)
         join_timeout: seconds the roles wait for each other (etcd, assignment, first workers)
         image: container image with the project (REGISTRY/pipetransformer:TAG); switches to
             container mode (Kubernetes); local_cwd leaves it empty
@@ -136,6 +139,10 @@ def train(
         db_secret: container mode: Secret holding the store's URL under the key
             PIPETRANSFORMER_DB, the controller's environment (empty: SQLite on the checkpoint
             volume, for trials)
+        rdzv_secret: container mode: Secret holding the job's rendezvous secret under the key
+            PIPETRANSFORMER_RDZV_SECRET, the trainers' environment: it signs torchrun's
+            rendezvous state, a pickle, so that no one without it can write one (empty: an
+            unsigned rendezvous, for trials); locally a secret is made for each launch
         workdir_pvc: container mode: the ReadWriteMany PVC mounted at workdir in every pod
         grace_period_s: container mode: seconds a pod gets after SIGTERM (a leaving trainer
             checkpoints in that time)
@@ -144,7 +151,7 @@ def train(
             GPU tolerations and node selectors
     """
     job = _load(spec)
-    _check_shape(job, spec, nnodes, nproc_per_node)
+    nproc_per_node = _check_shape(job, spec, nnodes, nproc_per_node)
     # where local and container mode differ, decided once: the roles read the outcome
     pods: Pods | None = None
     embedded_port: int | None = None
@@ -153,12 +160,14 @@ def train(
         workdir = POD_WORKDIR if workdir == "./runs" else workdir
         # torchx's Kubernetes scheduler requests memMB minus its reserve: add it back
         resource = _trainer_resource(job, nproc_per_node, h, cpu, memMB, K8S_RESERVED_MEM_MB, gpu)
+        _check_pod_names(job.name, nnodes)
         _check_container_args(etcd, db, db_secret, workdir_pvc, workdir, grace_period_s)
         pods = Pods(
             spec_text=Path(spec).read_text(),
             volumes=PodVolumes(workdir_pvc, workdir, _pod_mounts(mounts)),
             grace_period_s=grace_period_s,
             db_secret=db_secret,
+            rdzv_secret=rdzv_secret,
             trainer_overlay=_user_overlay(trainer_overlay) if trainer_overlay else None,
         )
         retries = K8S_RETRIES if max_retries < 0 else max_retries
@@ -202,6 +211,7 @@ class Pods:
     volumes: PodVolumes
     grace_period_s: int
     db_secret: str
+    rdzv_secret: str  # the trainers' (orchestrator/rendezvous.py, "Trust")
     trainer_overlay: dict[str, Any] | None
 
 
@@ -258,7 +268,12 @@ def controller_role(opts: TrainOptions) -> specs.Role:
         memory += K8S_RESERVED_MEM_MB  # requested minus the reserve, as for the trainers
     role = _role(opts, CONTROLLER_ROLE, args, 1, specs.resource(cpu=1, gpu=0, memMB=memory), env)
     if pods:
-        overlay = pod_overlay(opts.image, pods.grace_period_s, pods.volumes, pods.db_secret)
+        overlay = pod_overlay(
+            opts.image,
+            pods.grace_period_s,
+            pods.volumes,
+            [pods.db_secret] if pods.db_secret else [],
+        )
         set_overlay(role, "kubernetes", "V1Pod", overlay)
     return role
 
@@ -284,11 +299,14 @@ def trainer_role(opts: TrainOptions) -> specs.Role:
     env = dict(opts.env)
     if pods:
         env[ACTIVATION_CACHE_ENV] = CACHE_DIR
+    else:  # one secret per launch, shared by its agents (pods read theirs from a Secret)
+        env[RDZV_SECRET_ENV] = secrets.token_hex(32)
     # in pods the first min_nodes are required to start; a lost pod is replaced and rejoins
     min_replicas = opts.min_nodes if pods else None
     role = _role(opts, TRAINER_ROLE, args, opts.nnodes, opts.trainer_resource, env, min_replicas)
     if pods:
-        overlay = pod_overlay(opts.image, pods.grace_period_s, pods.volumes, cache=True)
+        rdzv = [pods.rdzv_secret] if pods.rdzv_secret else []
+        overlay = pod_overlay(opts.image, pods.grace_period_s, pods.volumes, rdzv, cache=True)
         set_overlay(role, "kubernetes", "V1Pod", overlay)
         if pods.trainer_overlay:  # the user's, merged after ours (lists append, mappings merge)
             set_overlay(role, "kubernetes", "V1Pod", pods.trainer_overlay)
@@ -328,7 +346,18 @@ def _load(spec: str) -> JobSpec:
         raise ComponentSpecError(exc.problems, exc.source) from None
 
 
-def _check_shape(job: JobSpec, spec: str, nnodes: int, nproc_per_node: int) -> None:
+def _check_shape(job: JobSpec, spec: str, nnodes: int, nproc_per_node: int) -> int:
+    """The workers per trainer replica: `nproc_per_node`, or (0) the spec's workers shared
+    evenly by the `nnodes` replicas; refused unless nnodes x it is the spec's world size."""
+    p = job.parallel
+    if nnodes >= 1 and nproc_per_node == 0:
+        if p.world_size % nnodes:
+            raise ComponentArgError(
+                f"nnodes={nnodes} cannot share the {p.world_size} workers of {spec} "
+                f"(parallel.stages x parallel.replicas = {p.stages} x {p.replicas}) evenly; "
+                "choose nnodes that divides it"
+            )
+        nproc_per_node = p.world_size // nnodes
     if nnodes < 1 or nproc_per_node < 1:
         raise ComponentArgError(
             f"nnodes ({nnodes}) and nproc_per_node ({nproc_per_node}) must be at least 1"
@@ -340,6 +369,32 @@ def _check_shape(job: JobSpec, spec: str, nnodes: int, nproc_per_node: int) -> N
             f"nnodes x nproc_per_node ({nnodes} x {nproc_per_node} = {workers}) must equal "
             f"parallel.stages x parallel.replicas ({p.stages} x {p.replicas} = {p.world_size}) "
             f"of {spec}"
+        )
+    return nproc_per_node
+
+
+# torchx names the Volcano job `<name>-<random id>` (torchx.schedulers.ids.random_id: at most 14
+# characters for a 64-bit value) and Volcano a pod `<job>-<role>-<replica>-<index>`; a pod's
+# name is also its host name, a DNS label of at most 63 characters.
+TORCHX_ID_MAX_CHARS = 14
+POD_NAME_MAX_CHARS = 63
+
+
+def _check_pod_names(name: str, nnodes: int) -> None:
+    """Refuse, at submission, a spec name that makes a pod name Kubernetes rejects (the
+    submission would fail at the API server, or worse, part way through)."""
+    names = [
+        f"{name}-{'x' * TORCHX_ID_MAX_CHARS}-{role}-{replicas - 1}-0"
+        for role, replicas in ((CONTROLLER_ROLE, 1), (TRAINER_ROLE, nnodes))
+    ]
+    longest = max(names, key=len)
+    if len(longest) > POD_NAME_MAX_CHARS:
+        room = POD_NAME_MAX_CHARS - (len(longest) - len(name))
+        raise ComponentArgError(
+            f"the spec's name {name!r} ({len(name)} characters) is too long for Kubernetes: "
+            f"pods are named '<name>-<torchx id, up to {TORCHX_ID_MAX_CHARS}>-<role>-<replica>-0' "
+            f"(the longest here {len(longest)} characters, the limit {POD_NAME_MAX_CHARS}); "
+            f"give the spec a name of at most {room} characters"
         )
 
 

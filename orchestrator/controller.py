@@ -63,6 +63,7 @@ from core.protocol import (
     Metrics,
     PeerLost,
     RelayoutCost,
+    RendezvousRefused,
     Started,
     UnreadableRequest,
     WorkerEvent,
@@ -85,6 +86,11 @@ log = logging.getLogger("pipetransformer.controller")
 
 class ControllerError(RuntimeError):
     pass
+
+
+class HandedOver(Exception):  # noqa: N818 (an outcome, not an error)
+    """`run` left the job running on request (`Controller.leave`: a controller pod's stop), its
+    lease revoked, for the next controller to take over."""
 
 
 # Job ids name directories, etcd keys and Kubernetes objects: DNS-label characters only.
@@ -116,6 +122,20 @@ def _is_dead_local_process(holder_json: str) -> bool:
     except (ValueError, KeyError, TypeError, PermissionError):
         return False
     return False
+
+
+def controller_holder(etcd: EtcdClient, job_id: str) -> str | None:
+    """Who controls the job now, as a person reads it ("pid 812 on node-a"): the holder of its
+    controller lease, unless that is a dead process on this host (whose lease `acquire` takes
+    over at once). None when nobody does."""
+    holder = etcd.get(keys.controller(job_id))
+    if holder is None or _is_dead_local_process(holder):
+        return None
+    try:
+        who = json.loads(holder)
+        return f"pid {int(who['pid'])} on {who['host']}"
+    except (ValueError, KeyError, TypeError):
+        return holder
 
 
 def job_dir(workdir: str | Path, job_id: str) -> Path:
@@ -189,6 +209,7 @@ class Controller:
         self._audited: set[str] = set()  # freeze requests and join requests already recorded
         self._outage: float | None = None  # since when etcd or the store has not answered
         self._report: str | None = None  # etcd key of the worker report being applied
+        self._leaving = False  # `leave` was asked: hand the job over at the next safe point
 
     @property
     def current(self) -> Generation | None:
@@ -324,6 +345,7 @@ class Controller:
         self.drain()  # reports a dead launch left behind still count (idempotent)
         self.etcd.delete_prefix(keys.events(self.job_id))
         self.etcd.delete_prefix(keys.exits(self.job_id))
+        self.etcd.delete_prefix(keys.alerts(self.job_id))
         self.layout = self.layout or plan_layout(self.spec).layout
         self.etcd.put(keys.spec(self.job_id), self.spec.to_json())
         self.etcd.put(keys.layout(self.job_id), self.layout.model_dump_json())
@@ -610,6 +632,7 @@ class Controller:
         self._audit_new_request()
         items = self.etcd.get_prefix(keys.events(self.job_id))
         self._drain_exits()
+        self._drain_alerts()
         if not items:
             return []
         parsed: list[tuple[str, WorkerEvent]] = []
@@ -671,6 +694,26 @@ class Controller:
                 log.warning("controller: ignoring a malformed exit report under %s", key)
             else:
                 self._apply_exit(report)
+            self.etcd.delete(key)
+
+    def _drain_alerts(self) -> None:
+        """Rendezvous states a torchrun agent refused (keys.alert): an event each, in the log
+        and the store. The agent has already failed its rendezvous; this says why, and where."""
+        for key, value in self.etcd.get_prefix(keys.alerts(self.job_id)):
+            try:
+                alert = RendezvousRefused.model_validate_json(value)
+            except ValueError:
+                log.warning("controller: ignoring a malformed alert under %s", key)
+            else:
+                who = f"the torchrun agent pid {alert.pid} on {alert.host}"
+                log.error("controller: %s refused the rendezvous state: %s", who, alert.reason)
+                self.store.add_event(
+                    self.job_id,
+                    "rendezvous_refused",
+                    f"{who} refused the rendezvous state at {alert.key}: {alert.reason}",
+                    data=alert.model_dump(mode="json"),
+                    key=f"{key}:{alert.run_id}",  # once per agent and run: it may say it again
+                )
             self.etcd.delete(key)
 
     def _current(self, state: TrainingState) -> TrainingState:
@@ -916,7 +959,20 @@ class Controller:
             if code is not None:
                 self.drain()
                 return code
+            if self._leaving and not self.progress.outcome:
+                # between ticks: every report drained so far is applied and stored. A job
+                # whose end was drained (outcome known) is finished first, or no one would
+                # record it: its final reports are gone from etcd.
+                raise HandedOver(
+                    f"controller for job {self.job_id}: left on request; the job runs on for "
+                    "the next controller to take over"
+                )
             time.sleep(interval)
+
+    def leave(self) -> None:
+        """Ask `run` to hand the job over at its next safe point, between two ticks (callable
+        from a signal handler): `run` then raises HandedOver with its lease revoked."""
+        self._leaving = True
 
     def tick(self) -> None:
         """One round of supervision. Store or etcd trouble is ridden out (the work stays queued

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
+from pathlib import Path
 
+from core import keys
 from orchestrator.forkserver import client_args
 
 # Rendezvous timing: a round waits this long for more nodes once `min` have joined. Short, since
@@ -49,7 +52,7 @@ def torchrun_command(
         rdzv_id,
         "--rdzv-conf",
         f"last_call_timeout={LAST_CALL_S},keep_alive_interval={HEARTBEAT_S},"
-        f"keep_alive_max_attempt={HEARTBEATS_MISSED}",
+        f"keep_alive_max_attempt={HEARTBEATS_MISSED},job={job_id}",
         "--max-restarts",
         str(max_restarts),
         "--monitor-interval",
@@ -72,3 +75,33 @@ def worker_env(threads: int) -> dict[str, str]:
         TORCH_CPP_LOG_LEVEL=env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
     )
     return env
+
+
+RDZV_SECRET_FILE = "rdzv.secret"
+
+
+def job_secret_path(workdir: str | Path, job_id: str) -> Path:
+    """Where a job run on this machine keeps its rendezvous secret (orchestrator/rendezvous.py,
+    "Trust"), beside its etcd data."""
+    return Path(workdir).resolve() / "jobs" / job_id / RDZV_SECRET_FILE
+
+
+def job_secret_file(workdir: str | Path, job_id: str) -> Path:
+    """The job's rendezvous secret file, made on its first launch (readable by its owner only)
+    and kept for `resume` and for nodes that join later (`pipetransformer workers`)."""
+    path = job_secret_path(workdir, job_id)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path
+
+
+def with_job_secret(env: dict[str, str], workdir: str | Path, job_id: str) -> dict[str, str]:
+    """`env` for a node of the job: its secret as given (a pod's, from a Secret), else the
+    file a local launch of the job made, where there is one."""
+    if env.get(keys.RDZV_SECRET_ENV) or env.get(keys.RDZV_SECRET_FILE_ENV):
+        return env
+    path = job_secret_path(workdir, job_id)
+    return {**env, keys.RDZV_SECRET_FILE_ENV: str(path)} if path.is_file() else env

@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from core import keys
 from core.etcd_client import EtcdClient, EtcdUnavailable
 from core.overrides import endpoint_file
 from core.spec import JobSpec, gpu_shortfall, local_device_type
@@ -26,7 +27,7 @@ from orchestrator import admission, forkserver
 from orchestrator.controller import Controller, job_dir
 from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
-from orchestrator.launch import torchrun_command, worker_env
+from orchestrator.launch import job_secret_file, torchrun_command, worker_env
 from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
 
@@ -244,6 +245,8 @@ def train_here(ctrl: Controller, etcd: EtcdClient, console: Console, err: Consol
             )
         console.print(f"workers: {len(logs)} x {' '.join(command(None)[2:9])} ... (log: {logs[0]})")
         env = worker_env(spec.runtime.threads_per_worker)
+        env[keys.RDZV_SECRET_FILE_ENV] = str(job_secret_file(ctrl.job.workdir, ctrl.job_id))
+        env.pop(keys.RDZV_SECRET_ENV, None)  # the job's own secret, not one from the shell
         launched.append(Agents(command, logs, env, node_devices(spec, len(logs)), stop))
         return launched[-1]
 

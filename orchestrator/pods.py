@@ -5,6 +5,7 @@ AutoCache directory, the store's Secret and the grace period a leaving trainer c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,18 +48,26 @@ class PodVolumes:
         return vols, mounts
 
 
+# Seconds a pod stays bound to a node that stopped answering (NotReady or unreachable) before
+# it is evicted: long enough for a kubelet restart or a network blip, short against the training
+# time a job waits otherwise (its survivors have re-formed by then; the lost share waits).
+NODE_LOSS_TOLERATION_S = 30
+
+
 def pod_overlay(
     image: str,
     grace_period_s: int,
     volumes: PodVolumes,
-    db_secret: str = "",
+    env_secrets: Sequence[str] = (),
     cache: bool = False,
 ) -> dict[str, Any]:
     """What torchx's generated pod lacks: the non-root user and volume group of the image, a
     security context the Pod Security "restricted" profile admits, no API token (the pods never
     call the Kubernetes API), restarts in place, the grace period a
-    leaving trainer checkpoints in, the store URL from its Secret (`envFrom`: its key is the
-    variable's name, PIPETRANSFORMER_DB), the checkpoint volume and a node-local cache.
+    leaving trainer checkpoints in, the environment from `env_secrets` (`envFrom`: each key is
+    a variable's name: the controller's store URL, PIPETRANSFORMER_DB; the trainers'
+    rendezvous secret, PIPETRANSFORMER_RDZV_SECRET), the checkpoint volume and a node-local
+    cache.
 
     The container is found by its image (each role's pod has one container, named per replica)
     and merged field by field: a list given here replaces the generated one, so only
@@ -75,8 +84,8 @@ def pod_overlay(
             "runAsNonRoot": True,
         },
     }
-    if db_secret:
-        container["envFrom"] = [{"secretRef": {"name": db_secret}}]
+    if env_secrets:
+        container["envFrom"] = [{"secretRef": {"name": name}} for name in env_secrets]
     return {
         "spec": {
             "automountServiceAccountToken": False,
@@ -95,6 +104,17 @@ def pod_overlay(
                 "fsGroupChangePolicy": "OnRootMismatch",
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
+            # a lost node's pods are evicted (and Volcano's replacements scheduled) after
+            # NODE_LOSS_TOLERATION_S, not the 300 s Kubernetes gives every pod by default
+            "tolerations": [
+                {
+                    "key": f"node.kubernetes.io/{condition}",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": NODE_LOSS_TOLERATION_S,
+                }
+                for condition in ("not-ready", "unreachable")
+            ],
             "volumes": pod_volumes,  # appended to torchx's shared-memory volume
             JOIN("containers", on="image"): [container],
         }

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
+import subprocess
 import sys
 import threading
+from types import FrameType
 
 
 def tied_to_parent(cmd: list[str]) -> list[str]:
@@ -21,3 +25,30 @@ def tied_to_parent(cmd: list[str]) -> list[str]:
         return cmd
     setpriv = shutil.which("setpriv")  # util-linux
     return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
+
+
+# What a pod's stop (drain, eviction, delete, Volcano reclaim) and a terminal send.
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+EXIT_SIGTERM = 128 + signal.SIGTERM  # a shell's status for a process ended by SIGTERM
+
+
+def call_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run `cmd` (tied to this process) to its end and return its exit status, passing SIGTERM
+    and SIGINT on to it.
+
+    In a container this process is PID 1, and PID 1 ignores every signal it has no handler for:
+    without one, a pod's stop never reaches torchrun and its workers (who leave gracefully on
+    SIGTERM: finish the step, checkpoint with everyone) and they are SIGKILLed at the end of
+    the grace period, losing the steps since the last checkpoint. Main thread only."""
+    proc = subprocess.Popen(tied_to_parent(cmd), env=env)
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        return proc.wait()  # resumed after each handler (PEP 475)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -32,8 +32,17 @@ The store (why an etcd-backed c10d ``Store``)
     TCPStore (torch's store sharing is turned off, see ``create_etcd3_handler`` for why), so
     the hot path of process-group setup never touches etcd.
 
-    Trust: the state blob is a pickle (torch's format), so whoever can write these etcd keys
-    can run code in every agent, exactly as with c10d's TCPStore; restrict access to etcd.
+Trust (the state is signed)
+    The state blob is a pickle (torch's format): whoever can write its key could run code in
+    every agent. With a job secret (``$PIPETRANSFORMER_RDZV_SECRET``, or a file named by
+    ``$PIPETRANSFORMER_RDZV_SECRET_FILE``: a Kubernetes Secret, or the file a local run makes
+    per job) every state is written as ``v1:<HMAC-SHA256>:<base64>``, the MAC over the key and
+    the bytes, and a state that does not verify (unsigned, another secret, another run's key)
+    raises ``RendezvousStateError`` before torch unpickles it; the refusal is put under
+    ``keys.alert`` for the controller to record (rdzv conf ``job=<id>``). An attacker can at
+    most replay a state this run once wrote, which unpickles to torch's own state class.
+    Without a secret (a foreign torchrun job) states are plain base64, as before, and a
+    signed one is refused: it cannot be checked. The c10d store's values are not pickles.
 
 Re-rendezvous fixes
     Workers do not share the agent's TCPStore (torch's opt-out, set by
@@ -49,6 +58,7 @@ close_timeout, heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt
     read_timeout   seconds a blocking store read waits, and how long an etcd outage is ridden
                    out (retries) before a ``RendezvousConnectionError``; default 60, as c10d.
     rpc_timeout    seconds for one etcd RPC; default 5.
+    job            the pipetransformer job the run belongs to: where a refused state is reported.
 """
 
 from __future__ import annotations
@@ -71,11 +81,14 @@ def _create_etcd3_handler_deferred(params: RendezvousParameters) -> RendezvousHa
 
 
 import binascii
+import hashlib
+import hmac
 import os
 import random
+import socket
 import time
 from base64 import b64decode, b64encode
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -97,6 +110,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from core import keys
 from core.etcd_client import EtcdClient, EtcdError
+from core.protocol import RendezvousRefused
 
 __all__ = [
     "BACKEND_NAME",
@@ -106,8 +120,11 @@ __all__ = [
     "create_etcd3_handler",
     "delete_rendezvous",
     "handler_factory",
+    "load_secret",
+    "sign_state",
     "state_key",
     "store_prefix",
+    "verify_state",
 ]
 
 BACKEND_NAME = "etcd3"
@@ -140,17 +157,100 @@ def _unb64(text: str) -> bytes:
     return b64decode(text.encode(), validate=True)
 
 
+# -- signed state -----------------------------------------------------------------------------
+
+SIGNED_PREFIX = "v1:"
+_MIN_SECRET_BYTES = 16
+
+
+def load_secret(environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The job's rendezvous secret from the environment (its value, else the file it names);
+    None when neither is set. A file that cannot be read, or a secret shorter than 16 bytes,
+    is an error: signing with a guessable key would only look safe."""
+    value = environ.get(keys.RDZV_SECRET_ENV)
+    where = f"${keys.RDZV_SECRET_ENV}"
+    if not value and (path := environ.get(keys.RDZV_SECRET_FILE_ENV)):
+        where = f"${keys.RDZV_SECRET_FILE_ENV} ({path})"
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read(4096)
+        except OSError as exc:
+            raise ValueError(f"{where}: the rendezvous secret cannot be read: {exc}") from None
+    if not value:
+        return None
+    secret = value.strip().encode()
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(
+            f"{where}: the rendezvous secret must be at least {_MIN_SECRET_BYTES} characters "
+            "(make one with `openssl rand -hex 32`)"
+        )
+    return secret
+
+
+def _mac(secret: bytes, key: str, state: bytes) -> str:
+    # the key is in the MAC: a state signed for one run cannot be moved to another's key
+    return hmac.new(secret, key.encode() + b"\0" + state, hashlib.sha256).hexdigest()
+
+
+def sign_state(secret: bytes, key: str, state: bytes) -> str:
+    """The etcd value for `state` at `key`: ``v1:<hex HMAC-SHA256>:<base64 state>``."""
+    return f"{SIGNED_PREFIX}{_mac(secret, key, state)}:{_b64(state)}"
+
+
+class StateRefused(RendezvousStateError):
+    """A rendezvous state that does not verify; nothing unpickled it."""
+
+
+def verify_state(secret: bytes | None, key: str, value: str) -> bytes:
+    """The state bytes of an etcd value written by `sign_state` (with a secret) or plain base64
+    (without one), or StateRefused saying why."""
+    signed = value.startswith(SIGNED_PREFIX)
+    if secret is None:
+        if signed:
+            raise StateRefused(
+                f"The rendezvous state at {key} is signed, and this agent has no secret to check "
+                f"it with: set ${keys.RDZV_SECRET_ENV} (or ${keys.RDZV_SECRET_FILE_ENV}) as the "
+                "job's other agents have it."
+            )
+        return _unb64(value)
+    if not signed:
+        raise StateRefused(
+            f"The rendezvous state at {key} is not signed with the job's secret (someone without "
+            "it wrote the key); refused before unpickling it."
+        )
+    mac, sep, body = value[len(SIGNED_PREFIX) :].partition(":")
+    state = _unb64(body) if sep else b""
+    # bytes, not str: compare_digest refuses (TypeError) a str with non-ASCII characters
+    if not sep or not hmac.compare_digest(mac.encode(), _mac(secret, key, state).encode()):
+        raise StateRefused(
+            f"The rendezvous state at {key} does not verify against the job's secret (forged, "
+            "or written by an agent given another secret); refused before unpickling it."
+        )
+    return state
+
+
 # -- backend --------------------------------------------------------------------------------
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
     """Rendezvous state in one etcd key, fenced by its mod revision."""
 
-    def __init__(self, client: EtcdClient, run_id: str) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        run_id: str,
+        secret: bytes | None = None,
+        job_id: str | None = None,
+    ) -> None:
+        """`secret`: sign what is written and refuse what does not verify (see "Trust");
+        `job_id`: where a refusal is reported for the controller."""
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
+        self._run_id = run_id
         self._key = state_key(run_id)
+        self._secret = secret
+        self._job_id = job_id
 
     @property
     def name(self) -> str:
@@ -179,8 +279,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             # Not a token we ever handed out: it cannot match, report what is there.
             current = self.get_state()
             return None if current is None else (*current, False)
+        value = _b64(state) if self._secret is None else sign_state(self._secret, self._key, state)
         applied, value, new_revision = self._etcd(
-            self._client.try_put_at_revision, self._key, _b64(state), revision
+            self._client.try_put_at_revision, self._key, value, revision
         )
         if value is None:  # lost the race to a delete: no state at all
             return None
@@ -196,11 +297,27 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def _decode(self, value: str) -> bytes:
         try:
-            return _unb64(value)
+            return verify_state(self._secret, self._key, value)
+        except StateRefused as exc:
+            self._report(str(exc))
+            raise
         except (binascii.Error, ValueError) as exc:
             raise RendezvousStateError(
                 f"The rendezvous state at {self._key} is corrupt (not base64)."
             ) from exc
+
+    def _report(self, reason: str) -> None:
+        """Tell the controller (keys.alert), best effort: the refusal itself is what protects."""
+        if self._job_id is None:
+            return
+        host, pid = socket.gethostname(), os.getpid()
+        alert = RendezvousRefused(
+            run_id=self._run_id, key=self._key, reason=reason[:400], host=host, pid=pid
+        )
+        try:
+            self._client.put(keys.alert(self._job_id, host, pid), alert.model_dump_json())
+        except EtcdError:
+            pass
 
 
 # -- c10d store -----------------------------------------------------------------------------
@@ -384,7 +501,13 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         raise RendezvousConnectionError(
             f"The etcd3 rendezvous cannot reach etcd at {params.endpoint}: {exc}"
         ) from exc
-    backend = EtcdRendezvousBackend(client, params.run_id)
+    try:
+        secret = load_secret()
+    except ValueError as exc:
+        client.close()
+        raise RendezvousStateError(str(exc)) from None
+    job = params.get("job") or None
+    backend = EtcdRendezvousBackend(client, params.run_id, secret, job)
     store = EtcdStore(client, store_prefix(params.run_id), timedelta(seconds=read_timeout))
     return backend, store
 

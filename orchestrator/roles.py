@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import time
 
 from core import keys
@@ -17,8 +16,8 @@ from core.spec import JobSpec, gpu_shortfall
 from orchestrator import forkserver
 from orchestrator.controller import Controller
 from orchestrator.errors import UsageError
-from orchestrator.launch import torchrun_command, worker_env
-from orchestrator.procs import tied_to_parent
+from orchestrator.launch import torchrun_command, with_job_secret, worker_env
+from orchestrator.procs import call_forwarding_signals
 
 
 class TrainerPods:
@@ -70,6 +69,7 @@ def serve_node(
     nnodes: str,
     max_restarts: int | None,
     join_timeout: float,
+    workdir: str = "./runs",
 ) -> int:
     """A trainer pod's node: wait for the job's launch in etcd, then run torchrun (etcd3
     rendezvous) for it, its workers forked from this node's fork server, while a lease tells
@@ -87,7 +87,7 @@ def serve_node(
     if problem := gpu_shortfall(spec.runtime.device, nproc_per_node, torch.cuda.device_count()):
         # before torchrun: one clear line in the pod's log, not a traceback per worker
         raise UsageError(problem)
-    env = worker_env(1)
+    env = with_job_secret(worker_env(1), workdir, job_id)  # a node joining a local job
     server, name = None, None
     if forkserver.available():  # this node's workers are forked from it, torch imported once
         server, name = forkserver.start(env)
@@ -105,7 +105,8 @@ def serve_node(
     client.put(f"{keys.agents(job_id)}{socket.gethostname()}-{os.getpid()}", "", lease=lease)
     keepalive = client.keep_alive(lease)
     try:
-        return subprocess.call(tied_to_parent(cmd), env=env)
+        # this is PID 1 of a trainer pod: a pod's stop must reach torchrun and the workers
+        return call_forwarding_signals(cmd, env)
     finally:
         keepalive.stop(revoke=True)
         if server is not None:

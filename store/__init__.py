@@ -29,8 +29,11 @@ from store.engine import (
     alembic_config,
     is_transient,
     make_engine,
+    server_of,
     sqlite_path,
     sqlite_url,
+    unreachable,
+    url_problem,
 )
 from store.errors import JobExists, NotFound, StoreConflict, StoreUnavailable, UnknownJob
 from store.events import EventsMixin
@@ -93,8 +96,11 @@ __all__ = [
     "alembic_config",
     "is_transient",
     "make_engine",
+    "server_of",
     "sqlite_path",
     "sqlite_url",
+    "unreachable",
+    "url_problem",
 ]
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.pool import StaticPool
 
 import migrations
@@ -59,6 +59,68 @@ def sqlite_path(url: str) -> Path | None:
     if u.query.get("uri") in ("true", "1") and database.startswith("file:"):
         database = database.removeprefix("file:").split("?", 1)[0]
     return Path(database)
+
+
+# The databases the store is built and tested for, as a user writes their URLs.
+SUPPORTED_URLS = "sqlite:///PATH or postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+_SQLITE_DRIVERS = ("sqlite", "sqlite+pysqlite")
+_POSTGRES_DRIVERS = ("postgresql", "postgresql+psycopg")
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a store URL before anything connects, or None: it does not parse,
+    names a database (or driver) the store does not support, or is a SQLite file whose
+    directory does not exist. Reads nothing but the file system's directory entries."""
+    try:
+        u = make_url(url)
+    except ArgumentError:
+        return f"is not a database URL; use {SUPPORTED_URLS}"
+    backend = u.get_backend_name()
+    if backend == "sqlite":
+        if u.drivername not in _SQLITE_DRIVERS:
+            return f"driver {u.drivername!r} is not supported; use {SUPPORTED_URLS}"
+        path = sqlite_path(url)
+        if path is None:
+            return None  # in memory
+        parent = path.expanduser().parent
+        if not parent.exists():
+            return f"names a SQLite file in {parent}, which does not exist; create it first"
+        if not parent.is_dir():
+            return f"names a SQLite file in {parent}, which is not a directory"
+        if path.exists() and not path.is_file():
+            return f"names {path} as its SQLite file, which is not a file"
+        return None
+    if backend == "postgresql":
+        if u.drivername not in _POSTGRES_DRIVERS:
+            return f"driver {u.drivername!r} is not installed here; use postgresql:// (psycopg 3)"
+        return None
+    return f"scheme {u.drivername!r} is not supported; use {SUPPORTED_URLS}"
+
+
+def server_of(url: str) -> str:
+    """HOST:PORT of a database server as a person would look for it (the driver's defaults
+    filled in)."""
+    u = make_url(url)
+    return f"{u.host or 'localhost'}:{u.port or 5432}"
+
+
+def unreachable(url: str, timeout_s: float = 5.0) -> str | None:
+    """Why the database server behind `url` does not answer within about `timeout_s`, or None
+    when it does (or the URL is a SQLite file, which needs no server). One connection attempt,
+    no retries: for a person waiting at a command line, not for a controller that must ride
+    out a restart (`retrying`)."""
+    u = make_url(url)
+    if u.get_backend_name() != "postgresql":
+        return None
+    u = u.update_query_dict({"connect_timeout": str(max(1, round(timeout_s)))})
+    engine = make_engine(u.render_as_string(hide_password=False))
+    try:
+        with engine.connect():
+            return None
+    except DBAPIError as exc:
+        return _first_line(exc.orig if exc.orig is not None else exc)
+    finally:
+        engine.dispose()
 
 
 def _sqlite_pragmas(read_only: bool) -> Callable[[Any, Any], None]:

@@ -425,7 +425,11 @@ class Cluster:
         self.prefix = _pick_subnet()
         self.gateway = f"{self.prefix}.1"
         self.pods: list[Pod] = []
-        self.secrets: dict[str, dict[str, str]] = {}
+        # what k8s/README.md "Secrets" has a user create once per namespace; the rest come
+        # with the services that need them (start_postgres)
+        self.secrets: dict[str, dict[str, str]] = {
+            "pipetransformer-rdzv": {"PIPETRANSFORMER_RDZV_SECRET": secrets.token_hex(32)}
+        }
         self.records: dict[str, tuple[str, list[str]]] = {}  # key -> (ip, names)
         self.services: dict[str, tuple[str, int, str]] = {}  # name -> (ip, port, port name)
         self._hosts_of: dict[str, tuple[str, PodSpec]] = {}  # netns -> (ip, spec)

@@ -720,3 +720,25 @@ def test_a_worker_names_the_file_its_stdout_goes_to(tmp_path: Path) -> None:
                              text=True, check=True)  # fmt: skip
     assert to_file.stderr.strip() == str(log)
     assert to_pipe.stderr.strip() == "None"
+
+
+def test_a_refused_rendezvous_state_becomes_an_event(ctrl: Controller, etcd: EtcdClient) -> None:
+    """An agent's rendezvous backend reports a state it refused (orchestrator/rendezvous.py,
+    "Trust"); the controller records it once, in the store, and drops the key."""
+    from core.protocol import RendezvousRefused
+
+    alert = RendezvousRefused(
+        run_id="job-ft-rdzv",
+        key="/pipetransformer/rdzv/job-ft-rdzv/state",
+        reason="not signed",
+        host="node-a",
+        pid=812,
+    )
+    etcd.put(keys.alert("job-ft", "node-a", 812), alert.model_dump_json())
+    etcd.put(keys.alert("job-ft", "node-b", 9), "not json")
+    ctrl.drain()
+    ctrl.drain()
+    (event,) = [e for e in ctrl.store.events("job-ft") if e.kind == "rendezvous_refused"]
+    assert "pid 812 on node-a refused the rendezvous state" in event.message
+    assert event.data["reason"] == "not signed"
+    assert etcd.get_prefix(keys.alerts("job-ft")) == []

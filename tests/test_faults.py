@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from core import keys
+from core.etcd_client import EtcdClient
 from core.manifest import verify_checkpoint
 from core.spec import JobSpec
 from store import Store, sqlite_url
@@ -74,13 +76,15 @@ def _finish(proc, log: Path, timeout: float = 240) -> None:
     assert code == 0, log.read_text(errors="replace")[-4000:]
 
 
-def _check_consistent(workdir: Path, job_id: str, db: str | None = None) -> Store:
+def _check_consistent(
+    workdir: Path, job_id: str, db: str | None = None, total: int = TOTAL
+) -> Store:
     """The invariants every fault must leave intact."""
     store = Store.open(db or sqlite_url(workdir / "store.db"), migrate=False)
     job = store.get_job(job_id)
-    assert job.state == "completed" and job.step == TOTAL, job.message
+    assert job.state == "completed" and job.step == total, job.message
     steps = [m.step for m in store.metrics(job_id)]
-    assert steps == list(range(1, TOTAL + 1)), "every step recorded exactly once"
+    assert steps == list(range(1, total + 1)), "every step recorded exactly once"
     for c in store.checkpoints(job_id):  # every checkpoint still committed is intact
         assert verify_checkpoint(c.path, c.checksum) == c.size_bytes
     gens = store.generations(job_id)
@@ -178,9 +182,10 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
             log,
         )
         endpoint = (workdir / "jobs" / "n" / "etcd.endpoint").read_text().strip()
+        # --workdir: where the job keeps the rendezvous secret a joining node signs with
         joiner = start_cli(
             "workers", "--job-id", "n", "--etcd", endpoint, "--nnodes", "1:2",
-            log=tmp_path / "joiner.log",
+            "--workdir", str(workdir), log=tmp_path / "joiner.log",
         )  # fmt: skip
         wait_for(
             lambda: _probe(workdir, "n", world_of_last_generation)() == 2,
@@ -217,7 +222,11 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
 
 def test_controller_sigkill_and_restart_carries_on(tmp_path: Path, etcd_factory) -> None:
     server = etcd_factory()
-    spec = _spec(tmp_path, nodes=1)
+    # long enough to still be training when the third controller takes over
+    epochs = 24
+    spec = write_spec(
+        tmp_path / "spec.yaml", training={"epochs": epochs}, runtime={**ELASTIC, "nodes": 1}
+    )
     workdir = tmp_path / "runs"
     common = ["--workdir", str(workdir), "--etcd", server.endpoint]
     ctl_args = ["controller", str(spec), "--job-id", "c", "--join-timeout", "60", *common]
@@ -226,7 +235,7 @@ def test_controller_sigkill_and_restart_carries_on(tmp_path: Path, etcd_factory)
         "workers", "--job-id", "c", "--etcd", server.endpoint, "--nproc-per-node", "2",
         log=tmp_path / "workers.log",
     )  # fmt: skip
-    ctl2 = None
+    ctl2 = ctl3 = None
     try:
         _running_after_checkpoint(workdir, "c", tmp_path / "ctl1.log")
         ctl.send_signal(signal.SIGKILL)
@@ -234,16 +243,28 @@ def test_controller_sigkill_and_restart_carries_on(tmp_path: Path, etcd_factory)
         time.sleep(2)  # workers keep training, their reports queue in etcd
         assert workers.poll() is None
         ctl2 = start_cli(*ctl_args, log=tmp_path / "ctl2.log")
-        assert ctl2.wait(timeout=240) == 0, (tmp_path / "ctl2.log").read_text()[-3000:]
+        attached = store_probe(
+            workdir / "store.db", "c", lambda s, j: "controller_attached" in _kinds(s, j)
+        )
+        wait_for(attached, 60, "the second controller to attach", tmp_path / "ctl2.log")
+        # a controller pod's stop (SIGTERM to its PID 1): it leaves at once and lets go of its
+        # lease, the job untouched, for the next controller to take over
+        ctl2.send_signal(signal.SIGTERM)
+        assert ctl2.wait(timeout=30) == 143, (tmp_path / "ctl2.log").read_text()[-3000:]
+        with EtcdClient(server.endpoint) as etcd:
+            assert etcd.get(keys.controller("c")) is None, "the lease was revoked, not left"
+        assert workers.poll() is None
+        ctl3 = start_cli(*ctl_args, log=tmp_path / "ctl3.log")
+        assert ctl3.wait(timeout=240) == 0, (tmp_path / "ctl3.log").read_text()[-3000:]
         assert workers.wait(timeout=60) == 0
     finally:
-        for p in (ctl, workers, ctl2):
+        for p in (ctl, workers, ctl2, ctl3):
             if p is not None:
                 p.kill()
-    store = _check_consistent(workdir, "c")
-    assert len(store.generations("c")) == 1, "the restarted controller adopted the generation"
-    assert "controller_attached" in _kinds(store, "c")
-    assert "took over the running generation" in (tmp_path / "ctl2.log").read_text()
+    store = _check_consistent(workdir, "c", total=epochs * STEPS_PER_EPOCH)
+    assert len(store.generations("c")) == 1, "the restarted controllers adopted the generation"
+    assert _kinds(store, "c").count("controller_attached") == 2
+    assert "took over the running generation" in (tmp_path / "ctl3.log").read_text()
 
 
 def test_etcd_restart_is_ridden_out(tmp_path: Path, etcd_factory) -> None:

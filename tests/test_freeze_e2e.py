@@ -73,7 +73,11 @@ def test_freeze_requests_are_validated_before_anything_is_filed(store, etcd) -> 
     with pytest.raises(OverrideError, match="is pending"):
         file_freeze_request(etcd, store.get_job("j"), 2, "why")  # not running yet
     store.set_job_state("j", "running")
-    for layers, phrase in ((5, "layers=5"), (-1, "layers must be >= 0")):
+    for layers, phrase in (
+        (5, "layers=5"),
+        (-1, "layers must be >= 0"),
+        (0, r"layers=0 freezes nothing \(nothing is frozen yet\).*ask for 1\.\.4"),
+    ):
         with pytest.raises(OverrideError, match=phrase):
             file_freeze_request(etcd, store.get_job("j"), layers, "why")
     with pytest.raises(OverrideError, match="reason"):

@@ -48,6 +48,7 @@ SECRETS: dict[str, set[str]] = {
     "pipetransformer-db": {"PIPETRANSFORMER_DB"},
     "pipetransformer-db-readonly": {"PIPETRANSFORMER_DB"},
     "pipetransformer-dashboard-auth": {"tokens"},
+    "pipetransformer-rdzv": {"PIPETRANSFORMER_RDZV_SECRET"},
     # cloudnativepg overlay: kubernetes.io/basic-auth Secrets the operator reads
     "postgres-owner": {"username", "password"},
     "postgres-readonly": {"username", "password"},
@@ -520,6 +521,7 @@ def test_dev_secrets_come_from_git_ignored_files(tmp_path: Path) -> None:
         "pipetransformer-db-readonly.env": "PIPETRANSFORMER_DB=postgresql+psycopg://"
         "pipetransformer_ro:ro-pw@postgres:5432/pipetransformer\n",
         "tokens": "alice:sha256:" + "ab" * 32 + "\n",
+        "pipetransformer-rdzv.env": "PIPETRANSFORMER_RDZV_SECRET=" + "cd" * 32 + "\n",
     }
     ignored = [
         line
@@ -531,7 +533,7 @@ def test_dev_secrets_come_from_git_ignored_files(tmp_path: Path) -> None:
         assert any(fnmatch.fnmatch(name, pattern) for pattern in ignored), name
     secrets = render(folder)
     expected = ("postgres-credentials", "pipetransformer-db", "pipetransformer-db-readonly")
-    expected += ("pipetransformer-dashboard-auth",)
+    expected += ("pipetransformer-dashboard-auth", "pipetransformer-rdzv")
     assert {s["metadata"]["name"]: set(s["data"]) for s in secrets} == {
         name: SECRETS[name] for name in expected
     }
@@ -754,7 +756,8 @@ def test_pod_overlay_merges_into_a_trainer_pod_through_torchx() -> None:
     }
     overlays.apply_overlay(pod, overlay)
     validate_object(pod)
-    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    # no node selector: the GPU request places the pod; NFD's labels exist only where it runs
+    assert "nodeSelector" not in pod["spec"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
         pod["spec"]["tolerations"]
     )

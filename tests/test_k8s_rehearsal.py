@@ -110,8 +110,9 @@ def _run_in(cluster: rehearsal.Cluster, pod: rehearsal.Pod, code: str, *args: st
 
 def _check_pods_match_torchx(app: Any, pods: dict[str, rehearsal.PodSpec]) -> None:
     """The pods run here are the containers torchx's Kubernetes scheduler would submit: same
-    command, the same env entries (plus the image's and the Secret's), same volume mounts; the
-    store's URL only in the controller's, from the Secret."""
+    command, the same env entries (plus the image's and the Secrets'), same volume mounts; the
+    store's URL only in the controller's, the rendezvous secret only in the trainers', each from
+    its Secret."""
     try:
         rendered = rehearsal.rendered_containers(app)
     except ImportError:
@@ -126,8 +127,12 @@ def _check_pods_match_torchx(app: Any, pods: dict[str, rehearsal.PodSpec]) -> No
         assert {m["mountPath"] for m in container["volumeMounts"]} == set(pod.mounts), task
     assert rendered["controller-0"]["envFrom"] == [{"secretRef": {"name": "pipetransformer-db"}}]
     assert "PIPETRANSFORMER_DB" in pods["controller-0"].env
-    assert "envFrom" not in rendered["trainer-0"]
+    # the trainers: the rendezvous secret, never the store's credentials
+    rdzv = [{"secretRef": {"name": "pipetransformer-rdzv"}}]
+    assert rendered["trainer-0"]["envFrom"] == rdzv
     assert "PIPETRANSFORMER_DB" not in pods["trainer-0"].env
+    assert "PIPETRANSFORMER_RDZV_SECRET" in pods["trainer-0"].env
+    assert "PIPETRANSFORMER_RDZV_SECRET" not in pods["controller-0"].env
 
 
 def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(

@@ -36,8 +36,11 @@ from orchestrator.rendezvous import (
     create_etcd3_handler,
     delete_rendezvous,
     handler_factory,
+    load_secret,
+    sign_state,
     state_key,
     store_prefix,
+    verify_state,
 )
 
 
@@ -131,6 +134,84 @@ def test_backend_reports_corrupt_state_and_lost_connection(etcd: EtcdClient) -> 
     with EtcdClient(f"127.0.0.1:{free_port()}", timeout=0.3, retry_timeout=0.3) as dead:
         with pytest.raises(RendezvousConnectionError, match="127.0.0.1"):
             EtcdRendezvousBackend(dead, rid).get_state()
+
+
+# -- signed state ---------------------------------------------------------------------------
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def test_signed_state_verifies_and_every_forgery_is_refused() -> None:
+    key, other_key = state_key("run-a"), state_key("run-b")
+    value = sign_state(SECRET, key, b"state")
+    assert value.startswith("v1:") and verify_state(SECRET, key, value) == b"state"
+    forgeries = {
+        "unsigned": b64encode(b"state").decode(),
+        "another secret": sign_state(b"f" * 32, key, b"state"),
+        "another run's key": sign_state(SECRET, other_key, b"state"),
+        "body swapped": value.rsplit(":", 1)[0] + ":" + b64encode(b"evil").decode(),
+        "no MAC": "v1:" + b64encode(b"state").decode(),
+        "a MAC that is not ASCII": "v1:é" + value[4:],
+    }
+    for name, forged in forgeries.items():
+        with pytest.raises(RendezvousStateError, match="refused before unpickling") as exc:
+            verify_state(SECRET, key, forged)
+        assert key in str(exc.value), name
+    # a foreign torchrun job (no secret): plain base64 as ever; a signed state it cannot check
+    assert verify_state(None, key, b64encode(b"state").decode()) == b"state"
+    with pytest.raises(RendezvousStateError, match="no secret to check it with"):
+        verify_state(None, key, value)
+
+
+def test_secret_comes_from_the_environment_or_its_file(tmp_path: Path) -> None:
+    assert load_secret({}) is None
+    assert load_secret({keys.RDZV_SECRET_ENV: SECRET.decode() + "\n"}) == SECRET
+    path = tmp_path / "secret"
+    path.write_text(SECRET.decode())
+    assert load_secret({keys.RDZV_SECRET_FILE_ENV: str(path)}) == SECRET
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        load_secret({keys.RDZV_SECRET_ENV: "short"})
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_secret({keys.RDZV_SECRET_FILE_ENV: str(tmp_path / "missing")})
+
+
+class _Payload:
+    """A pickle that would make a directory when loaded: proof of whether anything unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
+
+
+def test_a_forged_state_is_refused_before_torch_unpickles_it(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    from core.protocol import RendezvousRefused
+
+    rid, marker = run_id(), tmp_path / "pwned"
+    monkeypatch.setenv(keys.RDZV_SECRET_ENV, SECRET.decode())
+    handler = create_etcd3_handler(params(etcd_server.endpoint, rid, join_timeout=10, job="job-x"))
+    try:
+        # what any pod of the namespace could write without the secret
+        etcd.put(state_key(rid), b64encode(pickle.dumps(_Payload(marker))).decode())
+        with pytest.raises(RendezvousStateError, match="not signed with the job's secret"):
+            handler.next_rendezvous()
+        assert not marker.exists(), "the forged state was unpickled"
+        ((key, raw),) = etcd.get_prefix(keys.alerts("job-x"))
+        alert = RendezvousRefused.model_validate_json(raw)
+        assert alert.run_id == rid and alert.key == state_key(rid) and alert.pid == os.getpid()
+        assert "not signed" in alert.reason
+
+    finally:
+        handler.shutdown()
+    # what passes is only what the MAC covers: the same bytes, signed, are handed on
+    other = run_id()
+    etcd.put(state_key(other), sign_state(SECRET, state_key(other), pickle.dumps(b"x")))
+    assert EtcdRendezvousBackend(etcd, other, SECRET).get_state()[0] == pickle.dumps(b"x")
 
 
 def test_create_handler_validates_options(etcd_server: EmbeddedEtcd) -> None:
@@ -300,7 +381,9 @@ def test_two_torchrun_agents_rendezvous_through_etcd(
         str(script),
         str(out_dir),
     ]
+    # with the job's secret, as every launch of this project runs them
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env[keys.RDZV_SECRET_ENV] = SECRET.decode()
     agents = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for _ in range(2)
@@ -319,6 +402,6 @@ def test_two_torchrun_agents_rendezvous_through_etcd(
 
     results = sorted((out_dir / f"rank{r}.txt").read_text().split() for r in range(2))
     assert results == [["0", "2", "3"], ["1", "2", "3"]], logs
-    # The rendezvous really went through etcd: its state and store keys are there.
-    assert etcd.get(state_key(rid)) is not None
+    # The rendezvous really went through etcd: its state (signed) and store keys are there.
+    assert verify_state(SECRET, state_key(rid), etcd.get(state_key(rid)))
     assert etcd.count_prefix(store_prefix(rid)) > 0

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from torchx.specs import AppDef, macros
 
+from core.keys import RDZV_SECRET_ENV
 from core.spec import SpecError, load_spec
 from orchestrator.components import CONTROLLER_ROLE, TRAINER_ROLE, train
 from store import Store, sqlite_url
@@ -123,6 +124,11 @@ def test_component_builds_controller_and_trainer_roles(tiny_spec: Path) -> None:
     assert c[c.index("--workdir") + 1] == "/w" and "--db" not in c
     assert t[t.index("--nproc-per-node") + 1] == "2" and t[t.index("--nnodes") + 1] == "1"
     assert trainer.resource.cpu == 2 and trainer.resource.memMB > 0
+    # the trainers' agents sign the rendezvous state with a secret made for this launch
+    secret = trainer.env[RDZV_SECRET_ENV]
+    assert len(secret) == 64 and RDZV_SECRET_ENV not in controller.env
+    again = {r.name: r for r in train(spec=str(tiny_spec), workdir="/w").roles}
+    assert again[TRAINER_ROLE].env[RDZV_SECRET_ENV] != secret
 
 
 def test_component_external_services_and_nodes(tmp_path: Path) -> None:

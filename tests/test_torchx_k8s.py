@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from core.keys import ACTIVATION_CACHE_ENV, SPEC_ENV
+from core.keys import ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
 from core.spec import load_spec, spec_from_text
 from orchestrator.components import CONTROLLER_MEM_MB, ComponentArgError, train
 from orchestrator.pods import CACHE_DIR, TORCHX_SHM_VOLUME
@@ -104,6 +104,10 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         # only where its root does not match
         assert restricted_violations(pod) == [], task["name"]
         assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+        # a lost node's pods are evicted (and replaced) after 30 s, not Kubernetes' 300 s
+        lost = {t["key"]: t for t in pod["tolerations"] if t["key"].startswith("node.")}
+        assert set(lost) == {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
+        assert {(t["effect"], t["tolerationSeconds"]) for t in lost.values()} == {("NoExecute", 30)}
         # a failed process restarts in its pod; a failure never restarts the whole job
         assert pod["restartPolicy"] == "OnFailure"
         assert task["maxRetry"] >= 1
@@ -135,7 +139,9 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         volumes = {v["name"]: v for v in task["template"]["spec"]["volumes"]}
         assert "emptyDir" in volumes[mounts[CACHE_DIR]]
-        assert "envFrom" not in c  # trainers never see the store's credentials
+        # trainers never see the store's credentials; they sign the rendezvous state
+        assert c["envFrom"] == [{"secretRef": {"name": "pipetransformer-rdzv"}}]
+        assert RDZV_SECRET_ENV not in env(c)  # from the Secret, never inline
     assert job["spec"]["queue"] == QUEUE and job["spec"]["priorityClassName"] == PRIORITY
 
 
@@ -225,12 +231,14 @@ def test_trainer_overlay_places_trainers_on_gpu_nodes(tmp_path: Path) -> None:
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
             pod["tolerations"]
         )
-        assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+        assert not pod.get("nodeSelector")  # the nvidia.com/gpu request places them
         # merged after the component's own overlay, which it leaves intact
         assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
         assert any(m["mountPath"] == "/workdir" for m in container(task)["volumeMounts"])
     (ctl,) = tasks(job, "controller")
-    assert not ctl["template"]["spec"].get("tolerations")
+    assert all(
+        t["key"].startswith("node.kubernetes.io/") for t in ctl["template"]["spec"]["tolerations"]
+    )
     bad = tmp_path / "bad.yaml"
     bad.write_text("metadata: {}\nspec: {}\n")
     with pytest.raises(ComponentArgError, match="one key, `spec`"):
@@ -269,3 +277,26 @@ def test_cuda_trainers_request_one_gpu_per_worker(tmp_path: Path) -> None:
         train(spec=str(path), image=IMAGE, etcd="etcd:2379", nnodes=2, nproc_per_node=2, gpu=1)
     with pytest.raises(ComponentArgError, match="gpu=-3: give a number of GPUs"):
         train(spec=str(path), image=IMAGE, etcd="etcd:2379", nnodes=2, nproc_per_node=2, gpu=-3)
+
+
+def test_spec_names_that_make_pod_names_kubernetes_refuses_are_refused(tmp_path: Path) -> None:
+    """torchx names pods `<name>-<id of up to 14>-<role>-<replica>-0`: at most 63 characters
+    (`controller-0-0` is the longest suffix: 33 characters of name fit, 34 do not)."""
+    base = yaml.safe_load((REPO / "examples" / "vit-digits.yaml").read_text())
+    for name in ("a" * 33, "b" * 34):
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(yaml.safe_dump({**base, "name": name}))
+        # nproc_per_node left out: the spec's two workers shared by the two replicas
+        args = {"spec": str(spec), "image": IMAGE, "etcd": "etcd:2379", "nnodes": 2}
+        if len(name) == 33:
+            job = volcano_job(train(**args))
+            for task in job["spec"]["tasks"]:
+                assert len(f"{name}-{'x' * 14}-{task['name']}-0") <= 63
+            (t0, _) = tasks(job, "trainer")
+            command = container(t0)["command"]
+            assert command[command.index("--nproc-per-node") + 1] == "1"
+        else:
+            with pytest.raises(
+                ComponentArgError, match=r"\(34 characters\) is too long.*at most 33"
+            ):
+                train(**args)
