@@ -25,7 +25,6 @@ from core import keys
 from core.etcd_client import EtcdClient, EtcdUnavailable
 from core.overrides import (
     OverrideError,
-    endpoint_file,
     file_freeze_request,
     live_etcd_endpoint,
 )
@@ -50,6 +49,7 @@ from orchestrator.roles import TrainerPods, serve_node
 from orchestrator.sources import resolve_submission
 from store import (
     DB_ENV,
+    JobInfo,
     Store,
     StoreUnavailable,
     UnknownJob,
@@ -222,7 +222,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise UsageError(
             f"job {job.id} already completed (epoch {job.epoch}, step {job.step}); nothing to resume"
         )
-    refuse_if_controlled(job.id, job.workdir, args.etcd)
+    refuse_if_controlled(job, args.etcd)
     started = time.monotonic()
     with job_etcd(args.etcd, args.workdir, job.id) as etcd:
         ctrl = Controller(store, etcd, job.id)
@@ -230,24 +230,26 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return _summary(store, ctrl, args, started)
 
 
-def refuse_if_controlled(job_id: str, workdir: str, explicit_etcd: str | None) -> None:
+def refuse_if_controlled(job: JobInfo, explicit_etcd: str | None) -> None:
     """A job whose controller is alive (a `run` or `resume` still training it, here or
     elsewhere) is not resumed: say so at once, and where, instead of waiting for its lease or
     its embedded etcd's data directory. Its etcd is `--etcd`, else the endpoint its running
     launch left in the job's directory; none answering means nobody controls it."""
-    found = endpoint_file(workdir, job_id)
-    endpoint = explicit_etcd or (found.read_text().strip() if found.is_file() else None)
+    try:
+        endpoint = live_etcd_endpoint(job, explicit_etcd)
+    except OverrideError:
+        return  # no external etcd named, and no launch serving one
     if not endpoint:
-        return
+        return  # an empty endpoint file: its launch was cut short while writing it
     try:
         with EtcdClient(endpoint, timeout=2, retry_timeout=2) as etcd:
-            holder = controller_holder(etcd, job_id)
+            holder = controller_holder(etcd, job.id)
     except EtcdUnavailable:
         return  # a stale endpoint file (its launch was killed); --etcd is checked by job_etcd
     if holder is not None:
         raise UsageError(
-            f"job {job_id} is running: its controller ({holder}) holds it through etcd at "
-            f"{endpoint}; follow it with `pipetransformer status {job_id}` or the dashboard, "
+            f"job {job.id} is running: its controller ({holder}) holds it through etcd at "
+            f"{endpoint}; follow it with `pipetransformer status {job.id}` or the dashboard, "
             "or stop that run (Ctrl-C where it runs) before resuming"
         )
 

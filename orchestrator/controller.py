@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -86,6 +87,10 @@ log = logging.getLogger("pipetransformer.controller")
 
 class ControllerError(RuntimeError):
     pass
+
+
+# How often the controller looks for rendezvous states an agent refused (`_drain_alerts`).
+ALERT_POLL_S = 1.0
 
 
 class HandedOver(Exception):  # noqa: N818 (an outcome, not an error)
@@ -210,6 +215,7 @@ class Controller:
         self._outage: float | None = None  # since when etcd or the store has not answered
         self._report: str | None = None  # etcd key of the worker report being applied
         self._leaving = False  # `leave` was asked: hand the job over at the next safe point
+        self._alerts_looked = -math.inf  # monotonic time of the last look for refused states
 
     @property
     def current(self) -> Generation | None:
@@ -698,7 +704,13 @@ class Controller:
 
     def _drain_alerts(self) -> None:
         """Rendezvous states a torchrun agent refused (keys.alert): an event each, in the log
-        and the store. The agent has already failed its rendezvous; this says why, and where."""
+        and the store. The agent has already failed its rendezvous; this says why, and where.
+        Looked for once every ALERT_POLL_S, not at every tick: it is rare, and every etcd
+        request of the tick counts at cluster size (bench/control_plane_scale.py)."""
+        now = time.monotonic()
+        if now - self._alerts_looked < ALERT_POLL_S:
+            return
+        self._alerts_looked = now
         for key, value in self.etcd.get_prefix(keys.alerts(self.job_id)):
             try:
                 alert = RendezvousRefused.model_validate_json(value)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from core import keys
+from orchestrator.controller import job_dir
 from orchestrator.forkserver import client_args
 
 # Rendezvous timing: a round waits this long for more nodes once `min` have joined. Short, since
@@ -83,7 +84,7 @@ RDZV_SECRET_FILE = "rdzv.secret"
 def job_secret_path(workdir: str | Path, job_id: str) -> Path:
     """Where a job run on this machine keeps its rendezvous secret (orchestrator/rendezvous.py,
     "Trust"), beside its etcd data."""
-    return Path(workdir).resolve() / "jobs" / job_id / RDZV_SECRET_FILE
+    return job_dir(workdir, job_id) / RDZV_SECRET_FILE
 
 
 def job_secret_file(workdir: str | Path, job_id: str) -> Path:

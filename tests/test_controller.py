@@ -722,10 +722,15 @@ def test_a_worker_names_the_file_its_stdout_goes_to(tmp_path: Path) -> None:
     assert to_pipe.stderr.strip() == "None"
 
 
-def test_a_refused_rendezvous_state_becomes_an_event(ctrl: Controller, etcd: EtcdClient) -> None:
+def test_a_refused_rendezvous_state_becomes_an_event(
+    ctrl: Controller, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An agent's rendezvous backend reports a state it refused (orchestrator/rendezvous.py,
     "Trust"); the controller records it once, in the store, and drops the key."""
     from core.protocol import RendezvousRefused
+    from orchestrator import controller
+
+    monkeypatch.setattr(controller, "ALERT_POLL_S", 0.0)  # every drain looks (1 s otherwise)
 
     alert = RendezvousRefused(
         run_id="job-ft-rdzv",
