@@ -83,6 +83,11 @@ def freeze_override(job_id: str) -> str:
     return f"{job(job_id)}/freeze_override"
 
 
+def trace_request(job_id: str) -> str:
+    """A `TraceRequest`: capture one step's schedule on every rank (read at control points)."""
+    return f"{job(job_id)}/trace_request"
+
+
 def events(job_id: str) -> str:
     return f"{job(job_id)}/events/"
 

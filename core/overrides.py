@@ -1,4 +1,4 @@
-"""Manual freeze requests: validated against the job's state, then filed in etcd for the next
+"""Manual freeze requests (and trace requests): validated against the job's state, then filed in etcd for the next
 decision point. The controller audits them in the store (it is the only SQL writer); the CLI
 (`pipetransformer freeze`) and the dashboard file them through `file_freeze_request`, after
 finding the job's etcd with `live_etcd_endpoint`.
@@ -17,7 +17,7 @@ from typing import Protocol
 from core import keys
 from core.etcd_client import EtcdClient
 from core.freeze import FreezeOverrideError, apply_override, max_boundary  # the pure rule
-from core.protocol import FreezeRequest
+from core.protocol import FreezeRequest, TraceRequest, read_trace_request
 from core.spec import JobSpec
 from core.state import Layout
 
@@ -120,3 +120,25 @@ def file_freeze_request(
         pending = pending_request(etcd, job_id)
         raise OverrideError(f"job {job_id} already has a pending freeze request: {pending}")
     return request
+
+
+def file_trace_request(etcd: EtcdClient, job: JobFacts, who: str | None = None) -> TraceRequest:
+    """Ask every rank of a running job to trace its next step after a control point (at most
+    `runtime.control_every_steps` steps away). A request still pending is returned as it is
+    (two people asking get the same trace); OverrideError when the job is not running or
+    does not time its stages (`runtime.stage_timing: false`)."""
+    if job.state != "running":
+        raise OverrideError(f"job {job.id} is {job.state}; a trace needs a running job")
+    if not job.spec.runtime.stage_timing:
+        raise OverrideError(
+            f"job {job.id} runs with runtime.stage_timing: false; its ranks time nothing to trace"
+        )
+    key = keys.trace_request(job.id)
+    request = TraceRequest(id=uuid.uuid4().hex[:12], who=who or requester())
+    for _ in range(3):  # a request served (or replaced) between the read and the write: again
+        raw = etcd.get(key)
+        if (pending := read_trace_request(raw)) is not None:
+            return pending
+        if etcd.compare_and_swap(key, raw, request.model_dump_json()):
+            return request
+    raise OverrideError(f"job {job.id}'s trace request kept changing; try again")

@@ -53,6 +53,7 @@ from typing import Literal, NamedTuple
 
 from core.partition import (
     CostModel,
+    Plan,
     PlanError,
     Profile,
     microbatch_candidates,
@@ -77,10 +78,19 @@ Situation = Literal["initial", "reformed", "startup", "relayout"]
 
 
 class Planned(NamedTuple):
-    """A layout and the one-line reason the layout record keeps for it."""
+    """A layout and the one-line reason the layout record keeps for it; where it was planned
+    from measurement, the forward and backward seconds per step the cost model predicts for
+    each of its stages (what the Pipeline view sets beside the measured ones)."""
 
     layout: Layout
     reason: str
+    predicted_stage_s: tuple[float, ...] | None = None
+
+
+def _predicted(best: Plan) -> tuple[float, ...]:
+    """Per stage, the cost model's computation per micro-batch times the micro-batches: its
+    forward and backward seconds per step (transfers apart)."""
+    return tuple(c * best.microbatches for c in best.stage_compute_s)
 
 
 def initial_ranges(spec: JobSpec) -> list[tuple[int, int]]:
@@ -293,7 +303,11 @@ def _startup(
         allowed_cuts=keep_cuts,
     )
     layout = best.to_layout(version=current.version + 1, schedule=p.schedule)
-    return Planned(layout.model_copy(update={"planner": "autopipe"}), f"autopipe: {best.summary()}")
+    return Planned(
+        layout.model_copy(update={"planner": "autopipe"}),
+        f"autopipe: {best.summary()}",
+        _predicted(best),
+    )
 
 
 def _relayout_counts(
@@ -442,4 +456,4 @@ def _relayout(
     reason = f"F={f}: {best.summary()}"
     if spec.freeze.relayout == "repartition":
         reason += f" (repartition: {best.replicas} replica(s) kept)"
-    return Planned(layout, reason)
+    return Planned(layout, reason, _predicted(best))

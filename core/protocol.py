@@ -31,8 +31,10 @@ from pydantic import (
     StrictInt,
     TypeAdapter,
     ValidationError,
+    model_validator,
 )
 
+from core.stage_times import MAX_TRACE_SPANS, PhaseSeconds, TraceSpan
 from core.state import Layout, TrainingState
 
 # Exit code of a worker that leaves its generation on purpose (aborted by the controller, a lost
@@ -120,6 +122,29 @@ class FreezeRequest(_Model):
     who: str
     reason: str
     time: float = Field(default_factory=time.time)
+
+
+class TraceRequest(_Model):
+    """The value of `keys.trace_request`: capture one step's schedule on every rank (`pipetransformer
+    trace JOB`, or a signed-in dashboard user). Rank 0 reads it at a control point; every rank
+    traces the next step and reports a `StepTrace`; rank 0 then marks it `served_step`."""
+
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    who: str = Field(max_length=200)
+    time: float = Field(default_factory=time.time, allow_inf_nan=False)
+    served_step: int | None = None  # the traced step, once rank 0 chose it
+
+
+def read_trace_request(raw: str | None) -> TraceRequest | None:
+    """The pending request under `keys.trace_request`, or None (none, served, or unreadable:
+    a control point never fails on it)."""
+    if raw is None:
+        return None
+    try:
+        request = TraceRequest.model_validate_json(raw)
+    except ValidationError:
+        return None
+    return request if request.served_step is None else None
 
 
 class UnreadableRequest(_Model):
@@ -320,6 +345,9 @@ class LayoutPlanned(_Event):
     reason: str
     seconds: float | None = None
     cost: RelayoutCost | None = None  # a re-layout in the running processes
+    # AutoPipe's prediction per stage: forward and backward seconds per step (None: not planned
+    # from measurement)
+    predicted_stage_s: list[NonNegative] | None = Field(default=None, max_length=1_024)
 
 
 class FreezeDecided(_Event):
@@ -346,6 +374,44 @@ class CacheDecided(_Event):
     costs: dict[str, Any] | None = None
     directory: str | None = None
     ram_fraction: float | None = None
+
+
+class StageTimes(_Event):
+    """Where one rank's time went over one reporting interval: the steps `from_step`+1 ..
+    `to_step`, all under layout `layout_version` (an interval ends at a re-layout), on the
+    rank's `stages` of `replica` (core/stage_times.py names the phases)."""
+
+    kind: Literal["stage_times"] = "stage_times"
+    from_step: int = Field(ge=0)
+    to_step: int = Field(ge=1)
+    layout_version: int = Field(ge=1)
+    stages: list[int] = Field(max_length=1_024)
+    replica: int = Field(ge=0)
+    wall_s: NonNegative = Field(allow_inf_nan=False)
+    seconds: PhaseSeconds
+    # how the phases were timed: CUDA events on the device, or the host's clock
+    clock: Literal["cuda", "host"] = "host"
+
+    @model_validator(mode="after")
+    def _steps_in_order(self) -> StageTimes:
+        if self.to_step <= self.from_step:
+            raise ValueError(f"to_step {self.to_step} must be after from_step {self.from_step}")
+        return self
+
+
+class StepTrace(_Event):
+    """One rank's traced step (a `TraceRequest` answered): every phase's spans, micro-batch by
+    stage, from `started` (unix seconds, the rank's clock at the step's start)."""
+
+    kind: Literal["step_trace"] = "step_trace"
+    request: str = Field(max_length=64)
+    step: int = Field(ge=1)
+    started: float = Field(allow_inf_nan=False)
+    layout_version: int = Field(ge=1)
+    stages: list[int] = Field(max_length=1_024)
+    replica: int = Field(ge=0)
+    spans: list[TraceSpan] = Field(max_length=MAX_TRACE_SPANS)
+    clock: Literal["cuda", "host"] = "host"
 
 
 # a path, a split or column name in a report: the spec's own bounds (a path's is the longest)
@@ -437,6 +503,8 @@ WorkerEvent = Annotated[
     | LayoutPlanned
     | FreezeDecided
     | CacheDecided
+    | StageTimes
+    | StepTrace
     | DataOpened
     | Finished
     | Failed

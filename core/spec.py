@@ -737,7 +737,22 @@ class RuntimeSpec(_Strict):
     )
     threads_per_worker: Annotated[PositiveInt, Field(le=MAX_THREADS)] = 1
     control_every_steps: Annotated[PositiveInt, Field(le=MAX_CONTROL_EVERY)] = Field(
-        10, description="steps between reads of the etcd control key (stop)"
+        10,
+        description="steps between reads of the etcd control key (stop); also each rank's "
+        "stage-timing interval",
+    )
+    tensorboard: bool = Field(
+        False,
+        description="the controller also writes the job's figures (loss, samples/s, accuracy, "
+        "layout, each rank's phases) as TensorBoard event files under the job's directory "
+        "(jobs/<id>/tensorboard; needs the `tensorboard` extra)",
+    )
+    stage_timing: bool = Field(
+        True,
+        description="each rank measures where its time goes (forward, backward, waiting for a "
+        "neighbour stage, gradient sync, optimizer, frozen prefix, data, checkpoints, "
+        "evaluation) and reports it every control_every_steps steps: the dashboard's Pipeline "
+        "view, `status`, the summary (CUDA events on GPUs; false turns it off)",
     )
     lease_ttl_s: Annotated[PositiveInt, Field(le=MAX_LEASE_TTL_S)] = Field(
         5,

@@ -22,7 +22,7 @@ import streamlit as st
 from sqlalchemy.exc import SQLAlchemyError
 
 from dashboard import job_view
-from dashboard.control import freeze_override_control, sign_in_panel
+from dashboard.control import freeze_override_control, sign_in_panel, trace_control
 from dashboard.job_view import VIEWS, ChartOptions, job_label
 from dashboard.launch import ENV_DB, Options, options_from, script_args
 from store import JobInfo, Store, sqlite_path
@@ -146,6 +146,8 @@ def main() -> None:
     if view == "Freezing":
         # outside the live fragment: a half-typed reason is never redrawn under the reader
         freeze_override_control(store, selected, options, actor)
+    elif view == "Pipeline":
+        trace_control(selected, options, actor)
 
 
 main()

@@ -1,10 +1,13 @@
-"""The dashboard's actions: signing in, and filing a manual freeze request for a running job.
+"""The dashboard's actions: signing in, filing a manual freeze request for a running job, and
+asking its ranks to trace one step.
 
 Reading is open; acting needs a signed-in user (`dashboard.auth`). A freeze request goes through
 `core.overrides.file_freeze_request`, the same validation as `pipetransformer freeze`
 (running job, forward only, within the model), before anything is filed in the job's etcd; the
-controller then audits it in the store under the signed-in name. Refused sign-ins and refused
-requests are logged on the dashboard's stderr with the client address.
+controller then audits it in the store under the signed-in name. A trace request goes through
+`core.overrides.file_trace_request` (`pipetransformer trace`: a running job that times its
+stages). Refused sign-ins and refused requests are logged on the dashboard's stderr with the
+client address, filed ones with the signed-in name.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from core.overrides import (
     OverrideError,
     allowed_layers,
     file_freeze_request,
+    file_trace_request,
     live_etcd_endpoint,
     pending_request,
 )
@@ -219,5 +223,78 @@ def _file(store: Store, job: JobInfo, options: Options, layers: int, reason: str
     # rerun the whole page, so the request list above shows it at once; the message survives
     st.session_state[FLASH_KEY] = (
         f"Request {request.id} filed: freeze blocks 0..{layers - 1} at the next decision point."
+    )
+    st.rerun()
+
+
+TRACE_FLASH_KEY = "trace_flash"  # session state: what the last capture said, after the rerun
+# session state: {job id: trace request id} a capture from this page waits for; the Pipeline
+# view shows that trace once the ranks have reported it (`awaited_trace`)
+TRACE_AWAITED_KEY = "trace_awaited"
+
+
+def awaited_trace(job_id: str) -> str | None:
+    """The trace request a capture from this page filed for `job_id` and still waits for."""
+    return st.session_state.get(TRACE_AWAITED_KEY, {}).get(job_id)
+
+
+def trace_arrived(job_id: str) -> None:
+    """The awaited trace of `job_id` is in the store: stop waiting for it."""
+    st.session_state.get(TRACE_AWAITED_KEY, {}).pop(job_id, None)
+
+
+def trace_control(job: JobInfo, options: Options, actor: str | None) -> None:
+    """A button that asks every rank of the running job to trace its next step after a control
+    point (`core.overrides.file_trace_request`, the same rules as `pipetransformer trace`; a
+    signed-in user's, audited like a freeze request). Nothing for a job that is not running;
+    without a signed-in user, or for a job that times nothing (`runtime.stage_timing: false`),
+    it says why there is no button. A refused request says why, never with a traceback."""
+    if job.state != "running":
+        trace_arrived(job.id)  # it will never come
+        return  # nothing to trace: the captured traces above are what there is
+    if actor is None:
+        st.caption("Sign in (sidebar) to capture the next step's schedule on every rank.")
+        return
+    if not job.spec.runtime.stage_timing:
+        st.caption(
+            "This job runs with `runtime.stage_timing: false`: its ranks time nothing, so there "
+            "is no step to capture."
+        )
+        return
+    if message := st.session_state.pop(TRACE_FLASH_KEY, None):
+        st.success(message)
+    if not st.button("Capture the next step", key="capture_trace"):
+        return
+    log = audit_log()
+    who = signed_in()
+    if who is None:  # a stale page from before a sign-out
+        log.warning("refused trace request for %s from %s: not signed in", job.id, client_address())
+        st.error("Refused: sign in first.")
+        return
+    asker = f"{who} (dashboard)"
+    try:
+        etcd = etcd_client(live_etcd_endpoint(job, options.etcd))
+        request = file_trace_request(etcd, job, who=asker)
+    except OverrideError as exc:
+        log.warning("refused trace request by %s for %s: %s", who, job.id, exc)
+        st.error(f"Refused: {exc}")
+        return
+    except EtcdUnavailable as exc:
+        st.error(f"The job's etcd does not answer: {exc}")
+        return
+    every = job.spec.runtime.control_every_steps
+    if request.who == asker:
+        log.info("trace request %s by %s for %s", request.id, who, job.id)
+        filed = f"Trace request {request.id} filed"
+    else:  # one still pending is shared: the same trace answers both
+        log.info("trace request %s by %s for %s: joins %s's", request.id, who, job.id, request.who)
+        filed = (
+            f"Trace request {request.id} (by {request.who}) was already pending: it is yours too"
+        )
+    st.session_state.setdefault(TRACE_AWAITED_KEY, {})[job.id] = request.id
+    st.session_state[TRACE_FLASH_KEY] = (
+        f"{filed}. Every rank traces the step after its next control point, at most {every} "
+        "step(s) away (`runtime.control_every_steps`); the trace shows up above by itself once "
+        "they report."
     )
     st.rerun()

@@ -1,11 +1,13 @@
-"""One job's page: a live header and the view the user picked (training curves, layout, freezing,
-workers, events, spec, comparison). Everything here reads the store (and, for a running job, the
-pending request in its etcd); figures come from `dashboard.figures`, table rows from
-`dashboard.views`. `dashboard.app` decides which job and which view, and how often to refresh.
+"""One job's page: a live header and the view the user picked (training curves, layout, where the
+pipeline's time goes, freezing, workers, events, spec, comparison). Everything here reads the
+store (and, for a running job, the pending request in its etcd); figures come from
+`dashboard.figures` and `dashboard.pipeline_figures`, table rows from `dashboard.views`.
+`dashboard.app` decides which job and which view, and how often to refresh.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -13,13 +15,16 @@ from typing import Any
 import streamlit as st
 
 from core.provenance import DATA_OPENED
+from core.stage_times import chrome_trace, per_rank, pipeline_reading
 from dashboard import figures, views
+from dashboard import pipeline_figures as pf
 from dashboard import timeline as tl
-from dashboard.control import pending_raw
+from dashboard.control import awaited_trace, pending_raw, trace_arrived
 from dashboard.launch import Options
-from store import JobInfo, Store
+from dashboard.logs import LINES, log_tail
+from store import JobInfo, StageTimesRow, Store, WorkerRow
 
-VIEWS = ["Training", "Layout", "Freezing", "Workers", "Events", "Spec", "Compare"]
+VIEWS = ["Training", "Layout", "Pipeline", "Freezing", "Workers", "Events", "Spec", "Compare"]
 STATE_ICONS = {
     "pending": "⏳",
     "running": "▶️",
@@ -29,6 +34,12 @@ STATE_ICONS = {
 }
 THROUGHPUT_WINDOW = 20  # steps averaged for the header's samples/s and MFU
 CHART = {"displaylogo": False}  # plotly's mode bar without its logo link
+# the newest intervals (distinct interval ends, every rank's row of each) the Pipeline and
+# Workers views read: a long job's page stays fast, and its recent layouts are all there
+STAGE_TIME_INTERVALS = 2000
+TRACE_PICKER_KEY = "trace_request"  # session state: the traced step the Pipeline view shows
+LOG_OPEN_KEY = "worker_log_open"  # session state: whether the Workers view's log is open
+LOG_HEIGHT = 480  # px: the log's lines scroll inside their box
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,133 @@ def layout_view(store: Store, job: JobInfo) -> None:
         _chart(figures.layout_history_figure(history), "layout_history")
 
 
+def pipeline_view(store: Store, job: JobInfo) -> None:
+    """Where each rank's time went under a layout version (the newest measured by default): the
+    phases per rank, the bubble per stage beside the schedule's, both over the steps across
+    re-layouts, the seconds as a table and what they say in one line."""
+    rows = store.stage_times(job.id, last_intervals=STAGE_TIME_INTERVALS)
+    if not rows:
+        st.info(
+            "No stage timings reported yet: the ranks report where their time went at the end "
+            "of each reporting interval (jobs run before stage timing was added have none)."
+        )
+    else:
+        _stage_timings(store, job, rows)
+    trace_section(store, job)
+
+
+def _predictions(store: Store, job: JobInfo) -> dict[int, list[float]]:
+    """AutoPipe's predicted forward + backward seconds per step of each stage, by the layout
+    version it planned (the `layout_planned` events that carry them)."""
+    found: dict[int, list[float]] = {}
+    for e in store.events(job.id, limit=500, kinds=["layout_planned"]):
+        data = e.data or {}
+        if isinstance(data.get("version"), int) and data.get("predicted_stage_s"):
+            found.setdefault(data["version"], data["predicted_stage_s"])
+    return found
+
+
+def _stage_timings(store: Store, job: JobInfo, rows: list[StageTimesRow]) -> None:
+    history = store.layouts(job.id)
+    layouts = {rec.layout.version: rec.layout for rec in history}
+    versions = sorted({r.layout_version for r in rows})
+    chosen = (
+        st.select_slider(
+            "Layout version",
+            options=versions,
+            value=versions[-1],
+            format_func=lambda v: f"v{v}",
+            key="pipeline_version",
+        )
+        if len(versions) > 1
+        else versions[0]
+    )
+    layout = layouts.get(chosen)
+    if layout is None:
+        st.warning(f"Layout v{chosen} was measured but is not recorded in the store.")
+        return
+    ranks = per_rank(rows, chosen)
+    reading = pipeline_reading(
+        ranks, layout.schedule, layout.pipeline_ranks, layout.microbatches, layout.virtual_stages
+    )
+    if reading is not None:
+        st.markdown(f"**Reading** · {reading.text()}")
+    _chart(pf.breakdown_figure(ranks, layout), "pipeline_breakdown")
+    left, right = st.columns(2)
+    with left:
+        _chart(pf.bubble_figure(ranks, layout), "pipeline_bubble")
+    with right:
+        _chart(pf.bubble_over_time_figure(rows, history), "pipeline_bubble_over_time")
+    _chart(
+        pf.predicted_figure(ranks, layout, _predictions(store, job).get(chosen)),
+        "pipeline_predicted",
+    )
+    st.dataframe(views.phase_rows(ranks), hide_index=True, key="pipeline_phases")
+    measured = [r for r in rows if r.layout_version == chosen]
+    clocks = sorted({r.clock for r in measured})
+    first, last = min(r.from_step for r in measured), max(r.to_step for r in measured)
+    st.caption(
+        f"Seconds summed over steps {first + 1}-{last} under v{chosen} "
+        f"(the newest {STAGE_TIME_INTERVALS:,} intervals at most), timed with "
+        f"{' and '.join('CUDA events' if c == 'cuda' else 'the host clock' for c in clocks)}. "
+        "Bubble: waiting for a neighbour stage over forward + backward + waiting; busy: "
+        "forward + backward over the wall time."
+    )
+
+
+def trace_label(step: int, started: float) -> str:
+    """A traced step in the picker: "step 41 · 2027-01-15 08:00:02 UTC"."""
+    return f"step {step} · {views.fmt_time(started)}"
+
+
+def trace_section(store: Store, job: JobInfo) -> None:
+    """One traced step: which capture (newest first), its Gantt chart, its Chrome trace. A
+    capture filed from this page (`dashboard.control.trace_control`, below the view) is shown
+    as soon as the ranks have reported it: the live refresh picks it up."""
+    st.markdown("**One step's schedule**")
+    captured = store.trace_requests(job.id)
+    labels = {req: trace_label(step, started) for req, step, started in captured}
+    awaited = awaited_trace(job.id)
+    if awaited is not None and awaited in labels:
+        st.session_state[TRACE_PICKER_KEY] = awaited  # the capture asked for, once it is in
+        trace_arrived(job.id)
+    elif awaited is not None:
+        st.caption(
+            f"Waiting for trace request {awaited}: every rank traces the step after its next "
+            f"control point (at most {job.spec.runtime.control_every_steps} step(s) away)."
+        )
+    if not captured:
+        st.caption(
+            "No step traced yet. A signed-in user captures one from a running job below, or "
+            f"`pipetransformer trace {job.id}`."
+        )
+        return
+    chosen = st.selectbox(
+        "Traced step (newest first)",
+        list(labels),
+        format_func=labels.__getitem__,
+        key=TRACE_PICKER_KEY,
+    )
+    rows = store.step_traces(job.id, request=chosen)
+    _chart(pf.trace_figure(rows), "pipeline_trace")
+    st.caption(
+        "Each rank's spans from its own start of the step, lined up by the ranks' clocks "
+        "(hosts' clocks may differ by their NTP offset). F3 / B3: micro-batch 3's forward / "
+        "backward; the gaps inside the schedule are waiting for a neighbour stage."
+    )
+    st.download_button(
+        "Download as a Chrome / Perfetto trace",
+        data=json.dumps(chrome_trace(rows)),
+        file_name=f"trace-{chosen}.json",
+        mime="application/json",
+        key="trace_download",
+        on_click="ignore",  # a download, not a reason to rerun the page
+    )
+    st.caption(
+        "Open it in ui.perfetto.dev or chrome://tracing: a process per rank, a thread per stage."
+    )
+
+
 def freezing_view(store: Store, job: JobInfo, options: Options, opts: ChartOptions) -> None:
     metrics = store.metrics(job.id)
     history = store.layouts(job.id)
@@ -174,8 +312,10 @@ def workers_view(store: Store, job: JobInfo) -> None:
     if not generations:
         st.info("No generation has started yet.")
         return
-    rows = views.worker_rows(workers, time.time())
-    # a rank's stage and replica are its part in the layout in force (re-layouts included)
+    measured = store.stage_times(job.id, last_intervals=STAGE_TIME_INTERVALS)
+    # a rank's stage and replica are its part in the layout in force (re-layouts included):
+    # that of its newest measured interval where it reported one
+    rows = views.worker_rows(workers, time.time(), measured)
     for g in reversed(generations):
         mine = [r for r in rows if r["generation"] == g.number]
         ended = f" → {views.fmt_time(g.ended_at)}" if g.ended_at else ""
@@ -193,10 +333,49 @@ def workers_view(store: Store, job: JobInfo) -> None:
             )
         else:
             st.caption("No worker recorded for this generation.")
+    parts = views.measured_parts(measured)
+    if len(parts) > 1:  # re-laid out while measured: where each rank ran, version by version
+        st.markdown("**Each rank's part by layout version, as measured** (stage · replica)")
+        st.dataframe(parts, hide_index=True, key="measured_parts")
     layouts = store.layouts(job.id)
     if len(layouts) > 1:  # freezing re-laid the job out: where each rank went
         with st.expander("Each rank's part by layout version (stage · replica)"):
             st.dataframe(views.rank_parts(layouts), hide_index=True, key="rank_parts")
+    _log_tail([w for w in workers if w.generation == generations[-1].number])
+
+
+def _log_tail(workers: list[WorkerRow]) -> None:
+    """The newest generation's ranks: pick one, and, while its expander is open, the end of its
+    log (`dashboard.logs.log_tail`: at most the last 256 KiB read at each refresh, never while
+    closed), or why it cannot be read here and how to get it."""
+    if not workers:
+        return
+    st.markdown("**Recent log lines**")
+    by_rank = {w.rank: w for w in workers}
+    rank = st.selectbox(
+        "Rank",
+        sorted(by_rank),
+        format_func=lambda r: f"rank {r}" + (f" · {by_rank[r].host}" if by_rank[r].host else ""),
+        key="log_rank",
+    )
+    worker = by_rank[rank]
+    # one label whatever the rank: the expander stays open while the reader switches ranks
+    box = st.expander(f"Its last {LINES} lines", key=LOG_OPEN_KEY, on_change="rerun")
+    if not box.open:  # read nothing until asked
+        return
+    with box:
+        tail = log_tail(worker.log)
+        if tail.text is None:
+            st.info(tail.reason)
+            if worker.host:  # in a pod, the host name is the pod's name
+                st.caption(
+                    f"Rank {rank} ran on `{worker.host}`; where that is a trainer pod: "
+                    f"`kubectl logs {worker.host} --tail {LINES}`."
+                )
+            return
+        cut = " (its end only)" if tail.truncated else ""
+        st.caption(f"`{worker.log}`{cut}")
+        st.code(tail.text or "(empty so far)", language=None, height=LOG_HEIGHT)
 
 
 def events_view(store: Store, job: JobInfo) -> None:
@@ -272,6 +451,8 @@ def render(
         training_view(store, job, opts)
     elif view == "Layout":
         layout_view(store, job)
+    elif view == "Pipeline":
+        pipeline_view(store, job)
     elif view == "Freezing":
         freezing_view(store, job, options, opts)
     elif view == "Workers":

@@ -18,8 +18,9 @@ from core.protocol import FreezeOutcome, read_freeze_request
 from core.provenance import origin_of, provenance
 from core.readings import mfu_text, peak_memory_text
 from core.spec import JobSpec
+from core.stage_times import PHASE_LABELS, PHASES, RankTimes
 from core.state import Layout
-from store.rows import EventRow, MetricRow, RecordedLayout, WorkerRow
+from store.rows import EventRow, MetricRow, RecordedLayout, StageTimesRow, WorkerRow
 
 REQUEST_EVENT = "freeze_requested"
 OUTCOME_EVENTS = {f"freeze_{o.value}": o.value for o in FreezeOutcome}
@@ -111,11 +112,39 @@ def freeze_requests(
     return sorted(by_id.values(), key=lambda r: r["filed"], reverse=True)
 
 
-def worker_rows(workers: Sequence[WorkerRow], now: float) -> list[dict[str, Any]]:
+def parts_in_force(measured: Sequence[StageTimesRow]) -> dict[tuple[int, int], StageTimesRow]:
+    """Each (generation, rank)'s newest measured interval (`Store.stage_times` rows): the
+    layout version, stages and replica the rank ran last, re-layouts in the running processes
+    included."""
+    newest: dict[tuple[int, int], StageTimesRow] = {}
+    for r in measured:
+        key = (r.generation, r.rank)
+        prev = newest.get(key)
+        if prev is None or (r.to_step, r.time) >= (prev.to_step, prev.time):
+            newest[key] = r
+    return newest
+
+
+def stages_part(stages: Sequence[int], replica: int) -> str:
+    """A rank's part as `part_text` writes it: "S1 · r0", "S0,S2 · r0"."""
+    return f"{','.join(f'S{s}' for s in stages)} · r{replica}"
+
+
+def worker_rows(
+    workers: Sequence[WorkerRow], now: float, measured: Sequence[StageTimesRow] = ()
+) -> list[dict[str, Any]]:
     """One row per rank of each generation (as `Store.workers` returns them), newest generation
-    first: where it runs, what it holds, whether its lease is held, and how it ended."""
+    first: where it runs, what it holds, whether its lease is held, and how it ended.
+
+    A rank's stage and replica are those of its newest measured interval in `measured` (the
+    rows of `Store.stage_times`: the layout in force, after any re-layout), with that layout's
+    version; a rank without one keeps the part the worker table recorded (and no version)."""
+    in_force = parts_in_force(measured)
     rows = []
     for w in sorted(workers, key=lambda w: (-w.generation, w.rank)):
+        last = in_force.get((w.generation, w.rank))
+        stages = last.stages if last is not None else w.stages
+        replica = last.replica if last is not None else w.replica
         rows.append(
             {
                 "generation": w.generation,
@@ -123,8 +152,9 @@ def worker_rows(workers: Sequence[WorkerRow], now: float) -> list[dict[str, Any]
                 "state": w.state,
                 "host": w.host or w.node or "",
                 "pid": "" if w.pid is None else w.pid,
-                "stage": ",".join(map(str, w.stages)) if w.stages else "",
-                "replica": "" if w.replica is None else w.replica,
+                "stage": ",".join(map(str, stages)) if stages else "",
+                "replica": "" if replica is None else replica,
+                "layout": "" if last is None else f"v{last.layout_version}",
                 "lease": w.lease or "",
                 "last report": fmt_ago(w.last_report_at, now),
                 "exit": exit_text(w.exit_code, w.signal),
@@ -133,6 +163,55 @@ def worker_rows(workers: Sequence[WorkerRow], now: float) -> list[dict[str, Any]
             }
         )
     return rows
+
+
+def measured_parts(measured: Sequence[StageTimesRow]) -> list[dict[str, Any]]:
+    """Each rank's part in every layout version it was measured under, in the order the versions
+    took effect: the steps measured under it and, per rank, "S1 · r0" (its newest interval
+    under that version; "" for a rank not measured under it). What ran, beside `rank_parts`'
+    plan."""
+    versions: dict[int, dict[str, Any]] = {}
+    newest: dict[tuple[int, int], StageTimesRow] = {}
+    for r in measured:
+        span = versions.setdefault(r.layout_version, {"first": r.from_step, "last": r.to_step})
+        span["first"] = min(span["first"], r.from_step)
+        span["last"] = max(span["last"], r.to_step)
+        key = (r.layout_version, r.rank)
+        prev = newest.get(key)
+        if prev is None or (r.generation, r.to_step) >= (prev.generation, prev.to_step):
+            newest[key] = r
+    ranks = sorted({r.rank for r in measured})
+    return [
+        {
+            "layout": f"v{v}",
+            "steps": f"{span['first'] + 1}-{span['last']}",
+            **{
+                f"rank {k}": stages_part(row.stages, row.replica)
+                if (row := newest.get((v, k))) is not None
+                else ""
+                for k in ranks
+            },
+        }
+        for v, span in sorted(versions.items(), key=lambda kv: (kv[1]["first"], kv[0]))
+    ]
+
+
+def phase_rows(ranks: Sequence[RankTimes]) -> list[dict[str, Any]]:
+    """The Pipeline view's table: one row per rank (`core.stage_times.per_rank`) with its part,
+    the intervals summed, the wall time, the seconds of every phase (`PHASES` order, named by
+    `PHASE_LABELS`), its measured bubble and its busy share (forward + backward over wall)."""
+    return [
+        {
+            "rank": r.rank,
+            "part": stages_part(r.stages, r.replica),
+            "intervals": r.intervals,
+            "wall (s)": round(r.wall_s, 3),
+            **{f"{PHASE_LABELS[p]} (s)": round(getattr(r.seconds, p), 3) for p in PHASES},
+            "bubble": "—" if r.bubble is None else f"{r.bubble:.1%}",
+            "busy": f"{r.busy_fraction:.1%}",
+        }
+        for r in ranks
+    ]
 
 
 def part_text(layout: Layout, rank: int) -> str:

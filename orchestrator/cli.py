@@ -8,12 +8,15 @@ etcd data and its checkpoints) and `--db URL` / `--etcd HOST:PORT` to use extern
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import signal
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -26,10 +29,12 @@ from core.etcd_client import EtcdClient, EtcdUnavailable
 from core.overrides import (
     OverrideError,
     file_freeze_request,
+    file_trace_request,
     live_etcd_endpoint,
 )
 from core.readings import mfu_text, peak_memory_text
 from core.spec import JobSpec, SpecError, load_spec, spec_from_text
+from core.stage_times import chrome_trace
 from orchestrator.controller import (
     Controller,
     ControllerError,
@@ -42,11 +47,13 @@ from orchestrator.controller import (
 from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.local import admission_problems, job_etcd, train_here
+from orchestrator.monitoring import JobMetrics, TensorBoardWriter
 from orchestrator.procs import EXIT_SIGTERM
 from orchestrator.progress import ProgressView
 from orchestrator.report import print_summary, provenance_rows
 from orchestrator.roles import TrainerPods, serve_node
 from orchestrator.sources import resolve_submission
+from orchestrator.summary import pipeline_from_store
 from store import (
     DB_ENV,
     JobInfo,
@@ -211,7 +218,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
         store_url = shown_url(db_url(args))
         console.print(f"job [bold]{job_id}[/] — store {store_url}, etcd {etcd.endpoint}")
-        train_here(ctrl, etcd, console, err)
+        with monitored(ctrl, args, host="127.0.0.1"):
+            train_here(ctrl, etcd, console, err)
         return _summary(store, ctrl, args, started)
 
 
@@ -226,8 +234,33 @@ def cmd_resume(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with job_etcd(args.etcd, args.workdir, job.id) as etcd:
         ctrl = Controller(store, etcd, job.id)
-        train_here(ctrl, etcd, console, err)
+        with monitored(ctrl, args, host="127.0.0.1"):
+            train_here(ctrl, etcd, console, err)
         return _summary(store, ctrl, args, started)
+
+
+@contextlib.contextmanager
+def monitored(ctrl: Controller, args: argparse.Namespace, host: str) -> Iterator[None]:
+    """While the controller runs the job: its Prometheus metrics on `--metrics-port` (read from
+    the store at each scrape, through a store of their own), and TensorBoard event files under
+    the job's directory where the spec asks for them (`runtime.tensorboard`), written from each
+    drain of the workers' reports."""
+    with contextlib.ExitStack() as stack:
+        if args.metrics_port:
+            metrics = stack.enter_context(JobMetrics.open(db_url(args), ctrl.job_id))
+            try:
+                port = metrics.start(args.metrics_port, host=host)
+            except OSError as exc:
+                raise UsageError(
+                    f"--metrics-port {args.metrics_port}: cannot serve it ({exc})"
+                ) from None
+            console.print(f"Prometheus metrics: http://{host}:{port}/metrics")
+        if ctrl.spec.runtime.tensorboard:
+            logdir = job_dir(ctrl.job.workdir, ctrl.job_id) / "tensorboard"
+            writer = stack.enter_context(TensorBoardWriter(logdir))
+            ctrl.observers.append(writer.write)
+            console.print(f"TensorBoard event files: tensorboard --logdir {logdir}")
+        yield
 
 
 def refuse_if_controlled(job: JobInfo, explicit_etcd: str | None) -> None:
@@ -273,8 +306,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     job_id = args.job or jobs[0].id  # newest job by default
     status = store.status(job_id)
+    reading = pipeline_from_store(store, job_id)  # the ranks' stage timings, newest layout
     if args.json:
-        print(json.dumps(status.model_dump(mode="json"), indent=2))
+        out = status.model_dump(mode="json")
+        out["pipeline"] = None if reading is None else dataclasses.asdict(reading)
+        print(json.dumps(out, indent=2))
         return 0
     table = Table(show_header=False, box=None)
     for key in ("id", "state", "message", "epoch", "step", "accuracy", "lr", "freeze_boundary"):
@@ -290,6 +326,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     layout = store.current_layout(job_id)
     if layout:
         table.add_row("layout", layout.describe())
+    if reading is not None:
+        table.add_row("pipeline", escape(reading.text()))
     ckpt = status.checkpoint
     if ckpt:
         table.add_row("checkpoint", f"{ckpt.path} (step {ckpt.step})")
@@ -341,6 +379,63 @@ def cmd_freeze(args: argparse.Namespace) -> int:
     console.print(
         f"freeze request {request.id} filed: blocks 0..{args.layers - 1} at the next decision "
         f"point of {job.id} (see `pipetransformer status {job.id}`)"
+    )
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Capture one step's schedule on every rank of a running job: file a trace request, wait
+    for every rank's `StepTrace` in the store, write them as a Chrome / Perfetto trace."""
+    store = open_store(args)
+    job = store.get_job(args.job)
+    endpoint = live_etcd_endpoint(job, args.etcd)
+    try:
+        with EtcdClient(endpoint, retry_timeout=3) as etcd:
+            request = file_trace_request(etcd, job)
+    except EtcdUnavailable as exc:
+        raise UsageError(f"job {job.id}: its etcd does not answer ({exc})") from None
+    layout = store.current_layout(job.id)
+    ranks = layout.world_size if layout else 1
+    every = job.spec.runtime.control_every_steps
+    console.print(
+        f"trace request {request.id} filed: every rank traces the step after the next control "
+        f"point (at most {every} steps away); waiting up to {args.wait:g}s for {ranks} rank(s)"
+    )
+    deadline = time.monotonic() + args.wait
+    traces = store.step_traces(job.id, request=request.id)
+    while len({t.rank for t in traces}) < ranks and time.monotonic() < deadline:
+        time.sleep(0.5)
+        traces = store.step_traces(job.id, request=request.id)
+    if not traces:
+        raise UsageError(
+            f"no rank of job {job.id} answered trace request {request.id} within {args.wait:g}s "
+            f"(is it still training? `pipetransformer status {job.id}`)"
+        )
+    out = Path(args.out or Path(job.workdir) / "jobs" / job.id / f"trace-{request.id}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(chrome_trace(traces)))
+    table = Table(title=f"step {traces[0].step}", title_justify="left", box=None)
+    for column in ("rank", "stages", "replica", "step time", "compute", "waiting", "spans"):
+        table.add_column(column, justify="right")
+    for t in traces:
+        end = max((s.end_s for s in t.spans), default=0.0)
+        compute = sum(s.end_s - s.start_s for s in t.spans if s.phase in ("forward", "backward"))
+        wait = sum(s.end_s - s.start_s for s in t.spans if s.phase == "pipeline_wait")
+        table.add_row(
+            str(t.rank),
+            ",".join(map(str, t.stages)),
+            str(t.replica),
+            f"{end * 1e3:.1f} ms",
+            f"{compute * 1e3:.1f} ms",
+            f"{wait * 1e3:.1f} ms",
+            str(len(t.spans)),
+        )
+    console.print(table)
+    missing = ranks - len({t.rank for t in traces})
+    if missing > 0:
+        console.print(f"{missing} rank(s) did not answer within {args.wait:g}s")
+    console.print(
+        f"Chrome / Perfetto trace: {out} (open it in ui.perfetto.dev or chrome://tracing)"
     )
     return 0
 
@@ -446,7 +541,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
         rdzv_id = args.rdzv_id or f"{job_id}-{uuid.uuid4().hex[:6]}"
         supervising.append(ctrl)
         try:
-            with ProgressView(console, ctrl.layout) as view:
+            # 0.0.0.0: Prometheus scrapes the pod's address
+            with monitored(ctrl, args, host="0.0.0.0"), ProgressView(console, ctrl.layout) as view:
                 ctrl.run(rdzv_id, launch, on_tick=view.update, attach=True)
         except HandedOver as exc:
             console.print(str(exc))
@@ -503,11 +599,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train a job from a spec file")
     p.add_argument("spec", help="job spec YAML, e.g. examples/vit-digits.yaml")
     p.add_argument("--job-id", help="job id (default: <name>-<random>)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve the job's Prometheus metrics at http://127.0.0.1:PORT/metrics while it "
+        "runs (0: off, the default)",
+    )
     common(p)
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("resume", help="continue a job from its last committed checkpoint")
     p.add_argument("job")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve the job's Prometheus metrics at http://127.0.0.1:PORT/metrics while it "
+        "runs (0: off, the default)",
+    )
     common(p)
     p.set_defaults(fn=cmd_resume)
 
@@ -524,6 +636,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="manual override", help="kept in the audit trail")
     common(p)
     p.set_defaults(fn=cmd_freeze)
+
+    p = sub.add_parser(
+        "trace",
+        help="capture one step's schedule on every rank of a running job (a Chrome trace)",
+        description="Every rank of the running job traces one step (the step after its next "
+        "control point): each stage's forward and backward per micro-batch, the waits between "
+        "them, the optimizer, data and frozen prefix. Written as a Chrome / Perfetto trace "
+        "(Trace Event Format JSON); the dashboard's Pipeline view draws the same as a Gantt chart.",
+    )
+    p.add_argument("job")
+    p.add_argument(
+        "--out", metavar="FILE", help="where to write the trace (default: the job's directory)"
+    )
+    p.add_argument(
+        "--wait", type=float, default=120.0, help="seconds to wait for every rank (default 120)"
+    )
+    common(p)
+    p.set_defaults(fn=cmd_trace)
 
     p = sub.add_parser(
         "export",
@@ -574,6 +704,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd-port", type=int, help="start an embedded etcd on this port")
     p.add_argument("--join-timeout", type=float, default=300.0)
     p.add_argument("--rdzv-id", help="rendezvous id the workers meet at (default: generated)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve the job's Prometheus metrics at http://0.0.0.0:PORT/metrics while it "
+        "runs (0: off, the default)",
+    )
     common(p)
     p.set_defaults(fn=cmd_controller)
 

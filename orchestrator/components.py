@@ -24,7 +24,10 @@ Roles:
 * `controller` (1 replica): `pipetransformer controller [SPEC]` creates the job in the store,
   publishes spec, layout and assignment in etcd, and records what the workers report. Locally,
   without `--etcd`, it serves an embedded etcd on `--etcd_port` (picked free when this component
-  is evaluated, so both roles know it before either starts).
+  is evaluated, so both roles know it before either starts). With `--metrics_port` (in container
+  mode by default, port 9400) it serves the job's Prometheus metrics (`/metrics`,
+  orchestrator/monitoring.py) from a container port named `metrics`, and its pod carries the
+  `prometheus.io/*` annotations and the labels k8s/monitoring/podmonitor.yaml selects.
 * `trainer` (`nnodes` replicas): `pipetransformer workers` waits for etcd and the job's
   assignment, then runs torchrun (etcd v3 rendezvous) with `nproc_per_node` workers, elastic
   between `runtime.min_nodes` and `nnodes` nodes. Start order does not matter.
@@ -52,7 +55,7 @@ from torchx.specs.overlays import set_overlay
 from core.keys import ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
 from core.spec import JobSpec, SpecError, load_spec
 from orchestrator.etcd_server import free_port
-from orchestrator.pods import CACHE_DIR, PodVolumes, pod_overlay
+from orchestrator.pods import CACHE_DIR, PodVolumes, metrics_annotations, pod_overlay
 
 CONTROLLER_ROLE = "controller"
 TRAINER_ROLE = "trainer"
@@ -63,6 +66,10 @@ TRAINER_MEM_MB_PER_PROC = 1024
 K8S_RESERVED_MEM_MB = 1024
 POD_WORKDIR = "/workdir"  # where the checkpoint volume is mounted in every pod
 K8S_RETRIES = 3
+# the controller pod's Prometheus metrics port (container mode's default for --metrics_port);
+# `pipetransformer controller --metrics-port N` serves them
+METRICS_PORT = 9400
+METRICS_PORT_NAME = "metrics"  # the container port's name: k8s/monitoring/podmonitor.yaml
 
 
 class ComponentArgError(ComponentValidationException, ValueError):
@@ -97,6 +104,7 @@ def train(
     workdir_pvc: str = "pipetransformer-workdir",
     grace_period_s: int = 120,
     trainer_overlay: str = "",
+    metrics_port: int = -1,
 ) -> specs.AppDef:
     """Train a pipetransformer job: one controller role and `nnodes` trainer roles.
 
@@ -149,9 +157,18 @@ def train(
         trainer_overlay: container mode: a YAML file merged into every trainer pod (torchx's
             pod overlay format, top-level `spec`), e.g. k8s/overlays/gpu/pod-overlay.yaml for
             GPU tolerations and node selectors
+        metrics_port: port on which the controller serves the job's Prometheus metrics at
+            /metrics (default: 9400 in container mode, where the pod gets a container port
+            named `metrics` and the prometheus.io/scrape, port and path annotations; off
+            locally); 0 turns them off
     """
     job = _load(spec)
     nproc_per_node = _check_shape(job, spec, nnodes, nproc_per_node)
+    if not -1 <= metrics_port <= 65535:
+        raise ComponentArgError(
+            f"metrics_port={metrics_port}: give a port (1-65535), 0 to serve no metrics, or "
+            "leave it unset"
+        )
     # where local and container mode differ, decided once: the roles read the outcome
     pods: Pods | None = None
     embedded_port: int | None = None
@@ -171,6 +188,7 @@ def train(
             trainer_overlay=_user_overlay(trainer_overlay) if trainer_overlay else None,
         )
         retries = K8S_RETRIES if max_retries < 0 else max_retries
+        metrics_port = METRICS_PORT if metrics_port < 0 else metrics_port
     else:
         if not etcd:  # the controller serves etcd, on a port both roles know before they start
             embedded_port = etcd_port or free_port()
@@ -178,6 +196,11 @@ def train(
         role_mounts = specs.parse_mounts(mounts) if mounts else []
         resource = _trainer_resource(job, nproc_per_node, h, cpu, memMB, gpu=gpu)
         retries = max(0, max_retries)
+        metrics_port = max(0, metrics_port)  # off unless asked: jobs on one machine share ports
+        if metrics_port and metrics_port == embedded_port:
+            raise ComponentArgError(
+                f"metrics_port={metrics_port} is the embedded etcd's port (etcd_port)"
+            )
     opts = TrainOptions(
         name=job.name,
         spec=spec,
@@ -196,6 +219,7 @@ def train(
         env={"COLUMNS": "120", **(env or {})},
         mounts=role_mounts,
         max_retries=retries,
+        metrics_port=metrics_port,
         pods=pods,
     )
     return specs.AppDef(name=opts.name, roles=[controller_role(opts), trainer_role(opts)])
@@ -237,6 +261,7 @@ class TrainOptions:
     env: dict[str, str]  # both roles'
     mounts: list[specs.BindMount | specs.VolumeMount | specs.DeviceMount]  # locally; pods: `Pods`
     max_retries: int
+    metrics_port: int  # the controller's Prometheus metrics (0: none)
     pods: Pods | None  # container mode; None locally
 
 
@@ -260,6 +285,7 @@ def controller_role(opts: TrainOptions) -> specs.Role:
         *etcd,
         "--join-timeout",
         str(opts.join_timeout),
+        *(["--metrics-port", str(opts.metrics_port)] if opts.metrics_port else []),
     ]
     env = dict(opts.env)
     memory = CONTROLLER_MEM_MB
@@ -267,12 +293,15 @@ def controller_role(opts: TrainOptions) -> specs.Role:
         env[SPEC_ENV] = pods.spec_text
         memory += K8S_RESERVED_MEM_MB  # requested minus the reserve, as for the trainers
     role = _role(opts, CONTROLLER_ROLE, args, 1, specs.resource(cpu=1, gpu=0, memMB=memory), env)
+    if opts.metrics_port:  # a container port named `metrics` in the pod (unused locally)
+        role.port_map = {METRICS_PORT_NAME: opts.metrics_port}
     if pods:
         overlay = pod_overlay(
             opts.image,
             pods.grace_period_s,
             pods.volumes,
             [pods.db_secret] if pods.db_secret else [],
+            annotations=metrics_annotations(opts.metrics_port) if opts.metrics_port else None,
         )
         set_overlay(role, "kubernetes", "V1Pod", overlay)
     return role

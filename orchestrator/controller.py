@@ -65,7 +65,9 @@ from core.protocol import (
     PeerLost,
     RelayoutCost,
     RendezvousRefused,
+    StageTimes,
     Started,
+    StepTrace,
     UnreadableRequest,
     WorkerEvent,
     WorkerExit,
@@ -216,6 +218,8 @@ class Controller:
         self._report: str | None = None  # etcd key of the worker report being applied
         self._leaving = False  # `leave` was asked: hand the job over at the next safe point
         self._alerts_looked = -math.inf  # monotonic time of the last look for refused states
+        # called with the reports of each drain, once they are stored (TensorBoard's writer)
+        self.observers: list[Callable[[list[WorkerEvent]], None]] = []
 
     @property
     def current(self) -> Generation | None:
@@ -428,9 +432,8 @@ class Controller:
         layout, waiting = self.layout, None
         if layout is None or layout.world_size != world or layout.freeze_boundary != frozen:
             try:
-                layout, why = plan_layout(
-                    self.spec, world=world, boundary=frozen, current=self.layout
-                )
+                planned = plan_layout(self.spec, world=world, boundary=frozen, current=self.layout)
+                layout, why = planned.layout, planned.reason
             except PlanError as exc:
                 waiting = f"waiting for capacity: {exc}"
             else:
@@ -651,6 +654,12 @@ class Controller:
         metrics = [e for e in events if isinstance(e, Metrics)]
         if metrics:
             self.store.add_metrics(self.job_id, metrics)
+        times = [e for e in events if isinstance(e, StageTimes)]
+        if times:  # one row per rank and interval, in one transaction (like the metrics)
+            self.store.add_stage_times(self.job_id, times)
+        traces = [e for e in events if isinstance(e, StepTrace)]
+        if traces:
+            self.store.add_step_traces(self.job_id, traces)
         self.roster.reported(events)  # last_report_at, one statement
         for key, e in parsed:
             self._report = key  # store events derived from a report are keyed by it: replay-safe
@@ -664,6 +673,11 @@ class Controller:
         # one request per batch of keys, not per report: at hundreds of workers the deletes
         # were most of a drain (bench/control_plane_scale.py)
         self.etcd.delete_many([key for key, _ in items])
+        for observe in self.observers:
+            try:
+                observe(events)
+            except Exception as exc:  # an observer's trouble never stops the job's supervision
+                log.warning("controller: an observer of the reports failed: %s", exc)
         return events
 
     def _reject_report(self, key: str, raw: str, error: str) -> None:
@@ -813,7 +827,7 @@ class Controller:
                     data=e.payload(),
                 )
             case LayoutPlanned():
-                self._adopt_layout(e.layout, e.reason, e.seconds, e.cost)
+                self._adopt_layout(e.layout, e.reason, e.seconds, e.cost, e.predicted_stage_s)
                 self.roster.relaid(e.generation, e.layout)
             case FreezeDecided():
                 self._record_freeze(e)
@@ -871,6 +885,7 @@ class Controller:
         reason: str,
         seconds: float | None,
         cost: RelayoutCost | None = None,
+        predicted_stage_s: list[float] | None = None,
     ) -> None:
         """Workers planned a layout from measurement: record it and make it the current one, so
         a resumed generation starts with it instead of planning again. A re-layout's cost (where
@@ -887,6 +902,9 @@ class Controller:
         data: dict[str, Any] = {"layout": layout.describe(), "seconds": seconds}
         if cost is not None:
             data["cost"] = cost.model_dump()
+        if predicted_stage_s is not None:  # the Pipeline view sets them beside the measured
+            data["version"] = layout.version
+            data["predicted_stage_s"] = predicted_stage_s
         self._record_event("layout_planned", f"layout v{layout.version}: {reason}{took}", data=data)
 
     def _record_freeze(self, e: FreezeDecided) -> None:

@@ -1,11 +1,13 @@
 """What the torchx component adds to the Kubernetes pods torchx generates for its roles
 (`pod_overlay`, `PodVolumes`): the image's non-root user, the checkpoint volume, a node-local
-AutoCache directory, the store's Secret and the grace period a leaving trainer checkpoints in.
+AutoCache directory, the store's Secret, the grace period a leaving trainer checkpoints in, the
+project's label and, on the controller, the annotations that let Prometheus find its metrics
+(`metrics_annotations`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,20 @@ from torchx.specs.overlays import JOIN
 CACHE_DIR = "/cache"  # a node-local emptyDir in each trainer pod
 IMAGE_UID = 10001  # the non-root user of the project's image (Dockerfile)
 TORCHX_SHM_VOLUME = "dshm"  # the /dev/shm volume torchx gives every pod (a test checks the name)
+# on every pod of a job, beside torchx's own labels (`torchx.pytorch.org/role-name` names the
+# role): k8s/monitoring/podmonitor.yaml selects the controller pods by the two
+POD_LABELS = {"app.kubernetes.io/part-of": "pipetransformer"}
+METRICS_PATH = "/metrics"
+
+
+def metrics_annotations(port: int) -> dict[str, str]:
+    """The `prometheus.io/*` annotations a Prometheus with the common pod discovery
+    configuration (keep pods annotated `scrape: "true"`, at `port` and `path`) scrapes by."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": METRICS_PATH,
+    }
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,7 @@ def pod_overlay(
     volumes: PodVolumes,
     env_secrets: Sequence[str] = (),
     cache: bool = False,
+    annotations: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """What torchx's generated pod lacks: the non-root user and volume group of the image, a
     security context the Pod Security "restricted" profile admits, no API token (the pods never
@@ -67,7 +84,8 @@ def pod_overlay(
     leaving trainer checkpoints in, the environment from `env_secrets` (`envFrom`: each key is
     a variable's name: the controller's store URL, PIPETRANSFORMER_DB; the trainers'
     rendezvous secret, PIPETRANSFORMER_RDZV_SECRET), the checkpoint volume and a node-local
-    cache.
+    cache; the project's label (`POD_LABELS`) and `annotations` (the controller's
+    `metrics_annotations`) merged into the pod's metadata.
 
     The container is found by its image (each role's pod has one container, named per replica)
     and merged field by field: a list given here replaces the generated one, so only
@@ -86,7 +104,11 @@ def pod_overlay(
     }
     if env_secrets:
         container["envFrom"] = [{"secretRef": {"name": name}} for name in env_secrets]
+    metadata: dict[str, Any] = {"labels": dict(POD_LABELS)}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
     return {
+        "metadata": metadata,
         "spec": {
             "automountServiceAccountToken": False,
             # no FOO_SERVICE_HOST variables: the `etcd` Service's ETCD_* would reach the pods
@@ -117,5 +139,5 @@ def pod_overlay(
             ],
             "volumes": pod_volumes,  # appended to torchx's shared-memory volume
             JOIN("containers", on="image"): [container],
-        }
+        },
     }

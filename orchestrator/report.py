@@ -14,7 +14,13 @@ from rich.table import Table
 
 from core.provenance import DATA_OPENED, origin_of, provenance
 from core.readings import held_out_text
-from orchestrator.summary import bought_line, cache_line, history_from_store, history_table
+from orchestrator.summary import (
+    bought_line,
+    cache_line,
+    history_from_store,
+    history_table,
+    pipeline_from_store,
+)
 from store import JobInfo, Store
 
 
@@ -68,3 +74,6 @@ def print_summary(
         cached = cache_line(store.events(job.id, limit=1000))
         if cached:
             console.print(escape(cached))
+    # where the stages' time went under the last layout (the ranks' stage timings)
+    if (reading := pipeline_from_store(store, job.id)) is not None:
+        console.print(escape(f"pipeline: {reading.text()}"))

@@ -47,10 +47,11 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from core.stage_times import PipelineReading, per_rank, pipeline_reading
 from core.state import Layout
 
 if TYPE_CHECKING:
-    from store import EventRow, GenerationRow, MetricRow, RecordedLayout, Store
+    from store import EventRow, GenerationRow, MetricRow, RecordedLayout, StageTimesRow, Store
 
 __all__ = [
     "Bought",
@@ -61,6 +62,8 @@ __all__ = [
     "history_from_store",
     "history_table",
     "layout_history",
+    "pipeline_from_store",
+    "pipeline_reading_of",
     "what_it_bought",
 ]
 
@@ -357,3 +360,35 @@ def cache_line(events: Iterable[EventRow]) -> str | None:
         else "recomputed the frozen blocks (the cache was not measured cheaper)"
     )
     return f"AutoCache at F={d.get('boundary')}: {verb}; {d.get('reason')}"
+
+
+# the newest intervals `status` and the summary read: enough for every rank of a large job's
+# newest layout without reading a long job's every row
+PIPELINE_INTERVALS = 50
+
+
+def pipeline_reading_of(
+    rows: Sequence[StageTimesRow], layouts: Sequence[Layout]
+) -> PipelineReading | None:
+    """The slowest stage and the measured bubble under the newest layout the ranks measured
+    (`core.stage_times.pipeline_reading`), or None without measurements (stage timing off,
+    an older job, or before the first interval)."""
+    if not rows:
+        return None
+    version = max(r.layout_version for r in rows)
+    layout = next((lay for lay in layouts if lay.version == version), None)
+    if layout is None:
+        return None
+    return pipeline_reading(
+        per_rank(rows, version),
+        layout.schedule,
+        layout.pipeline_ranks,
+        layout.microbatches,
+        layout.virtual_stages,
+    )
+
+
+def pipeline_from_store(store: Store, job_id: str) -> PipelineReading | None:
+    """`pipeline_reading_of` over the job's newest stored intervals and its layouts."""
+    rows = store.stage_times(job_id, last_intervals=PIPELINE_INTERVALS)
+    return pipeline_reading_of(rows, [r.layout for r in store.layouts(job_id)])

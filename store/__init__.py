@@ -15,8 +15,8 @@ seconds (`Store.open(url, retry_s=30)`), logging each retry, then raises `StoreU
 
 The package is split by what it stores: `engine` (URLs, engines, alembic, retries), `base`
 (connection and transactions), one mixin per table (`jobs`, `generations`, `layouts`,
-`metrics` with evaluations, `checkpoints`, `events`, `workers`) and `status`; `Store` is all of
-them.
+`metrics` with evaluations, `checkpoints`, `events`, `workers`, `stage_times`) and `status`;
+`Store` is all of them.
 """
 
 from __future__ import annotations
@@ -51,10 +51,13 @@ from store.rows import (
     MetricRow,
     PeakMemory,
     RecordedLayout,
+    StageTimesRow,
     StatusCheckpoint,
     StatusMetrics,
+    StepTraceRow,
     WorkerRow,
 )
+from store.stage_times import StageTimesMixin
 from store.status import StatusMixin
 from store.tables import (
     CHECKPOINT_STATES,
@@ -86,6 +89,8 @@ __all__ = [
     "NotFound",
     "PeakMemory",
     "RecordedLayout",
+    "StageTimesRow",
+    "StepTraceRow",
     "StatusCheckpoint",
     "StatusMetrics",
     "Store",
@@ -112,6 +117,7 @@ class Store(
     CheckpointsMixin,
     EventsMixin,
     WorkersMixin,
+    StageTimesMixin,
     StatusMixin,
 ):
     """Typed access to the job database (see `store.base.StoreBase` for connecting,

@@ -15,6 +15,7 @@ from typing import Annotated, Any, NoReturn
 from pydantic import BaseModel, ConfigDict, PlainSerializer
 
 from core.spec import JobSpec
+from core.stage_times import PhaseSeconds, TraceSpan
 from core.state import Layout
 
 # `datetime.isoformat()` in JSON ("...+00:00"), as `pipetransformer status --json` always
@@ -158,6 +159,43 @@ class WorkerRow(Row):
     exit_code: int | None
     signal: int | None
     detail: str | None
+
+
+class StageTimesRow(Row):
+    """One rank's time over one reporting interval (`core.protocol.StageTimes`, revision
+    0009): the steps `from_step`+1 .. `to_step` under layout `layout_version`, on `stages` of
+    `replica`; seconds per phase (`core.stage_times.PHASES`), the interval's wall time, and how
+    the phases were timed (`clock`: 'cuda' events or the 'host' clock). `time` is unix
+    seconds, the worker's clock at the interval's end."""
+
+    generation: int
+    rank: int
+    time: float
+    from_step: int
+    to_step: int
+    layout_version: int
+    stages: tuple[int, ...]
+    replica: int
+    wall_s: float
+    seconds: PhaseSeconds
+    clock: str
+
+
+class StepTraceRow(Row):
+    """One rank's traced step (`core.protocol.StepTrace`, revision 0009), answering trace
+    request `request`: its spans (`core.stage_times.TraceSpan`, seconds from `started`, the
+    rank's unix time at the step's start), on `stages` of `replica` under `layout_version`."""
+
+    request: str
+    generation: int
+    rank: int
+    step: int
+    started: float
+    layout_version: int
+    stages: tuple[int, ...]
+    replica: int
+    spans: tuple[TraceSpan, ...]
+    clock: str
 
 
 class PeakMemory(Row):

@@ -278,3 +278,68 @@ class Worker(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     signal: Mapped[int | None] = mapped_column(Integer)
     detail: Mapped[str | None] = mapped_column(Text)
+
+
+class StageTime(Base):
+    """Where one rank's time went over one reporting interval (`core.protocol.StageTimes`,
+    revision 0009): the steps `from_step`+1 .. `to_step` under layout `layout_version`, on the
+    rank's `stages` of `replica`; seconds per phase (`core.stage_times.PHASES`, one `<phase>_s`
+    column each), the interval's wall time and how the phases were timed (`clock`)."""
+
+    __tablename__ = "stage_times"
+    __table_args__ = (
+        # A report drained again (a replayed queue entry, a retried commit) is a no-op.
+        UniqueConstraint("job_id", "generation", "rank", "to_step"),
+        # Readers take a job's newest intervals (`Store.stage_times(last_intervals=...)`).
+        Index("ix_stage_times_job_id_to_step", "job_id", "to_step"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    generation: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    time: Mapped[datetime] = mapped_column(UTCDateTime())  # the worker's, at the interval's end
+    from_step: Mapped[int] = mapped_column(Integer)
+    to_step: Mapped[int] = mapped_column(Integer)
+    layout_version: Mapped[int] = mapped_column(Integer)
+    stages: Mapped[str] = mapped_column(Text)  # JSON list of stage indices
+    replica: Mapped[int] = mapped_column(Integer)
+    wall_s: Mapped[float] = mapped_column(Float)
+    forward_s: Mapped[float] = mapped_column(Float)
+    backward_s: Mapped[float] = mapped_column(Float)
+    pipeline_wait_s: Mapped[float] = mapped_column(Float)
+    grad_sync_s: Mapped[float] = mapped_column(Float)
+    optimizer_s: Mapped[float] = mapped_column(Float)
+    frozen_prefix_s: Mapped[float] = mapped_column(Float)
+    data_wait_s: Mapped[float] = mapped_column(Float)
+    checkpoint_s: Mapped[float] = mapped_column(Float)
+    evaluation_s: Mapped[float] = mapped_column(Float)
+    other_s: Mapped[float] = mapped_column(Float)
+    clock: Mapped[str] = mapped_column(String(8))  # 'cuda' (events on the device) or 'host'
+
+
+class StepTraceRecord(Base):
+    """One rank's traced step (`core.protocol.StepTrace`, revision 0009), answering a trace
+    request: its spans as JSON (`core.stage_times.TraceSpan`, seconds from `started`, the
+    rank's unix time at the step's start)."""
+
+    __tablename__ = "step_traces"
+    __table_args__ = (
+        # a report drained again is a no-op
+        UniqueConstraint("job_id", "request", "generation", "rank"),
+        Index("ix_step_traces_job_id_request", "job_id", "request"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    request: Mapped[str] = mapped_column(String(64))
+    generation: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    started: Mapped[float] = mapped_column(Float)  # unix seconds (microseconds matter here)
+    time: Mapped[datetime] = mapped_column(UTCDateTime())  # the report's
+    layout_version: Mapped[int] = mapped_column(Integer)
+    stages: Mapped[str] = mapped_column(Text)  # JSON list of stage indices
+    replica: Mapped[int] = mapped_column(Integer)
+    spans: Mapped[str] = mapped_column(Text)  # JSON list of TraceSpan
+    clock: Mapped[str] = mapped_column(String(8))

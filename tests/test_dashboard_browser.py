@@ -6,7 +6,10 @@ so only a browser shows what is really on it, and only clicks show what it does)
 - a running job: its step advances on screen without a click; without credentials the freeze
   override is disabled and nothing is filed; a wrong token is refused and logged; a signed-in
   user's request shows as pending, then applied, and the layout history gains the new version;
-  when the job stops, the page stops polling.
+  when the job stops, the page stops polling;
+- a job whose ranks reported their stage timings: the Pipeline view draws where the time goes;
+- a job whose ranks traced a step: the Pipeline view draws its schedule as a Gantt chart and
+  downloads it as a Chrome trace; the Workers view shows a rank's recent log lines.
 
 Screenshots go to build/screenshots/dashboard/ (or $DASHBOARD_SCREENSHOTS). Needs
 /usr/bin/chromium (`scripts/system-deps.sh` installs it) and the `playwright` package (a test
@@ -15,6 +18,7 @@ dependency; it drives the system chromium, no browser download); skipped without
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -29,9 +33,12 @@ from pathlib import Path
 
 import pytest
 
+from core.protocol import StageTimes, StepTrace
+from core.stage_times import PhaseSeconds, TraceSpan
 from orchestrator.etcd_server import free_port
 from store import Store, sqlite_url
 from tests.fixtures_run import REPO, RealRun, start_cli, store_probe, wait_for, write_spec
+from tests.fixtures_store import POPULATED_JOB_ID, populate
 
 CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = Path(os.environ.get("DASHBOARD_SCREENSHOTS", REPO / "build" / "screenshots" / "dashboard"))
@@ -321,3 +328,154 @@ def test_running_job_live_and_freeze_override(tmp_path: Path, browser) -> None:
     # one request, by the signed-in user, audited and applied (the refused attempts filed none)
     assert [e.data["request"]["who"] for e in requested] == ["alice (dashboard)"]
     assert [e.data["boundary"] for e in applied] == [2]
+
+
+# --------------------------------------------------------------------------- the Pipeline view
+
+
+def test_pipeline_view_draws_where_the_time_goes(tmp_path: Path, browser) -> None:
+    """A finished job re-laid out once (v1, then v2 with 2 blocks frozen) whose ranks reported
+    their phases (`Store.add_stage_times`): the view draws the three charts, names the phases,
+    and says which stage is the slowest."""
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    store = Store.open(sqlite_url(workdir / "store.db"))
+    try:
+        populate(store)
+
+        def report(rank: int, a: int, b: int) -> StageTimes:
+            fwd, wait = 0.1 + 0.2 * rank, 0.3 * (1 - rank)  # stage 1 computes, stage 0 waits
+            s = PhaseSeconds(forward=fwd, backward=2 * fwd, pipeline_wait=wait, other=0.05)
+            return StageTimes(
+                rank=rank,
+                time=1_700_000_000.0 + b,
+                from_step=a,
+                to_step=b,
+                layout_version=1 if b <= 10 else 2,
+                stages=[rank],
+                replica=0,
+                wall_s=s.total(),
+                seconds=s,
+            )
+
+        intervals = ((0, 5), (5, 10), (10, 20), (20, 30), (30, 40))
+        store.add_stage_times(
+            POPULATED_JOB_ID, [report(r, a, b) for a, b in intervals for r in (0, 1)]
+        )
+    finally:
+        store.close()
+    with dashboards(workdir, tmp_path, {}) as (base,):
+        page = open_page(browser, f"{base}/?job={POPULATED_JOB_ID}")
+        choose_view(page, "Pipeline", page.locator('.gtitle[data-unformatted*="Time per phase"]'))
+        expect(page.locator(".js-plotly-plot")).to_have_count(4)  # no traced step: no Gantt
+        titles = chart_titles(page)
+        assert any(t.startswith("Time per phase · layout v2") for t in titles), titles
+        assert any(t.startswith("Pipeline bubble") for t in titles), titles
+        assert "Bubble and busy share over steps" in titles
+        assert any(t.startswith("Stage compute per step") for t in titles), titles
+        # the phases by name, in the breakdown's legend
+        legend = page.locator(".js-plotly-plot .legendtext")
+        for name in ("forward", "backward", "waiting for a neighbour stage"):
+            expect(legend.filter(has_text=re.compile(f"^{name}$")).first).to_be_visible()
+        assert page.locator(".js-plotly-plot .trace").count() >= 5
+        expect(page.get_by_text(re.compile(r"slowest stage 1 .* under layout v2"))).to_be_visible()
+        assert_no_errors(page)
+        shot(page, "pipeline")
+        page.close()
+
+
+def test_pipeline_view_draws_a_traced_step(tmp_path: Path, browser) -> None:
+    """A finished job whose two ranks answered a trace request (`Store.add_step_traces`): the
+    Pipeline view draws the step as a Gantt chart, a lane per rank and stage, and the download
+    button gives its Chrome trace; the Workers view shows a rank's recent log lines."""
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    log = tmp_path / "node-0.log"
+    log.write_text("".join(f"[rank0] step {i} loss 0.{i:03d}\n" for i in range(1, 301)))
+    store = Store.open(sqlite_url(workdir / "store.db"))
+    try:
+        populate(store)
+
+        def traced(rank: int) -> StepTrace:
+            ms = 1e-3
+            spans = [TraceSpan(phase="data_wait", start_s=0, end_s=1 * ms)]
+            t = 1 * ms if rank == 0 else 3 * ms  # rank 1 waits for rank 0's first forward
+            for mb in range(4):
+                spans.append(
+                    TraceSpan(
+                        phase="forward", start_s=t, end_s=t + 2 * ms, stage=rank, microbatch=mb
+                    )
+                )
+                t += 2 * ms
+            for mb in reversed(range(4)):
+                spans.append(
+                    TraceSpan(
+                        phase="backward", start_s=t, end_s=t + 4 * ms, stage=rank, microbatch=mb
+                    )
+                )
+                t += 4 * ms
+            spans.append(TraceSpan(phase="optimizer", start_s=t, end_s=t + 1 * ms))
+            return StepTrace(
+                rank=rank,
+                request="a1b2c3d4e5f6",
+                step=37,
+                started=1_700_000_100.0 + rank * 0.0005,
+                layout_version=2,
+                stages=[rank],
+                replica=0,
+                spans=spans,
+            )
+
+        store.add_step_traces(POPULATED_JOB_ID, [traced(0), traced(1)])
+        store.add_workers(POPULATED_JOB_ID, 1, [{"rank": 0, "node": "n1:10", "host": "n1"}])
+        store.update_workers(POPULATED_JOB_ID, 1, [0], log=str(log))
+    finally:
+        store.close()
+    with dashboards(workdir, tmp_path, {}) as (base,):
+        page = open_page(browser, f"{base}/?job={POPULATED_JOB_ID}")
+        choose_view(
+            page, "Pipeline", page.locator('.gtitle[data-unformatted*="One step\'s schedule"]')
+        )
+        gantt = page.locator(".js-plotly-plot").filter(
+            has=page.locator('.gtitle[data-unformatted*="One step\'s schedule"]')
+        )
+        expect(gantt).to_have_count(1)
+        title = gantt.locator(".gtitle").get_attribute("data-unformatted") or ""
+        assert "Step 37 on 2 rank(s)" in title, title
+        # a lane per rank and stage, a bar per span (10 a rank), micro-batches named on the bars
+        ticks = gantt.locator(".ytick text").all_text_contents()  # SVG: no inner text
+        assert set(ticks) == {"rank 0 · stage 0", "rank 1 · stage 1"}, ticks
+        expect(gantt.locator(".bars .point")).to_have_count(20)
+        expect(
+            gantt.locator(".bars .point text").filter(has_text=re.compile("^F0$"))
+        ).to_have_count(2)
+        legend = gantt.locator(".legendtext")
+        for name in ("forward", "backward", "waiting for data", "optimizer"):
+            expect(legend.filter(has_text=re.compile(f"^{name}$"))).to_have_count(1)
+        expect(page.get_by_text("ui.perfetto.dev")).to_be_visible()
+        # the picker names the traced step by its step and time
+        picker = page.get_by_role("combobox", name="Traced step (newest first)")
+        expect(picker).to_be_visible()
+        expect(picker).to_have_value(re.compile(r"^step 37 · 2023-11-14 22:1\d:\d\d UTC$"))
+        # finished: nothing to capture
+        assert page.get_by_role("button", name="Capture the next step").count() == 0
+        assert_no_errors(page)
+        shot(page, "pipeline-trace")
+
+        download = page.get_by_role("button", name="Download as a Chrome / Perfetto trace")
+        expect(download).to_be_visible()
+        with page.expect_download() as got:
+            download.click()
+        assert got.value.suggested_filename == "trace-a1b2c3d4e5f6.json"
+        trace = json.loads(Path(got.value.path()).read_text())
+        events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert len(events) == 20 and {e["pid"] for e in events} == {0, 1}
+
+        # the Workers view: rank 0's recent log lines, read once the reader opens them
+        choose_view(page, "Workers", page.get_by_text("Recent log lines"))
+        page.get_by_text("Its last 200 lines").click()
+        expect(page.get_by_text("[rank0] step 300 loss 0.300")).to_be_visible()
+        assert page.get_by_text("[rank0] step 100 loss", exact=False).count() == 0  # 101-300
+        assert_no_errors(page)
+        shot(page, "workers-log")
+        page.close()

@@ -178,3 +178,14 @@ def test_in_memory_and_checkpoint_handovers_train_alike(
     assert shapes["memory"] == shapes["checkpoint"]
     assert shapes["memory"][-1] == "1x2 [5-5] F=5 v3", shapes["memory"]
     assert losses["memory"] == losses["checkpoint"]
+    # the ranks' stage timings follow the re-layouts: an interval ends at each (steps 3, 6),
+    # and rank 1 runs stage 1 of replica 0 under v1, stage 0 of replica 1 under v3 (1x2)
+    rows = store.stage_times("memory")
+    for rank in (0, 1):
+        mine = [(r.from_step, r.to_step, r.layout_version) for r in rows if r.rank == rank]
+        assert mine == [(0, 3, 1), (3, 6, 2), (6, 9, 3)], (rank, mine)
+    parts = {(r.rank, r.layout_version): (r.stages, r.replica) for r in rows}
+    assert parts[(1, 1)] == ((1,), 0) and parts[(1, 3)] == ((0,), 1)
+    assert parts[(0, 3)] == ((0,), 0)
+    # 1x2: one stage per pipeline, nothing to wait for between stages; the replicas sum
+    assert all(r.seconds.grad_sync > 0 for r in rows if r.layout_version == 3)

@@ -706,6 +706,51 @@ def test_structural_reading_of_crd_schemas() -> None:
     assert not [k for k in json.dumps(schema).split('"') if k.startswith("x-kubernetes-")]
 
 
+# -- optional monitoring (k8s/monitoring) ----------------------------------------------------------
+
+# spec fields of the Prometheus Operator's PodMonitor (monitoring.coreos.com/v1) this file may
+# use, and of its endpoints: the few it needs, spelled as the CRD spells them
+PODMONITOR_SPEC = {
+    "selector",
+    "podMetricsEndpoints",
+    "namespaceSelector",
+    "podTargetLabels",
+    "jobLabel",
+}
+PODMONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels"}
+DURATION = re.compile(r"(\d+(ms|s|m|h))+")
+
+
+def test_monitoring_renders_apart_from_the_base() -> None:
+    """k8s/monitoring: a PodMonitor (its CRD may not exist: never in the base or an overlay)
+    and the Grafana dashboard as a ConfigMap for Grafana's dashboard sidecar."""
+    objects = render(K8S / "monitoring")
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "PodMonitor"]
+    for name in RENDERS:
+        assert not any(o["kind"] == "PodMonitor" for o in rendered(name)), name
+    dashboard = find(objects, "ConfigMap", "pipetransformer-grafana-dashboard")
+    validate_object(dashboard)
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    source = (K8S / "monitoring" / "grafana-dashboard.json").read_text()
+    assert json.loads(dashboard["data"]["grafana-dashboard.json"]) == json.loads(source)
+
+    monitor = find(objects, "PodMonitor", "pipetransformer-controller")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor["spec"]) <= PODMONITOR_SPEC, set(monitor["spec"]) - PODMONITOR_SPEC
+    assert "namespaceSelector" not in monitor["spec"]  # its own namespace: the jobs'
+    labels = monitor["spec"]["selector"]["matchLabels"]
+    assert labels == {
+        "app.kubernetes.io/part-of": "pipetransformer",
+        "torchx.pytorch.org/role-name": "controller",
+    }
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert set(endpoint) <= PODMONITOR_ENDPOINT, set(endpoint) - PODMONITOR_ENDPOINT
+        assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+        for field in ("interval", "scrapeTimeout"):
+            assert DURATION.fullmatch(endpoint[field]), endpoint[field]
+    assert not problems([dashboard])
+
+
 # -- sources, without rendering ------------------------------------------------------------------
 
 
@@ -778,6 +823,10 @@ def test_readme_documents_the_secrets_overlays_and_steps() -> None:
         "Volcano",
         "pipetransformer-db-upgrade",
         "torchx run -s kubernetes",
+        "kubectl apply -k k8s/monitoring",
+        "prometheus.io/scrape",
+        "grafana-dashboard.json",
+        "--metrics_port",
     ):
         assert text in readme, text
 

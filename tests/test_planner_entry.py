@@ -107,6 +107,11 @@ def test_startup_plans_the_spec_shape_from_measurement() -> None:
     assert layout.microbatches == expected.microbatches
     assert layout.planner == "autopipe" and layout.version == current.version + 1
     assert planned.reason == f"autopipe: {expected.summary()}"
+    # what the Pipeline view sets beside the measured: compute per micro-batch x micro-batches
+    assert planned.predicted_stage_s == pytest.approx(
+        [c * expected.microbatches for c in expected.stage_compute_s]
+    )
+    assert plan_layout(spec).predicted_stage_s is None  # not planned from measurement
     # world defaults to the spec's: the same situation
     assert plan_layout(spec, current=current, profiles=profiles) == planned
 

@@ -83,6 +83,8 @@ SCHEMA_TABLES = {
     "checkpoints",
     "events",
     "workers",
+    "stage_times",
+    "step_traces",
 }
 
 
@@ -137,7 +139,7 @@ def tables(url: str) -> set[str]:
 
 
 def test_head_is_the_newest_revision() -> None:
-    assert HEAD == "0008"
+    assert HEAD == "0009"
 
 
 def test_upgrade_empty_database_to_head(db_url: str, store_backend: str) -> None:
@@ -427,8 +429,8 @@ def test_0008_adds_question_answering_f1(db_url: str) -> None:
                 {"t": from_unix(1_700_000_001.0)},
             )
         assert "f1" not in columns(db_url, "evaluations")
-        s.migrate()
-        assert s.revision() == HEAD == "0008"
+        s.migrate("0008")
+        assert s.revision() == "0008"
         s.add_evaluation("old", 2, 20, 0.6, 0.5, 1_700_000_002.0, f1=0.75)
         assert [(e.step, e.accuracy, e.f1) for e in s.evaluations("old")] == [
             (10, 0.5, None),

@@ -16,7 +16,13 @@ from torchx.specs import AppDef, macros
 
 from core.keys import RDZV_SECRET_ENV
 from core.spec import SpecError, load_spec
-from orchestrator.components import CONTROLLER_ROLE, TRAINER_ROLE, train
+from orchestrator.components import (
+    CONTROLLER_ROLE,
+    METRICS_PORT_NAME,
+    TRAINER_ROLE,
+    ComponentArgError,
+    train,
+)
 from store import Store, sqlite_url
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,6 +135,24 @@ def test_component_builds_controller_and_trainer_roles(tiny_spec: Path) -> None:
     assert len(secret) == 64 and RDZV_SECRET_ENV not in controller.env
     again = {r.name: r for r in train(spec=str(tiny_spec), workdir="/w").roles}
     assert again[TRAINER_ROLE].env[RDZV_SECRET_ENV] != secret
+    # locally no metrics unless asked: jobs on one machine would share the port
+    assert "--metrics-port" not in c and controller.port_map == {} and trainer.port_map == {}
+
+
+def test_component_serves_the_controllers_metrics_when_asked(tiny_spec: Path) -> None:
+    controller, trainer = train(spec=str(tiny_spec), etcd_port=23456, metrics_port=9500).roles
+    c = controller.args
+    assert c[c.index("--metrics-port") + 1] == "9500"
+    assert controller.port_map == {METRICS_PORT_NAME: 9500}
+    assert "--metrics-port" not in trainer.args and trainer.port_map == {}
+    assert "kubernetes" not in controller.metadata  # no pod overlay locally
+    off = train(spec=str(tiny_spec), metrics_port=0).roles[0]
+    assert "--metrics-port" not in off.args and off.port_map == {}
+    for bad in (-2, 65536):
+        with pytest.raises(ComponentArgError, match=f"metrics_port={bad}: give a port"):
+            train(spec=str(tiny_spec), metrics_port=bad)
+    with pytest.raises(ComponentArgError, match="embedded etcd's port"):
+        train(spec=str(tiny_spec), etcd_port=23456, metrics_port=23456)
 
 
 def test_component_external_services_and_nodes(tmp_path: Path) -> None:

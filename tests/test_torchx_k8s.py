@@ -20,8 +20,14 @@ import yaml
 
 from core.keys import ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
 from core.spec import load_spec, spec_from_text
-from orchestrator.components import CONTROLLER_MEM_MB, ComponentArgError, train
-from orchestrator.pods import CACHE_DIR, TORCHX_SHM_VOLUME
+from orchestrator.components import (
+    CONTROLLER_MEM_MB,
+    METRICS_PORT,
+    METRICS_PORT_NAME,
+    ComponentArgError,
+    train,
+)
+from orchestrator.pods import CACHE_DIR, POD_LABELS, TORCHX_SHM_VOLUME
 from tests.pod_security import restricted_violations
 
 pytest.importorskip("kubernetes", reason="the kubernetes client (test extra) is not installed")
@@ -125,6 +131,18 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
     assert str(spec) not in args and "controller" in args
     # torchx requests memMB minus its node reserve: the controller still gets its 1 GiB
     assert int(c["resources"]["requests"]["memory"].removesuffix("M")) >= CONTROLLER_MEM_MB
+    # its metrics: served on the default port, named, and announced to Prometheus
+    assert args[args.index("--metrics-port") + 1] == str(METRICS_PORT)
+    assert c["ports"] == [{"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT}]
+    meta = ctl["template"]["metadata"]
+    assert meta["annotations"] == {
+        "sidecar.istio.io/inject": "false",  # torchx's own, kept
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    assert POD_LABELS.items() <= meta["labels"].items()
+    assert meta["labels"]["torchx.pytorch.org/role-name"] == "controller"  # torchx's, kept
 
     # elastic trainers: torchrun MIN:MAX, the first min_nodes tasks required, the rest optional
     for i, task in enumerate(trainers):
@@ -142,6 +160,11 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         # trainers never see the store's credentials; they sign the rendezvous state
         assert c["envFrom"] == [{"secretRef": {"name": "pipetransformer-rdzv"}}]
         assert RDZV_SECRET_ENV not in env(c)  # from the Secret, never inline
+        # part of the job, but nothing to scrape
+        meta = task["template"]["metadata"]
+        assert POD_LABELS.items() <= meta["labels"].items()
+        assert not any(k.startswith("prometheus.io/") for k in meta["annotations"])
+        assert "--metrics-port" not in args and not c.get("ports")
     assert job["spec"]["queue"] == QUEUE and job["spec"]["priorityClassName"] == PRIORITY
 
 
@@ -300,3 +323,49 @@ def test_spec_names_that_make_pod_names_kubernetes_refuses_are_refused(tmp_path:
                 ComponentArgError, match=r"\(34 characters\) is too long.*at most 33"
             ):
                 train(**args)
+
+
+def test_metrics_port_is_chosen_or_turned_off(tmp_path: Path) -> None:
+    spec = str(REPO / "examples" / "vit-digits.yaml")
+    job = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379", metrics_port=9555))
+    (ctl,) = tasks(job, "controller")
+    c = container(ctl)
+    assert c["command"][c["command"].index("--metrics-port") + 1] == "9555"
+    assert c["ports"] == [{"name": METRICS_PORT_NAME, "containerPort": 9555}]
+    assert ctl["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9555"
+    off = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379", metrics_port=0))
+    (ctl,) = tasks(off, "controller")
+    c = container(ctl)
+    assert "--metrics-port" not in c["command"] and not c.get("ports")
+    assert not any(
+        k.startswith("prometheus.io/") for k in ctl["template"]["metadata"]["annotations"]
+    )
+    assert POD_LABELS.items() <= ctl["template"]["metadata"]["labels"].items()
+    schemas = pytest.importorskip("tests.k8s_schemas", reason="schema helpers not present")
+    schemas.validate_object(job)
+
+
+def test_the_podmonitor_selects_the_controller_pod_and_its_port() -> None:
+    """k8s/monitoring/podmonitor.yaml against the pods the component generates: its selector
+    matches the controller pod of every job and no trainer pod, at the port it names."""
+    monitor = yaml.safe_load((REPO / "k8s" / "monitoring" / "podmonitor.yaml").read_text())
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    selector = monitor["spec"]["selector"]
+    assert set(selector) == {"matchLabels"}  # no expressions to evaluate here
+    wanted = selector["matchLabels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    spec = str(REPO / "examples" / "vit-digits.yaml")
+    for app in (
+        train(spec=spec, image=IMAGE, etcd="etcd:2379", nnodes=2),
+        train(spec=spec, image=IMAGE, etcd="etcd:2379", metrics_port=9555, job_id="other"),
+    ):
+        job = volcano_job(app)
+        for task in job["spec"]["tasks"]:
+            selected = wanted <= task["template"]["metadata"]["labels"].items()
+            assert selected == task["name"].startswith("controller-"), task["name"]
+            if selected:
+                ports = {p["name"]: p["containerPort"] for p in container(task)["ports"]}
+                assert endpoint["port"] in ports
+                meta = task["template"]["metadata"]["annotations"]
+                assert endpoint["path"] == meta["prometheus.io/path"]
+                assert str(ports[endpoint["port"]]) == meta["prometheus.io/port"]

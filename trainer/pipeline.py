@@ -49,6 +49,7 @@ from trainer.models import (
     weights_dtype,
 )
 from trainer.optim import MasterWeights
+from trainer.stage_clock import StageClock
 from trainer.units import empty_unit, initial_units
 
 SCHEDULE_CLASSES = {
@@ -231,6 +232,8 @@ class RankPipeline:
         self.model, self.layout, self.groups = model, layout, groups
         self.device = device = model.compute.device
         self.cache: ActivationCache | None = None  # attached by the trainer (AutoCache)
+        # where this rank's time goes (set by the trainer; a clock that measures nothing here)
+        self.clock = StageClock(self.device, enabled=False)
         self.local = [s for s, _ in layout.placements(rank)]
         self.is_first = self.local[0].index == 0
         self.is_last = any(s.index == layout.num_stages - 1 for s in self.local)
@@ -275,6 +278,11 @@ class RankPipeline:
             scale_grads=False,
         )
 
+    def attach_clock(self, clock: StageClock) -> None:
+        """Time this layout's steps on `clock` (its stages' forward and backward included)."""
+        self.clock = clock
+        clock.wrap_stages(self.stages)
+
     def train_step(
         self,
         inputs: torch.Tensor | None,
@@ -288,12 +296,19 @@ class RankPipeline:
         micro-batch's backward."""
         self.loss_fn.denominator = global_valid
         losses: list[torch.Tensor] = []
-        args = (self._enter(inputs, indices),) if self.is_first else ()
+        clock = self.clock
+        args = ()
+        if self.is_first:
+            entry = "data_wait" if self.model.prefix is None else "frozen_prefix"
+            with clock.measure(entry):
+                args = (self._enter(inputs, indices),)
         if self.is_last:
             target = self.to_device(targets)
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            with clock.schedule():
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             return float(sum(loss.detach() for loss in losses))
-        self.schedule.step(*args)
+        with clock.schedule():
+            self.schedule.step(*args)
         return None
 
     @torch.no_grad()

@@ -44,7 +44,10 @@ from core.protocol import (
     Metrics,
     RelayoutCost,
     RunOutcome,
+    StageTimes,
     Started,
+    StepTrace,
+    read_trace_request,
 )
 from core.provenance import describe_data
 from core.sampler import IGNORE, Batch, ElasticSampler
@@ -64,6 +67,7 @@ from trainer.pipeline import RankPipeline, TrainingGroups, masked_loss_sum
 from trainer.process import LeaveRequest, Reporter, node_id, stdout_log
 from trainer.profile import measured_layout
 from trainer.relayout import build_training, verify_once_per_node
+from trainer.stage_clock import StageClock
 from trainer.train_state import TrainState
 
 if TYPE_CHECKING:
@@ -135,6 +139,9 @@ class Trainer:
         self._cached = False  # every training input served from AutoCache (`_inputs_cached`)
         self._handover: dist.ProcessGroup | None = None  # made at the first re-layout
         self._handover_made = False
+        # where this rank's time goes, reported every control_every_steps steps (StageTimes)
+        self.clock = StageClock(ctx.compute.device, enabled=self.spec.runtime.stage_timing)
+        self._timed_from = self.state.step  # the step the clock's interval began after
         self._build(load_from=start.checkpoint, checksum=ctx.assignment.resume_checksum)
 
     def _data_origin(self) -> DataOrigin:
@@ -184,6 +191,7 @@ class Trainer:
         self.pipe, self.optimizer = build_training(
             self.spec, self.layout, ctx.rank, load_from, ctx.compute, previous, groups
         )
+        self.pipe.attach_clock(self.clock)
         prefix = self.pipe.model.prefix
         if previous is not None and previous.prefix is not None and prefix is not None:
             # the frozen weights moved bit for bit: AutoCache's fingerprints need no new hashing
@@ -264,9 +272,15 @@ class Trainer:
     def _checkpoint(
         self, reason: str, wait: bool = True, continues_under: Layout | None = None
     ) -> None:
-        self.checkpoints.save(
-            self.state, self.pipe.model.state_module, self.optimizer, reason, wait, continues_under
-        )
+        with self.clock.measure("checkpoint", on_device=False):
+            self.checkpoints.save(
+                self.state,
+                self.pipe.model.state_module,
+                self.optimizer,
+                reason,
+                wait,
+                continues_under,
+            )
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -289,29 +303,75 @@ class Trainer:
 
     def _loop(self) -> RunOutcome:
         ctx, spec, st = self.ctx, self.spec, self.state
+        clock, every = self.clock, spec.runtime.control_every_steps
         first = True
+        clock.restart()  # the first interval begins with the first step, not the build
+        trace: str | None = None  # a trace request read at the last control point
         while not self._finished():
+            if trace is not None:
+                clock.begin_trace()
             epoch_done = self.step()
+            if trace is not None:
+                self._report_trace(trace)
+                trace = None
             if first and ctx.rank == 0:  # how long the (re)start took, for the record
                 ctx.reporter.emit(FirstStep, step=st.step)
             first = False
             if self._leaving():
                 return RunOutcome.LEAVE
-            if epoch_done and self._evaluate_and_check_target():
-                self._checkpoint("target")
-                return RunOutcome.TARGET
-            self.checkpoints.periodic(st, self.pipe.model.state_module, self.optimizer, epoch_done)
+            if epoch_done:
+                with clock.measure("evaluation", on_device=False):
+                    reached = self._evaluate_and_check_target()
+                if reached:
+                    self._checkpoint("target")
+                    self._report_times()
+                    return RunOutcome.TARGET
+            with clock.measure("checkpoint", on_device=False):
+                self.checkpoints.periodic(
+                    st, self.pipe.model.state_module, self.optimizer, epoch_done
+                )
             # decision points run with policy 'off' too: a manual override is applied there
             if not self._finished() and is_decision_point(spec.freeze, st.step, epoch_done):
                 decision = self.freezing.decide(st, self.pipe.groups.pipeline, self.pipe.device)
                 if decision.boundary > st.boundary:
+                    self._report_times()  # an interval never spans two layouts
                     self.relayout(decision.boundary, decision.reason)
-            if st.step % spec.runtime.control_every_steps == 0 or epoch_done:
-                if self._control() == Control.STOP:
+                    clock.restart()  # the pause is the layout's report (RelayoutCost)
+            if st.step % every == 0 or epoch_done:
+                control, trace = self._control()
+                if control == Control.STOP:
                     self._checkpoint("stop")
+                    self._report_times()
                     return RunOutcome.STOPPED
+                if not clock.enabled:  # filing refuses it; an old request is left unserved
+                    trace = None
+            if st.step % every == 0:
+                self._report_times()
         self._checkpoint("end")
+        self._report_times()
         return RunOutcome.DONE
+
+    def _report_times(self) -> None:
+        """Report where this rank's time went since the last report (`StageTimes`), when it
+        trained a step since (the clock begins a new interval either way)."""
+        st = self.state
+        if not self.clock.enabled or st.step <= self._timed_from:
+            self.clock.restart()
+            self._timed_from = st.step
+            return
+        seconds, wall = self.clock.take()
+        self.ctx.reporter.emit(
+            StageTimes,
+            from_step=self._timed_from,
+            to_step=st.step,
+            layout_version=self.layout.version,
+            stages=[s.index for s in self.stages],
+            replica=self.replica,
+            wall_s=wall,
+            seconds=seconds,
+            clock=self.clock.clock,
+        )
+        self._timed_from = st.step
 
     def _finished(self) -> bool:
         return self.state.epoch >= self.tspec.epochs or self.state.step >= self.total_steps
@@ -323,9 +383,11 @@ class Trainer:
         p = st.progress
         at = (p.epoch, p.samples_consumed, self.layout.replicas, self.replica)
         b = self.sampler.batch(*at)
+        clock = self.clock
         inputs = None
         if pipe.is_first and not self._inputs_cached():
-            inputs = self.feed.inputs(*at, b)
+            with clock.measure("data_wait", on_device=False):
+                inputs = self.feed.inputs(*at, b)
         targets = _targets(pipe, self.data.train.labels, b)
         lr = lr_at(p.step, self.total_steps, self.tspec)
         set_lr(self.optimizer, lr)
@@ -333,17 +395,21 @@ class Trainer:
         drift = self.freezing.drift
         master = pipe.model.master  # bf16-weights: the step updates the float32 masters
         if master is not None:
-            master.load_grads()
-        norms = pipe.sync_and_clip(self.tspec.grad_clip, drift.add if drift else None)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if master is not None:
-            master.write_back()
+            with clock.measure("optimizer"):
+                master.load_grads()
+        with clock.measure("grad_sync"):
+            norms = pipe.sync_and_clip(self.tspec.grad_clip, drift.add if drift else None)
+        with clock.measure("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if master is not None:
+                master.write_back()
         self.freezing.observe(norms.per_block)
         if pipe.is_last and pipe.groups.data_parallel is not None:
-            total = torch.tensor([loss], device=pipe.device)
-            dist.all_reduce(total, group=pipe.groups.data_parallel)
-            loss = float(total)
+            with clock.measure("grad_sync"):
+                total = torch.tensor([loss], device=pipe.device)
+                dist.all_reduce(total, group=pipe.groups.data_parallel)
+                loss = float(total)
         epoch_done = st.advance(cursor=b.next_cursor, epoch_len=len(self.data.train), lr=lr)
         rate = b.global_valid / (time.perf_counter() - t0)
         peaks = (
@@ -436,10 +502,40 @@ class Trainer:
         reached = result is not None and result.accuracy >= target
         return flag_from(self.layout.stages[-1].ranks[0], reached)
 
-    def _control(self) -> Control:
-        """Rank 0 reads the control key; everyone gets its answer at the same step."""
-        key = keys.control(self.ctx.job_id)
-        return from_rank0(self.ctx.rank, lambda: Control.read(self.ctx.etcd.get(key)))
+    def _control(self) -> tuple[Control, str | None]:
+        """Rank 0 reads the control key and the trace request in one etcd request; everyone
+        gets the same answers at the same step: run or stop, and a pending `TraceRequest` (its
+        JSON) or None."""
+        job = self.ctx.job_id
+
+        def read() -> tuple[Control, str | None]:
+            control, trace = self.ctx.etcd.get_many([keys.control(job), keys.trace_request(job)])
+            return Control.read(control), trace if read_trace_request(trace) else None
+
+        return from_rank0(self.ctx.rank, read)
+
+    def _report_trace(self, raw: str) -> None:
+        """The step just traced, as this rank's `StepTrace`; rank 0 marks the request served
+        (unless it was replaced meanwhile: a new request is traced at the next control point)."""
+        request = read_trace_request(raw)
+        started, spans = self.clock.end_trace()
+        if request is None:
+            return
+        st = self.state
+        self.ctx.reporter.emit(
+            StepTrace,
+            request=request.id,
+            step=st.step,
+            started=started,
+            layout_version=self.layout.version,
+            stages=[s.index for s in self.stages],
+            replica=self.replica,
+            spans=spans,
+            clock=self.clock.clock,
+        )
+        if self.ctx.rank == 0:
+            served = request.model_copy(update={"served_step": st.step}).model_dump_json()
+            self.ctx.etcd.compare_and_swap(keys.trace_request(self.ctx.job_id), raw, served)
 
     # -- AutoPipe + AutoDP ------------------------------------------------------------------------
 
@@ -531,8 +627,14 @@ def report_layout(
 ) -> None:
     """Rank 0 tells the controller, which records the layout as the job's current one."""
     if ctx.rank == 0:
+        predicted = planned.predicted_stage_s
         ctx.reporter.emit(
-            LayoutPlanned, layout=planned.layout, reason=reason, seconds=seconds, cost=cost
+            LayoutPlanned,
+            layout=planned.layout,
+            reason=reason,
+            seconds=seconds,
+            cost=cost,
+            predicted_stage_s=None if predicted is None else list(predicted),
         )
 
 
