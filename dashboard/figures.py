@@ -108,12 +108,16 @@ def smooth(values: Sequence[float | None], weight: float) -> list[float | None]:
 # ---- common pieces
 
 
-def _empty(fig: go.Figure, text: str = EMPTY_TEXT) -> go.Figure:
+def empty_figure(fig: go.Figure, text: str = EMPTY_TEXT) -> go.Figure:
+    """`fig` saying why it is empty."""
     fig.add_annotation(text=text, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
     return fig
 
 
-def _base(title: str, x_title: str, y_title: str, height: int = HEIGHT) -> go.Figure:
+def base_figure(
+    title: str, x_title: str, y_title: str, height: int = HEIGHT, hovermode: str = "x unified"
+) -> go.Figure:
+    """An empty figure in the dashboard's style: title, axes, size, margins, legend below."""
     fig = go.Figure()
     fig.update_layout(
         title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
@@ -121,7 +125,7 @@ def _base(title: str, x_title: str, y_title: str, height: int = HEIGHT) -> go.Fi
         yaxis={"title": {"text": y_title}, "automargin": True},
         height=height,
         margin={"l": 10, "r": 10, "t": 40, "b": 10},
-        hovermode="x unified",
+        hovermode=hovermode,
         legend=LEGEND,
     )
     return fig
@@ -192,10 +196,10 @@ def loss_figure(
 ) -> go.Figure:
     """Training loss per step (raw, faint under a smoothed line when `smoothing` > 0) and the
     held-out loss of each evaluation as markers."""
-    fig = _base("Training loss", axis_title(x), "loss")
+    fig = base_figure("Training loss", axis_title(x), "loss")
     evals = [r for r in evaluations if r.loss is not None]
     if not metrics and not evals:
-        return _empty(fig)
+        return empty_figure(fig)
     if metrics:
         _series(
             fig,
@@ -232,9 +236,9 @@ def throughput_figure(
 ) -> go.Figure:
     """Training throughput (samples/s, all replicas together) per step; the raw per-step curve
     is jumpy, so a smoothed line over a faint raw one reads better. y from zero."""
-    fig = _base("Throughput", axis_title(x), "samples/s")
+    fig = base_figure("Throughput", axis_title(x), "samples/s")
     if not metrics:
-        return _empty(fig)
+        return empty_figure(fig)
     _series(
         fig,
         metrics,
@@ -265,10 +269,10 @@ def mfu_figure(
     """Model FLOPs utilisation per step, in percent (the rows hold fractions): the model's
     FLOPs per second over the devices' dense peak. Jumpy like throughput, so smoothed over a
     faint raw line. y from zero; steps without a value (the CPU, older workers) are gaps."""
-    fig = _base("Model FLOPs utilisation", axis_title(x), "MFU")
+    fig = base_figure("Model FLOPs utilisation", axis_title(x), "MFU")
     fig.update_yaxes(tickformat=".0%", rangemode="tozero")
     if not has_values(metrics, "mfu"):
-        return _empty(fig)
+        return empty_figure(fig)
     _series(
         fig,
         metrics,
@@ -289,11 +293,11 @@ def peak_memory_figure(
     (control points). A rank missing from a row (a smaller world, a rank that did not say) is
     a gap in its line. y from zero."""
     check_axis(x)
-    fig = _base("Peak GPU memory", axis_title(x), "GiB")
+    fig = base_figure("Peak GPU memory", axis_title(x), "GiB")
     fig.update_yaxes(rangemode="tozero")
     rows = [r for r in metrics if r.peak_memory_mib]
     if not rows:
-        return _empty(fig)
+        return empty_figure(fig)
     xs = axis_values(rows, x)
     ranks = max(len(r.peak_memory_mib or ()) for r in rows)
     for rank in range(ranks):
@@ -320,7 +324,7 @@ def peak_memory_figure(
             )
         )
     if not fig.data:
-        return _empty(fig)
+        return empty_figure(fig)
     return _finish(fig, timeline, x)
 
 
@@ -335,7 +339,7 @@ def accuracy_figure(
     as a dashed line. Question answering (evaluations with an F1): exact match and F1."""
     qa = any(r.f1 is not None for r in evaluations)
     title = "Held-out exact match and F1" if qa else "Held-out accuracy"
-    fig = _base(title, axis_title(x), "score" if qa else "accuracy")
+    fig = base_figure(title, axis_title(x), "score" if qa else "accuracy")
     fig.update_yaxes(range=[0, 1.02], tickformat=".0%")
     if target is not None:
         fig.add_hline(
@@ -346,7 +350,7 @@ def accuracy_figure(
             annotation_position="bottom right",
         )
     if not evaluations:
-        return _empty(fig)
+        return empty_figure(fig)
     traces = [("exact match", [r.accuracy for r in evaluations])] if qa else []
     if qa:
         traces.append(("F1", [r.f1 for r in evaluations]))
@@ -371,9 +375,9 @@ def lr_figure(
     metrics: Sequence[MetricRow], *, x: XAxis = "step", timeline: Timeline | None = None
 ) -> go.Figure:
     """Learning rate per step, as the schedule set it."""
-    fig = _base("Learning rate", axis_title(x), "learning rate")
+    fig = base_figure("Learning rate", axis_title(x), "learning rate")
     if not metrics:
-        return _empty(fig)
+        return empty_figure(fig)
     fig.add_trace(
         go.Scatter(
             name="lr",
@@ -402,9 +406,9 @@ def freeze_figure(
     boundary, else at the version's recorded time placed by `step_at` over `metrics`, so
     without metrics every version sits at step 0) and runs on to the last metric row. Hover
     shows version, reason and recorded time."""
-    fig = _base("Frozen blocks", axis_title(x), "frozen blocks")
+    fig = base_figure("Frozen blocks", axis_title(x), "frozen blocks")
     if not layouts:
-        return _empty(fig)
+        return empty_figure(fig)
     starts = layout_starts(layouts, metrics)
     xs: list[Any] = [step if x == "step" else utc(t) for step, t in starts]
     ys = [rec.layout.freeze_boundary for rec in layouts]
@@ -472,10 +476,10 @@ def grad_norm_figure(
     between blocks.
     """
     check_axis(x)
-    fig = _base("Gradient norm per block", axis_title(x), "block")
+    fig = base_figure("Gradient norm per block", axis_title(x), "block")
     rows = [r for r in metrics if r.grad_norms]
     if not rows:
-        return _empty(fig)
+        return empty_figure(fig)
     blocks = max(
         [len(r.grad_norms or ()) for r in rows] + [rec.layout.num_blocks for rec in layouts]
     )
@@ -649,11 +653,11 @@ def layout_history_figure(layouts: LayoutHistory) -> go.Figure:
     each stage's block range coloured by stage index and frozen blocks grey; hover names the
     stage's ranks, the reason and the time. Shows the whole sequence of re-layouts."""
     # Capped: a long freeze progression makes many versions; rows then get thinner.
-    fig = _base(
+    fig = base_figure(
         "Layout history", "block", "version", height=min(600, 140 + 26 * max(len(layouts), 1))
     )
     if not layouts:
-        return _empty(fig)
+        return empty_figure(fig)
     stages: dict[int, dict[str, list[Any]]] = {}
     frozen: dict[str, list[Any]] = {"x": [], "width": [], "y": [], "text": [], "hover": []}
     for rec in layouts:
@@ -718,11 +722,11 @@ def compare_figure(
     check_axis(x)
     label, fmt = SERIES.get(key, (key, None))
     x_title = "step" if x == "step" else "seconds since each job's first row"
-    fig = _base(title, x_title, label)
+    fig = base_figure(title, x_title, label)
     if fmt:
         fig.update_yaxes(tickformat=fmt)
     if not any(series.values()):
-        return _empty(fig)
+        return empty_figure(fig)
     for i, (job, rows) in enumerate(series.items()):
         if not rows:
             continue

@@ -24,7 +24,7 @@ from core.stage_times import (
     theoretical_bubble,
 )
 from core.state import Layout
-from dashboard.figures import HEIGHT, LEGEND, stage_color
+from dashboard.figures import HEIGHT, LEGEND, base_figure, empty_figure, stage_color
 from dashboard.timeline import Band, Timeline, band_label, decorate
 from store.rows import RecordedLayout, StageTimesRow, StepTraceRow
 
@@ -54,22 +54,13 @@ THEORY_NAME = "schedule's bubble (theory)"
 
 
 def _base(title: str, x_title: str, y_title: str, height: int = HEIGHT) -> go.Figure:
-    fig = go.Figure()
-    fig.update_layout(
-        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
-        xaxis={"title": {"text": x_title}, "automargin": True},
-        yaxis={"title": {"text": y_title}, "automargin": True},
-        height=height,
-        margin={"l": 10, "r": 10, "t": 40, "b": 10},
-        legend=LEGEND,
-    )
-    return fig
+    # bars, not lines over a shared x: each hover names its own bar
+    return base_figure(title, x_title, y_title, height, hovermode="closest")
 
 
 def _explain(fig: go.Figure, text: str) -> go.Figure:
     """An empty figure that says why it is empty."""
-    fig.add_annotation(text=text, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
-    return fig
+    return empty_figure(fig, text)
 
 
 def stages_text(stages: Sequence[int]) -> str:
