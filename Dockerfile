@@ -22,8 +22,9 @@ ARG TORCH_VARIANT=cpu
 # build or a mirror (docs/image.md).
 ARG TORCH_INDEX=""
 # extras of the project in the image: the Kubernetes client (torchx's kubernetes scheduler) and
-# PostgreSQL's driver (a store shared by pods: --db postgresql://..., `db upgrade`)
-ARG EXTRAS=kubernetes,postgres,hf
+# PostgreSQL's driver (a store shared by pods: --db postgresql://..., `db upgrade`), Hugging Face
+# checkpoints and data, and TensorBoard's event-file writer (runtime.tensorboard)
+ARG EXTRAS=kubernetes,postgres,hf,tensorboard
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
