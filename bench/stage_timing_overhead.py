@@ -20,6 +20,7 @@ One JSON line (also bench/out/stage_timing_overhead.json).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -30,7 +31,7 @@ import torch
 import yaml
 from _common import ROOT, emit, environment, progress, rotated, run_cli_job
 
-from core.stage_times import PHASES
+from core.stage_times import PhaseSeconds
 from store import Store, sqlite_url
 from trainer.stage_clock import StageClock
 
@@ -82,12 +83,9 @@ def step_time(workdir: Path, spec: dict[str, Any], job: str) -> dict[str, Any]:
     finally:
         store.close()
     # where the time went over the whole job (stage timing on), as fractions of the wall time
-    wall_s = sum(r.wall_s for r in rows)
-    phases = (
-        {p: round(sum(getattr(r.seconds, p) for r in rows) / wall_s, 4) for p in PHASES}
-        if wall_s
-        else None
-    )
+    total = functools.reduce(PhaseSeconds.plus, (r.seconds for r in rows), PhaseSeconds())
+    shares = total.fractions(sum(r.wall_s for r in rows))
+    phases = {p: round(share, 4) for p, share in shares.items()} or None
     skip = len(metrics) // spec["training"]["epochs"]  # the first epoch
     gaps = [b.time - a.time for a, b in zip(metrics[skip:], metrics[skip + 1 :], strict=False)]
     return {

@@ -78,6 +78,12 @@ class PhaseSeconds(BaseModel):
         """Forward and backward: the stage's own work."""
         return self.forward + self.backward
 
+    def fractions(self, wall_s: float) -> dict[str, float]:
+        """Each phase's share of `wall_s` (empty when no wall time was measured)."""
+        if not wall_s > 0:
+            return {}
+        return {p: getattr(self, p) / wall_s for p in PHASES}
+
     def plus(self, other: PhaseSeconds) -> PhaseSeconds:
         return PhaseSeconds(**{p: getattr(self, p) + getattr(other, p) for p in PHASES})
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import streamlit as st
 
@@ -35,6 +37,8 @@ from dashboard.auth import (
 )
 from dashboard.launch import Options
 from store import JobInfo, Store
+
+R = TypeVar("R")
 
 ACTOR_KEY = "actor"  # session state: the signed-in user's name
 FLASH_KEY = "filed"  # session state: what the last filing said, shown after the rerun
@@ -198,26 +202,43 @@ def freeze_override_control(
         _file(store, job, options, int(layers), reason)
 
 
-def _file(store: Store, job: JobInfo, options: Options, layers: int, reason: str) -> None:
+def _file_signed_in(
+    kind: str, job: JobInfo, options: Options, file: Callable[[EtcdClient, str], R]
+) -> tuple[str, R] | None:
+    """File a `kind` request for the signed-in user: `file(etcd, who)` on the job's etcd, `who`
+    the user's name marked as the dashboard's. Returns (user, what `file` returned); None when
+    refused (no one signed in, a rule, or an etcd that does not answer), said on the page and,
+    for a refusal, in the audit log."""
     log = audit_log()
     who = signed_in()
     if who is None:  # a stale form from before a sign-out: refuse, never trust the page
         log.warning(
-            "refused freeze request for %s from %s: not signed in", job.id, client_address()
+            "refused %s request for %s from %s: not signed in", kind, job.id, client_address()
         )
         st.error("Refused: sign in first.")
-        return
+        return None
     try:
         etcd = etcd_client(live_etcd_endpoint(job, options.etcd))
-        request = file_freeze_request(etcd, job, layers, reason, who=f"{who} (dashboard)")
+        return who, file(etcd, f"{who} (dashboard)")
     except OverrideError as exc:
-        log.warning("refused freeze request by %s for %s: %s", who, job.id, exc)
+        log.warning("refused %s request by %s for %s: %s", kind, who, job.id, exc)
         st.error(f"Refused: {exc}")
-        return
     except EtcdUnavailable as exc:
         st.error(f"The job's etcd does not answer: {exc}")
+    return None
+
+
+def _file(store: Store, job: JobInfo, options: Options, layers: int, reason: str) -> None:
+    filed = _file_signed_in(
+        "freeze",
+        job,
+        options,
+        lambda etcd, who: file_freeze_request(etcd, job, layers, reason, who=who),
+    )
+    if filed is None:
         return
-    log.info(
+    who, request = filed
+    audit_log().info(
         "freeze request %s by %s for %s: layers=%d (%s)", request.id, who, job.id, layers, reason
     )
     # rerun the whole page, so the request list above shows it at once; the message survives
@@ -265,25 +286,15 @@ def trace_control(job: JobInfo, options: Options, actor: str | None) -> None:
         st.success(message)
     if not st.button("Capture the next step", key="capture_trace"):
         return
+    filed = _file_signed_in(
+        "trace", job, options, lambda etcd, who: file_trace_request(etcd, job, who=who)
+    )
+    if filed is None:
+        return
+    who, request = filed
     log = audit_log()
-    who = signed_in()
-    if who is None:  # a stale page from before a sign-out
-        log.warning("refused trace request for %s from %s: not signed in", job.id, client_address())
-        st.error("Refused: sign in first.")
-        return
-    asker = f"{who} (dashboard)"
-    try:
-        etcd = etcd_client(live_etcd_endpoint(job, options.etcd))
-        request = file_trace_request(etcd, job, who=asker)
-    except OverrideError as exc:
-        log.warning("refused trace request by %s for %s: %s", who, job.id, exc)
-        st.error(f"Refused: {exc}")
-        return
-    except EtcdUnavailable as exc:
-        st.error(f"The job's etcd does not answer: {exc}")
-        return
     every = job.spec.runtime.control_every_steps
-    if request.who == asker:
+    if request.who == f"{who} (dashboard)":
         log.info("trace request %s by %s for %s", request.id, who, job.id)
         filed = f"Trace request {request.id} filed"
     else:  # one still pending is shared: the same trace answers both

@@ -16,8 +16,9 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from rich.console import Console
 from rich.markup import escape
@@ -67,6 +68,8 @@ from store import (
 )
 
 # Logs and pipes get a wide console: rich's 80-column default would cut paths in the summary.
+R = TypeVar("R")
+
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
@@ -366,16 +369,24 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     os.execv(cmd[0], cmd)  # signals (kill, container stop) reach the dashboard directly
 
 
+def _file_request(job: JobInfo, args: argparse.Namespace, file: Callable[[EtcdClient], R]) -> R:
+    """`file(etcd)` on the running job's etcd (`--etcd`, else the one its launch serves); an
+    etcd that does not answer is the user's to check, said in one line."""
+    endpoint = live_etcd_endpoint(job, args.etcd)
+    try:
+        with EtcdClient(endpoint, retry_timeout=3) as etcd:
+            return file(etcd)
+    except EtcdUnavailable as exc:
+        raise UsageError(f"job {job.id}: its etcd does not answer ({exc})") from None
+
+
 def cmd_freeze(args: argparse.Namespace) -> int:
     """File a manual freeze request; the job applies it at its next decision point."""
     store = open_store(args)
     job = store.get_job(args.job)
-    endpoint = live_etcd_endpoint(job, args.etcd)
-    try:
-        with EtcdClient(endpoint, retry_timeout=3) as etcd:
-            request = file_freeze_request(etcd, job, args.layers, args.reason)
-    except EtcdUnavailable as exc:
-        raise UsageError(f"job {job.id}: its etcd does not answer ({exc})") from None
+    request = _file_request(
+        job, args, lambda etcd: file_freeze_request(etcd, job, args.layers, args.reason)
+    )
     console.print(
         f"freeze request {request.id} filed: blocks 0..{args.layers - 1} at the next decision "
         f"point of {job.id} (see `pipetransformer status {job.id}`)"
@@ -388,12 +399,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     for every rank's `StepTrace` in the store, write them as a Chrome / Perfetto trace."""
     store = open_store(args)
     job = store.get_job(args.job)
-    endpoint = live_etcd_endpoint(job, args.etcd)
-    try:
-        with EtcdClient(endpoint, retry_timeout=3) as etcd:
-            request = file_trace_request(etcd, job)
-    except EtcdUnavailable as exc:
-        raise UsageError(f"job {job.id}: its etcd does not answer ({exc})") from None
+    request = _file_request(job, args, lambda etcd: file_trace_request(etcd, job))
     layout = store.current_layout(job.id)
     ranks = layout.world_size if layout else 1
     every = job.spec.runtime.control_every_steps

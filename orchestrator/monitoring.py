@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from core.protocol import Evaluated, LayoutPlanned, Metrics, StageTimes
-from core.stage_times import PHASES, RankTimes, measured_bubble, per_rank, theoretical_bubble
+from core.stage_times import measured_bubble, per_rank, theoretical_bubble
 from store import JOB_STATES, WORKER_STATES, Store
 
 if TYPE_CHECKING:
@@ -359,7 +359,7 @@ class JobCollector(Collector):
         for r in ranks:
             labels = [self.job_id, str(r.rank), stage_label(r.stages), str(r.replica)]
             wall.add_metric(labels, r.wall_s)
-            for phase, fraction in phase_fractions(r).items():
+            for phase, fraction in r.seconds.fractions(r.wall_s).items():
                 phases.add_metric([*labels, phase], fraction)
             if r.wall_s > 0:
                 busy.add_metric(labels, r.busy_fraction)
@@ -391,13 +391,6 @@ class JobCollector(Collector):
             self.job_id,
             text,
         )
-
-
-def phase_fractions(r: RankTimes) -> dict[str, float]:
-    """Each phase's share of a rank's wall time (empty when no wall time was measured)."""
-    if not r.wall_s > 0:
-        return {}
-    return {p: getattr(r.seconds, p) / r.wall_s for p in PHASES}
 
 
 def _finite(value: float | None) -> bool:
@@ -601,10 +594,9 @@ class TensorBoardWriter:
                 written += self._scalars(points, e.step, e.time)
             elif isinstance(e, StageTimes):
                 prefix = f"stage_times/rank{e.rank}"
-                points = {}
-                if e.wall_s > 0:
-                    for p in PHASES:
-                        points[f"{prefix}/{p}"] = getattr(e.seconds, p) / e.wall_s
+                points = {
+                    f"{prefix}/{p}": share for p, share in e.seconds.fractions(e.wall_s).items()
+                }
                 points[f"{prefix}/bubble"] = measured_bubble(e.seconds)
                 written += self._scalars(points, e.to_step, e.time)
         steps = [(e.time, e.step) for e in stepped if isinstance(e, Metrics)]
