@@ -586,6 +586,17 @@ def cmd_etcd(args: argparse.Namespace) -> int:
 # -- parser ------------------------------------------------------------------------------------
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0: off)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give 0..65535 (0: off)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipetransformer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -607,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-id", help="job id (default: <name>-<random>)")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=0,
         metavar="PORT",
         help="serve the job's Prometheus metrics at http://127.0.0.1:PORT/metrics while it "
@@ -620,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=0,
         metavar="PORT",
         help="serve the job's Prometheus metrics at http://127.0.0.1:PORT/metrics while it "
@@ -712,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-id", help="rendezvous id the workers meet at (default: generated)")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=0,
         metavar="PORT",
         help="serve the job's Prometheus metrics at http://0.0.0.0:PORT/metrics while it "

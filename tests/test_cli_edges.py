@@ -152,3 +152,14 @@ def test_a_running_job_is_not_resumed_and_a_request_for_nothing_is_not_filed(
         assert len(store.generations(job)) == 1  # the refused resume started nothing
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("port", ["-5", "70000", "nine"])
+def test_metrics_port_that_is_not_a_port(capsys, tmp_path: Path, spec: Path, port: str) -> None:
+    """Refused by the argument parser, before anything is created (exit 2, one line)."""
+    for argv in (["run", str(spec)], ["resume", "j"], ["controller", str(spec)]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--metrics-port", port, "--workdir", str(tmp_path / "runs")])
+        assert exc.value.code == 2
+        assert f"'{port}' is not a port: give 0..65535" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
