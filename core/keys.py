@@ -37,6 +37,9 @@ SPEC_ENV = "PIPETRANSFORMER_SPEC"
 # Kubernetes). Files shared across nodes over a network file system are not coherent, so on a
 # cluster it must not be the shared checkpoint volume, which is the default (one machine).
 ACTIVATION_CACHE_ENV = "PIPETRANSFORMER_ACTIVATION_CACHE"
+# bytes the AutoCache files of one node may take (a pod's cache volume has a size limit, past
+# which the kubelet evicts the pod); unset: no cap
+ACTIVATION_CACHE_BYTES_ENV = "PIPETRANSFORMER_ACTIVATION_CACHE_BYTES"
 # The job's rendezvous secret, which keys the HMAC over the torchrun rendezvous state (a pickle):
 # its value (from a Kubernetes Secret), or a file holding it (a local run makes one per job).
 RDZV_SECRET_ENV = "PIPETRANSFORMER_RDZV_SECRET"

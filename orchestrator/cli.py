@@ -36,6 +36,7 @@ from core.overrides import (
 from core.readings import mfu_text, peak_memory_text
 from core.spec import JobSpec, SpecError, load_spec, spec_from_text
 from core.stage_times import chrome_trace
+from orchestrator import restarts
 from orchestrator.controller import (
     Controller,
     ControllerError,
@@ -47,9 +48,15 @@ from orchestrator.controller import (
 )
 from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
+from orchestrator.exits import (
+    EXIT_JOB_FAILED,
+    EXIT_SIGTERM,
+    EXIT_USAGE,
+    exit_status,
+    write_termination_log,
+)
 from orchestrator.local import admission_problems, job_etcd, train_here
 from orchestrator.monitoring import JobMetrics, TensorBoardWriter
-from orchestrator.procs import EXIT_SIGTERM
 from orchestrator.progress import ProgressView
 from orchestrator.report import print_summary, provenance_rows
 from orchestrator.roles import TrainerPods, serve_node
@@ -158,8 +165,8 @@ def open_store(args: argparse.Namespace, create: bool = False, probe: bool = Tru
 
 
 def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: float) -> int:
-    """Print the end-of-run summary; the exit code: 0 completed, 130 stopped on request
-    (Ctrl-C), else 1."""
+    """Print the end-of-run summary; the exit code (orchestrator/exits.py): 0 completed, 3
+    failed (a restart cannot fix it), 130 stopped on request (Ctrl-C), else 1."""
     job = store.get_job(ctrl.job_id)
     print_summary(
         console,
@@ -170,9 +177,7 @@ def _summary(store: Store, ctrl: Controller, args: argparse.Namespace, started: 
         checkpoints=job_dir(job.workdir, job.id) / "checkpoints",
         where=f"--db '{args.db}'" if args.db else f"--workdir {args.workdir}",
     )
-    if job.state == "completed":
-        return 0
-    return 130 if ctrl.progress.outcome == "stopped" else 1
+    return exit_status(job.state, stopped=ctrl.progress.outcome == "stopped")
 
 
 def _read_spec(spec_path: str | None) -> JobSpec:
@@ -514,7 +519,9 @@ def cmd_db(args: argparse.Namespace) -> int:
 def cmd_controller(args: argparse.Namespace) -> int:
     """Controller role of a torchx launch: creates (or continues) the job, publishes it in etcd
     (or takes over the generation a previous controller left running), and records what the
-    trainer pods' workers report until they finish."""
+    trainer pods' workers report until they finish. Its exit status tells Volcano whether a
+    restart can help (orchestrator/exits.py, orchestrator/volcano.py), and its last line is
+    the pod's termination message."""
     started = time.monotonic()
     # PID 1 of the controller pod (which ignores signals it has no handler for): a pod's stop
     # hands the job over between two ticks, its lease revoked, so that the controller Volcano
@@ -528,12 +535,19 @@ def cmd_controller(args: argparse.Namespace) -> int:
         supervising[0].leave()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    spec, job_id, store = _new_job(args, args.spec, fresh=False)  # rides out a starting DB
+    try:
+        spec, job_id, store = _new_job(args, args.spec, fresh=False)  # rides out a starting DB
+    except (SpecError, UsageError) as exc:
+        write_termination_log(str(exc))
+        raise
+    if (ended := _ended_or_over_budget(store, job_id, args)) is not None:
+        return ended
     with job_etcd(args.etcd, args.workdir, job_id, port=args.etcd_port) as etcd:
         try:
             ctrl = Controller(store, etcd, job_id)
         except UnknownJob:
             ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
+        store.add_event(job_id, restarts.STARTED, "controller started", data=_launch(args))
 
         def launch(attached: bool) -> TrainerPods:
             if attached:
@@ -552,8 +566,55 @@ def cmd_controller(args: argparse.Namespace) -> int:
                 ctrl.run(rdzv_id, launch, on_tick=view.update, attach=True)
         except HandedOver as exc:
             console.print(str(exc))
-            return EXIT_SIGTERM
-        return _summary(store, ctrl, args, started)
+            return _exited(store, job_id, args, EXIT_SIGTERM, str(exc))
+        except Exception as exc:  # a restart may get past it: recorded for the budget
+            why = f"controller crashed: {type(exc).__name__}: {exc}"
+            store.add_event(job_id, restarts.CRASHED, why, data=_launch(args))
+            write_termination_log(why)
+            raise
+        status = _summary(store, ctrl, args, started)
+        job = store.get_job(job_id)
+        return _exited(store, job_id, args, status, f"job {job_id} {job.state}: {job.message}")
+
+
+def _launch(args: argparse.Namespace) -> dict[str, str]:
+    return {"launch": args.launch_id or ""}
+
+
+def _exited(store: Store, job_id: str, args: argparse.Namespace, status: int, why: str) -> int:
+    """Record the controller's chosen exit (a clean one ends the count of unclean restarts),
+    leave `why` as the pod's termination message; `status`."""
+    store.add_event(job_id, restarts.EXITED, why, data={**_launch(args), "status": status})
+    write_termination_log(why)
+    return status
+
+
+def _ended_or_over_budget(store: Store, job_id: str, args: argparse.Namespace) -> int | None:
+    """For a controller restarted in its pod: the status to exit with at once when its launch
+    already ended the job (Volcano then ends the Volcano job), or when it has restarted
+    uncleanly more than `--restart-budget` times in a row (the job fails with the reason);
+    None to go on."""
+    try:
+        job = store.get_job(job_id)
+    except UnknownJob:
+        return None  # a new job
+    events = store.events(job_id, limit=500, kinds=[*restarts.KINDS, *restarts.END_KINDS])
+    if (status := restarts.ended_status(job, events, args.launch_id or "")) is not None:
+        why = f"job {job_id} already ended ({job.state}): {job.message}"
+        console.print(why)
+        write_termination_log(why)
+        return status
+    count, reason = restarts.unclean_restarts(events, args.launch_id or "")
+    if count <= args.restart_budget:
+        return None
+    why = (
+        f"the controller restarted {count} times in a row without ending cleanly (budget "
+        f"--restart-budget {args.restart_budget}); the last: {reason}"
+    )
+    store.set_job_state(job_id, "failed", why)
+    store.add_event(job_id, "job_failed", why, data={"outcome": "restart_budget"})
+    err.print(f"[red]{why}[/]")
+    return _exited(store, job_id, args, EXIT_JOB_FAILED, why)
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
@@ -722,6 +783,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=300.0)
     p.add_argument("--rdzv-id", help="rendezvous id the workers meet at (default: generated)")
     p.add_argument(
+        "--launch-id",
+        default="",
+        help="the scheduler's id of this launch (the torchx component passes its app id): a "
+        "controller restarted within its launch after the job ended exits at once, a new "
+        "launch resumes the job",
+    )
+    p.add_argument(
+        "--restart-budget",
+        type=int,
+        default=3,
+        metavar="N",
+        help="unclean restarts in a row (crashes, kills, giving up on absent workers) after "
+        "which the job fails with the last one's reason (default 3; a handover on SIGTERM "
+        "resets the count)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=port_number,
         default=0,
@@ -763,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except (SpecError, UsageError, UnknownJob, ControllerError, OverrideError) as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)  # one line, for grep
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ for where the job runs; what only pods need in `Pods`, None locally), then `cont
 import os
 import secrets
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,24 +52,25 @@ from torchx.specs import RetryPolicy, macros
 from torchx.specs.finder import ComponentValidationException
 from torchx.specs.overlays import set_overlay
 
-from core.keys import ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
+from core.keys import ACTIVATION_CACHE_BYTES_ENV, ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
 from core.spec import JobSpec, SpecError, load_spec
+from orchestrator import sizing, volcano
 from orchestrator.etcd_server import free_port
 from orchestrator.pods import CACHE_DIR, PodVolumes, metrics_annotations, pod_overlay
 
 CONTROLLER_ROLE = "controller"
 TRAINER_ROLE = "trainer"
-CONTROLLER_MEM_MB = 1024
-TRAINER_MEM_MB_PER_PROC = 1024
-# torchx's Kubernetes scheduler requests memMB minus this reserve (it leaves room for the node's
-# own daemons), so the controller asks for that much more to get CONTROLLER_MEM_MB
-K8S_RESERVED_MEM_MB = 1024
+CONTROLLER_MEM_MB = 1024  # locally (pods: orchestrator/sizing.py)
+TRAINER_MEM_MB_PER_PROC = 1024  # locally (pods: orchestrator/sizing.py)
 POD_WORKDIR = "/workdir"  # where the checkpoint volume is mounted in every pod
 K8S_RETRIES = 3
 # the controller pod's Prometheus metrics port (container mode's default for --metrics_port);
 # `pipetransformer controller --metrics-port N` serves them
 METRICS_PORT = 9400
 METRICS_PORT_NAME = "metrics"  # the container port's name: k8s/monitoring/podmonitor.yaml
+# what Volcano does when a role's pod ends (orchestrator/volcano.py)
+CONTROLLER_POLICIES = volcano.controller_policies()
+TRAINER_POLICIES = volcano.trainer_policies()
 
 
 class ComponentArgError(ComponentValidationException, ValueError):
@@ -136,14 +137,19 @@ def train(
             container mode (Kubernetes); local_cwd leaves it empty
         python: interpreter the roles run (default: the one running torchx; `python` in images)
         h: a registered named resource for the trainer (takes precedence over cpu and memMB)
-        cpu: cpus per trainer replica (default: nproc_per_node x runtime.threads_per_worker)
-        memMB: memory in MB per trainer replica (default: 1024 per worker process)
+        cpu: cpus per trainer replica (default: from the spec, orchestrator/sizing.py: each
+            worker's threads and data loaders, two more per GPU worker, one for torchrun)
+        memMB: memory in MiB per trainer replica (default: from the spec and the measured cost
+            of torchrun, the fork server and a worker, orchestrator/sizing.py; 1024 per worker
+            locally); in pods requests equal limits (Guaranteed QoS)
         gpu: GPUs per trainer replica (default: nproc_per_node when the spec's runtime.device
             is cuda, else 0); locally add -cfg auto_set_cuda_visible_devices=True so that each
             trainer sees its own
         env: extra environment variables for both roles (e.g. ENV1=v1,ENV2=v2)
         mounts: extra mounts for both roles (type=<bind|volume>,src=...,dst=...[,readonly])
-        max_retries: scheduler retries per role (default: 0 locally, 3 in container mode)
+        max_retries: scheduler retries per role (default: 0 locally, 3 in container mode: the
+            Volcano job's maxRetry, which bounds the pod replacements Volcano makes; the
+            controller also ends the job after that many unclean restarts of its own)
         db_secret: container mode: Secret holding the store's URL under the key
             PIPETRANSFORMER_DB, the controller's environment (empty: SQLite on the checkpoint
             volume, for trials)
@@ -175,8 +181,9 @@ def train(
     role_mounts: list[specs.BindMount | specs.VolumeMount | specs.DeviceMount] = []
     if image:
         workdir = POD_WORKDIR if workdir == "./runs" else workdir
-        # torchx's Kubernetes scheduler requests memMB minus its reserve: add it back
-        resource = _trainer_resource(job, nproc_per_node, h, cpu, memMB, K8S_RESERVED_MEM_MB, gpu)
+        size = trainer_pod_size(job, nproc_per_node, trainer_gpus(job, nproc_per_node, gpu))
+        size = replace(size, cpus=cpu or size.cpus, memory_mib=memMB or size.memory_mib)
+        resource = _trainer_resource(job, nproc_per_node, h, size.cpus, size.memory_mib, gpu)
         _check_pod_names(job.name, nnodes)
         _check_container_args(etcd, db, db_secret, workdir_pvc, workdir, grace_period_s)
         pods = Pods(
@@ -186,6 +193,7 @@ def train(
             db_secret=db_secret,
             rdzv_secret=rdzv_secret,
             trainer_overlay=_user_overlay(trainer_overlay) if trainer_overlay else None,
+            trainer_size=None if h else size,  # a named resource is the user's to size
         )
         retries = K8S_RETRIES if max_retries < 0 else max_retries
         metrics_port = METRICS_PORT if metrics_port < 0 else metrics_port
@@ -194,7 +202,7 @@ def train(
             embedded_port = etcd_port or free_port()
             etcd = f"127.0.0.1:{embedded_port}"
         role_mounts = specs.parse_mounts(mounts) if mounts else []
-        resource = _trainer_resource(job, nproc_per_node, h, cpu, memMB, gpu=gpu)
+        resource = _trainer_resource(job, nproc_per_node, h, cpu, memMB, gpu)
         retries = max(0, max_retries)
         metrics_port = max(0, metrics_port)  # off unless asked: jobs on one machine share ports
         if metrics_port and metrics_port == embedded_port:
@@ -237,6 +245,7 @@ class Pods:
     db_secret: str
     rdzv_secret: str  # the trainers' (orchestrator/rendezvous.py, "Trust")
     trainer_overlay: dict[str, Any] | None
+    trainer_size: sizing.PodSize | None  # requests = limits (None: a named resource's)
 
 
 @dataclass(frozen=True)
@@ -285,14 +294,20 @@ def controller_role(opts: TrainOptions) -> specs.Role:
         *etcd,
         "--join-timeout",
         str(opts.join_timeout),
+        # a controller restarted within this launch after the job ended exits at once; unclean
+        # restarts past the budget fail the job (orchestrator/restarts.py)
+        "--launch-id",
+        macros.app_id,
+        "--restart-budget",
+        str(opts.max_retries),
         *(["--metrics-port", str(opts.metrics_port)] if opts.metrics_port else []),
     ]
     env = dict(opts.env)
-    memory = CONTROLLER_MEM_MB
+    size = sizing.controller_size()
     if pods:
         env[SPEC_ENV] = pods.spec_text
-        memory += K8S_RESERVED_MEM_MB  # requested minus the reserve, as for the trainers
-    role = _role(opts, CONTROLLER_ROLE, args, 1, specs.resource(cpu=1, gpu=0, memMB=memory), env)
+    resource = specs.resource(cpu=size.cpus, gpu=0, memMB=size.memory_mib)
+    role = _role(opts, CONTROLLER_ROLE, args, 1, resource, env, policies=CONTROLLER_POLICIES)
     if opts.metrics_port:  # a container port named `metrics` in the pod (unused locally)
         role.port_map = {METRICS_PORT_NAME: opts.metrics_port}
     if pods:
@@ -302,6 +317,7 @@ def controller_role(opts: TrainOptions) -> specs.Role:
             pods.volumes,
             [pods.db_secret] if pods.db_secret else [],
             annotations=metrics_annotations(opts.metrics_port) if opts.metrics_port else None,
+            resources=size.resources(),
         )
         set_overlay(role, "kubernetes", "V1Pod", overlay)
     return role
@@ -326,16 +342,36 @@ def trainer_role(opts: TrainOptions) -> specs.Role:
         str(opts.join_timeout),
     ]
     env = dict(opts.env)
+    size = pods.trainer_size if pods else None
     if pods:
         env[ACTIVATION_CACHE_ENV] = CACHE_DIR
+        if size and size.cache_mib:  # the files stay inside the cache volume's size limit
+            env[ACTIVATION_CACHE_BYTES_ENV] = str(size.cache_mib * sizing.MIB)
     else:  # one secret per launch, shared by its agents (pods read theirs from a Secret)
         env[RDZV_SECRET_ENV] = secrets.token_hex(32)
     # in pods the first min_nodes are required to start; a lost pod is replaced and rejoins
     min_replicas = opts.min_nodes if pods else None
-    role = _role(opts, TRAINER_ROLE, args, opts.nnodes, opts.trainer_resource, env, min_replicas)
+    role = _role(
+        opts,
+        TRAINER_ROLE,
+        args,
+        opts.nnodes,
+        opts.trainer_resource,
+        env,
+        min_replicas,
+        policies=TRAINER_POLICIES,
+    )
     if pods:
         rdzv = [pods.rdzv_secret] if pods.rdzv_secret else []
-        overlay = pod_overlay(opts.image, pods.grace_period_s, pods.volumes, rdzv, cache=True)
+        overlay = pod_overlay(
+            opts.image,
+            pods.grace_period_s,
+            pods.volumes,
+            rdzv,
+            cache=True,
+            resources=size.resources(opts.trainer_resource.gpu) if size else None,
+            cache_mib=size.cache_mib if size else None,
+        )
         set_overlay(role, "kubernetes", "V1Pod", overlay)
         if pods.trainer_overlay:  # the user's, merged after ours (lists append, mappings merge)
             set_overlay(role, "kubernetes", "V1Pod", pods.trainer_overlay)
@@ -350,9 +386,11 @@ def _role(
     resource: specs.Resource,
     env: dict[str, str],
     min_replicas: int | None = None,
+    policies: list[dict[str, Any]] | None = None,
 ) -> specs.Role:
     """What both roles share: the CLI of the image's (or this) Python, mounts and retries; in
-    pods a failed replica is restarted alone (never RestartJob: the rest keeps training)."""
+    pods a failed replica is replaced alone (never RestartJob: the rest keeps training), as the
+    role's Volcano `policies` say (orchestrator/volcano.py)."""
     return specs.Role(
         name=name,
         image=opts.image,
@@ -365,6 +403,7 @@ def _role(
         mounts=list(opts.mounts),
         max_retries=opts.max_retries,
         retry_policy=RetryPolicy.REPLICA if opts.pods else RetryPolicy.APPLICATION,
+        metadata=volcano.role_metadata(policies) if opts.pods and policies else {},
     )
 
 
@@ -445,13 +484,17 @@ def trainer_gpus(job: JobSpec, nproc_per_node: int, gpu: int = -1) -> int:
     return nproc_per_node if job.runtime.device == "cuda" else 0
 
 
+def trainer_pod_size(job: JobSpec, nproc_per_node: int, gpus: int) -> sizing.PodSize:
+    """A trainer pod's requests (= limits), from the spec (orchestrator/sizing.py)."""
+    return sizing.trainer_size(job, nproc_per_node, gpus)
+
+
 def _trainer_resource(
     job: JobSpec,
     nproc_per_node: int,
     h: str | None,
     cpu: int,
     memMB: int,
-    reserve: int = 0,
     gpu: int = -1,
 ) -> specs.Resource:
     gpus = trainer_gpus(job, nproc_per_node, gpu)
@@ -463,7 +506,7 @@ def _trainer_resource(
     return specs.resource(
         cpu=cpu or nproc_per_node * job.runtime.threads_per_worker,
         gpu=gpus,  # torchx's Kubernetes scheduler requests nvidia.com/gpu
-        memMB=(memMB or TRAINER_MEM_MB_PER_PROC * nproc_per_node) + reserve,
+        memMB=memMB or TRAINER_MEM_MB_PER_PROC * nproc_per_node,
         h=h,
     )
 

@@ -630,7 +630,8 @@ class Controller:
             self.store.end_generation(self.job_id, self.current.number, state)
             self.current.open = False
         self.store.set_job_state(self.job_id, state, message.splitlines()[0])
-        self.store.add_event(self.job_id, f"job_{state}", message)
+        # the outcome tells a restarted controller pod a user's stop from workers gone
+        self.store.add_event(self.job_id, f"job_{state}", message, data={"outcome": p.outcome})
         return state
 
     # -- events -------------------------------------------------------------------------------

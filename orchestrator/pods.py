@@ -41,9 +41,13 @@ class PodVolumes:
     workdir: str
     extra: list[specs.BindMount | specs.VolumeMount]  # device mounts are refused before
 
-    def volumes(self, cache: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def volumes(
+        self, cache: bool, cache_mib: int | None = None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(pod volumes, container volume mounts), torchx's shared-memory mount included: the
-        overlay replaces the container's list, so it must list everything."""
+        overlay replaces the container's list, so it must list everything. The cache's emptyDir
+        is limited to `cache_mib` (the kubelet evicts a pod whose volume outgrows its limit:
+        the trainer caps its files below it, `ACTIVATION_CACHE_BYTES_ENV`)."""
         vols: list[dict[str, Any]] = [
             {"name": "workdir", "persistentVolumeClaim": {"claimName": self.workdir_pvc}}
         ]
@@ -52,7 +56,8 @@ class PodVolumes:
             {"name": "workdir", "mountPath": self.workdir},
         ]
         if cache:
-            vols.append({"name": "activation-cache", "emptyDir": {}})
+            empty_dir = {"sizeLimit": f"{cache_mib}Mi"} if cache_mib else {}
+            vols.append({"name": "activation-cache", "emptyDir": empty_dir})
             mounts.append({"name": "activation-cache", "mountPath": CACHE_DIR})
         for i, m in enumerate(self.extra):
             name = f"extra-{i}"
@@ -77,11 +82,15 @@ def pod_overlay(
     env_secrets: Sequence[str] = (),
     cache: bool = False,
     annotations: Mapping[str, str] | None = None,
+    resources: Mapping[str, Mapping[str, str]] | None = None,
+    cache_mib: int | None = None,
 ) -> dict[str, Any]:
     """What torchx's generated pod lacks: the non-root user and volume group of the image, a
     security context the Pod Security "restricted" profile admits, no API token (the pods never
-    call the Kubernetes API), restarts in place, the grace period a
-    leaving trainer checkpoints in, the environment from `env_secrets` (`envFrom`: each key is
+    call the Kubernetes API), no restarts in place (a failed container is a Failed pod, which
+    the role's Volcano policies act on: orchestrator/volcano.py), the container's last words
+    kept as its termination message, `resources` (requests equal to limits: Guaranteed QoS,
+    orchestrator/sizing.py), the grace period a leaving trainer checkpoints in, the environment from `env_secrets` (`envFrom`: each key is
     a variable's name: the controller's store URL, PIPETRANSFORMER_DB; the trainers'
     rendezvous secret, PIPETRANSFORMER_RDZV_SECRET), the checkpoint volume and a node-local
     cache; the project's label (`POD_LABELS`) and `annotations` (the controller's
@@ -91,10 +100,13 @@ def pod_overlay(
     and merged field by field: a list given here replaces the generated one, so only
     `volumeMounts` (listed whole), `envFrom` (absent before) and `securityContext` (a mapping,
     merged) are set on it."""
-    pod_volumes, container_mounts = volumes.volumes(cache)
+    pod_volumes, container_mounts = volumes.volumes(cache, cache_mib)
     container: dict[str, Any] = {
         "image": image,
         "volumeMounts": container_mounts,
+        # `kubectl describe` and `torchx status` show the controller's outcome line
+        # (orchestrator/exits.py), or a crashed container's last log lines
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # Pod Security "restricted": what a namespace enforcing it requires of every container
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -102,6 +114,8 @@ def pod_overlay(
             "runAsNonRoot": True,
         },
     }
+    if resources:  # mappings merge: torchx's nvidia.com/gpu stays, cpu and memory are ours
+        container["resources"] = {k: dict(v) for k, v in resources.items()}
     if env_secrets:
         container["envFrom"] = [{"secretRef": {"name": name}} for name in env_secrets]
     metadata: dict[str, Any] = {"labels": dict(POD_LABELS)}
@@ -114,8 +128,9 @@ def pod_overlay(
             # no FOO_SERVICE_HOST variables: the `etcd` Service's ETCD_* would reach the pods
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": grace_period_s,
-            # a crashed process restarts in its pod; a lost pod is recreated by Volcano
-            "restartPolicy": "OnFailure",
+            # a failed container fails its pod, which Volcano sees and its policies act on
+            # (an in-pod restart is invisible to Volcano: it would crash-loop uncounted)
+            "restartPolicy": "Never",
             "securityContext": {
                 "runAsNonRoot": True,
                 "runAsUser": IMAGE_UID,

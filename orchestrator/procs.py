@@ -29,7 +29,6 @@ def tied_to_parent(cmd: list[str]) -> list[str]:
 
 # What a pod's stop (drain, eviction, delete, Volcano reclaim) and a terminal send.
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
-EXIT_SIGTERM = 128 + signal.SIGTERM  # a shell's status for a process ended by SIGTERM
 
 
 def call_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:

@@ -993,20 +993,38 @@ def renew_empty_dirs(cluster: Cluster, spec: PodSpec) -> PodSpec:
     return replace(spec, mounts=mounts)
 
 
-def rendered_containers(app: Any) -> dict[str, dict[str, Any]]:
-    """task name -> the container torchx's Kubernetes scheduler would submit (Volcano Job),
-    as plain data; to check role_pods against (needs the kubernetes client)."""
+def volcano_job(
+    app: Any,
+    queue: str = "rehearsal",
+    service_account: str | None = None,
+    priority_class: str | None = None,
+) -> dict[str, Any]:
+    """The Volcano Job `torchx run -s kubernetes` submits for `app`, as plain data: the dry run
+    of the `kubernetes` scheduler torchx finds (this project's plugin: the roles' lifecycle
+    policies written in), without an API server (validate_spec off). Needs the kubernetes
+    client."""
     import warnings
 
     from kubernetes.client import ApiClient
-    from torchx.schedulers.kubernetes_scheduler import app_to_resource
+    from torchx.schedulers import get_scheduler_factories
 
+    scheduler = get_scheduler_factories()["kubernetes"]("rehearsal")
+    cfg: dict[str, Any] = {"queue": queue, "validate_spec": False}
+    if service_account:
+        cfg["service_account"] = service_account
+    if priority_class:
+        cfg["priority_class"] = priority_class
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchx's note on Volcano's retries, once per role
-        resource = app_to_resource(app, "rehearsal", service_account=None)
-    job = ApiClient().sanitize_for_serialization(resource)
+        info = scheduler.submit_dryrun(app, cfg)
+    return ApiClient().sanitize_for_serialization(info.request.resource)
+
+
+def rendered_containers(app: Any, job: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """task name -> the container torchx's Kubernetes scheduler would submit (Volcano Job),
+    as plain data; to check role_pods against (needs the kubernetes client)."""
     out = {}
-    for task in job["spec"]["tasks"]:
+    for task in (job or volcano_job(app))["spec"]["tasks"]:
         (container,) = task["template"]["spec"]["containers"]
         out[task["name"]] = container
     return out
@@ -1050,3 +1068,174 @@ def explained(cluster: Cluster) -> Iterator[None]:
     except BaseException:
         print("\n=== pods at the failure ===\n" + cluster.explain(), flush=True)
         raise
+
+
+# -- Volcano's job controller, as the generated Job states it ------------------------------------
+
+
+@dataclass
+class TaskState:
+    spec: PodSpec
+    pod: Pod
+    short: str
+    handled: bool = False  # its end was acted on
+    evicted: bool = False
+    restarts: int = 0
+
+
+class VolcanoJob:
+    """The part of Volcano's job controller (and of the kubelet) the pods' fate depends on,
+    read from the dry-run's Volcano Job (`volcano_job`), not from a copy here:
+
+    - a container that exits under `restartPolicy: OnFailure` restarts in its pod, unseen by
+      Volcano; under `Never` its pod is Succeeded (exit 0) or Failed;
+    - a pod's end raises an event: TaskCompleted (exit 0), PodEvicted (evicted: `evict`) or
+      PodFailed; the task's policies are matched, exit codes first, then events; RestartTask
+      replaces the pod (new namespace and address, new emptyDirs) and counts against the job's
+      `maxRetry` (past it the job is Failed), CompleteJob / AbortJob / TerminateJob stop every
+      other pod (SIGTERM, then SIGKILL after its grace period) and end the job; no policy:
+      the pod stays as it ended;
+    - a deleted pod (`delete`: SIGTERM to its PID 1, SIGKILL after the pod's
+      `terminationGracePeriodSeconds`) is recreated while the job runs: Volcano keeps a task's
+      replicas.
+
+    `reconcile` acts on what happened since its last call (a background thread calls it)."""
+
+    END_PHASES = {"CompleteJob": "Completed", "AbortJob": "Aborted", "TerminateJob": "Terminated"}
+
+    def __init__(self, cluster: Cluster, job: dict[str, Any], pods: dict[str, PodSpec]) -> None:
+        self.cluster, self.job = cluster, job
+        self.specs = pods
+        self.tasks: dict[str, TaskState] = {}
+        self.phase = "Running"
+        self.retries = 0
+        self.history: list[str] = []
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def task_spec(self, task: str) -> dict[str, Any]:
+        (found,) = (t for t in self.job["spec"]["tasks"] if t["name"] == task)
+        return found
+
+    def grace_s(self, task: str) -> float:
+        return float(self.task_spec(task)["template"]["spec"]["terminationGracePeriodSeconds"])
+
+    def start(self, task: str, short: str) -> Pod:
+        with self._lock:
+            pod = self.cluster.start(self.specs[task], short)
+            self.tasks[task] = TaskState(self.specs[task], pod, short)
+            if not self._thread.is_alive():
+                self._thread.start()
+            return pod
+
+    def pod(self, task: str) -> Pod:
+        return self.tasks[task].pod
+
+    def _terminate(self, pod: Pod, grace_s: float) -> None:
+        """SIGTERM to the pod's PID 1, SIGKILL to all of it after `grace_s`."""
+        init = pod.init_pid()
+        if init is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                pod.proc.wait(timeout=grace_s)
+        self.cluster._kill_processes(pod)
+
+    def delete(self, task: str) -> None:
+        """`kubectl delete pod`, a drain: graceful; Volcano recreates it (the job runs)."""
+        with self._lock:
+            state = self.tasks[task]
+            state.handled = True  # deleted, not failed: no policy applies
+        self._terminate(state.pod, self.grace_s(task))
+        with self._lock:
+            self.history.append(f"{task}: deleted (exit {state.pod.poll()})")
+            if self.phase == "Running":
+                self._recreate(task)
+
+    def lose(self, task: str) -> None:
+        """The pod's node is lost: its link cut, every process killed (`Cluster.kill`); the
+        pod object stays until the node-loss toleration evicts it (`evict_lost`)."""
+        with self._lock:
+            self.tasks[task].handled = True
+        self.cluster.kill(self.tasks[task].pod, silent=True)
+        self.history.append(f"{task}: node lost")
+
+    def evict_lost(self, task: str) -> None:
+        """The lost node's pod is evicted and deleted; Volcano recreates it elsewhere."""
+        with self._lock:
+            self._recreate(task)
+
+    def evict(self, task: str) -> None:
+        """The kubelet evicts the pod (node pressure): graceful; the pod is Failed, reason
+        Evicted, and the task's PodEvicted policy decides."""
+        with self._lock:
+            self.tasks[task].evicted = True
+        self._terminate(self.tasks[task].pod, self.grace_s(task))
+
+    def _recreate(self, task: str) -> None:
+        old = self.tasks[task]
+        spec = renew_empty_dirs(self.cluster, old.spec)
+        short = f"{old.short}r{old.restarts + 1}"
+        pod = self.cluster.start(spec, short)
+        self.tasks[task] = TaskState(spec, pod, old.short, restarts=old.restarts + 1)
+        self.history.append(f"{task}: recreated as {pod.netns} ({pod.ip})")
+
+    def _policy(self, task: str, code: int, event: str) -> str | None:
+        policies = self.task_spec(task).get("policies") or self.job["spec"].get("policies") or []
+        for p in policies:  # Volcano matches exit codes before events
+            if "exitCode" in p and event == "PodFailed" and p["exitCode"] == code:
+                return p["action"]
+        for p in policies:
+            if event == p.get("event") or event in p.get("events", []):
+                return p["action"]
+        return None
+
+    def reconcile(self) -> None:
+        with self._lock:
+            for task, state in list(self.tasks.items()):
+                code = state.pod.poll()
+                if code is None or state.handled:
+                    continue
+                state.handled = True
+                template = self.task_spec(task)["template"]["spec"]
+                if code != 0 and template.get("restartPolicy") == "OnFailure":
+                    # the kubelet restarts the container in place: Volcano sees nothing
+                    self.history.append(f"{task}: exit {code}, restarted in its pod")
+                    self._recreate(task)
+                    continue
+                event = "TaskCompleted" if code == 0 else "PodFailed"
+                if state.evicted:
+                    event = "PodEvicted"
+                action = self._policy(task, code, event) if self.phase == "Running" else None
+                self.history.append(f"{task}: exit {code} -> {event} -> {action}")
+                if action == "RestartTask":
+                    self.retries += 1
+                    if self.retries > int(self.job["spec"].get("maxRetry") or 3):
+                        self._end("Failed")
+                    else:
+                        self._recreate(task)
+                elif action in self.END_PHASES:
+                    self._end(self.END_PHASES[action])
+
+    def _end(self, phase: str) -> None:
+        self.phase = phase
+        self.history.append(f"job {phase}")
+        for task, state in self.tasks.items():
+            if state.pod.poll() is None:
+                state.handled = True
+                threading.Thread(
+                    target=self._terminate, args=(state.pod, self.grace_s(task)), daemon=True
+                ).start()
+
+    def running(self) -> list[str]:
+        return [t for t, s in self.tasks.items() if s.pod.poll() is None]
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.3):
+            self.reconcile()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

@@ -38,7 +38,7 @@ JOB = "rehearsal"
 # two pods, idle), which a busy machine slows down about as much as a pod's start. Measured:
 # the new pod joined at steps 62 to 72 of 276 (load averages 15 to 40); idle, expect ~150.
 MODEL = {"depth": 4, "dim": 128, "heads": 4, "mlp_ratio": 2.0}
-EPOCHS = 12  # 276 steps
+EPOCHS = 20  # 460 steps: a trainer pod lost, one deleted and the controller evicted, in turn
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 RUNTIME = {"nodes": 2, "min_nodes": 1, "lease_ttl_s": 3}
 BUDGET_S = 120  # what the test should take here (printed, not asserted: the machine is shared)
@@ -87,6 +87,22 @@ def _running_world(store: Store) -> tuple[int, int] | None:
     return None
 
 
+def _steps_lost_at_end_of(store: Store, generation: int) -> int:
+    """Steps the generation trained past the state the next one resumed from: its last
+    recorded step minus the newest checkpoint committed by its end (a graceful leave
+    checkpoints the step it is at: 0)."""
+    (gen,) = (g for g in store.generations(JOB) if g.number == generation)
+    assert gen.ended_at is not None, gen
+    end = gen.ended_at.timestamp() + 1  # the leave's checkpoint commits as the generation ends
+    last = max(m.step for m in store.metrics(JOB) if m.time <= end)
+    saved = max(  # pruned since (state deleted) counts: it was what the next one resumed from
+        c.step
+        for c in store.checkpoints(JOB, state=None)
+        if c.state != "corrupt" and c.created_at.timestamp() <= end
+    )
+    return last - saved
+
+
 def _alive(pod: rehearsal.Pod) -> bool:
     if pod.poll() is not None:
         raise AssertionError(f"pod {pod.name} exited {pod.poll()}\n{pod.tail()}")
@@ -108,13 +124,15 @@ def _run_in(cluster: rehearsal.Cluster, pod: rehearsal.Pod, code: str, *args: st
     return done.stdout.strip()
 
 
-def _check_pods_match_torchx(app: Any, pods: dict[str, rehearsal.PodSpec]) -> None:
+def _check_pods_match_torchx(
+    app: Any, pods: dict[str, rehearsal.PodSpec], job: dict[str, Any]
+) -> None:
     """The pods run here are the containers torchx's Kubernetes scheduler would submit: same
     command, the same env entries (plus the image's and the Secrets'), same volume mounts; the
     store's URL only in the controller's, the rendezvous secret only in the trainers', each from
     its Secret."""
     try:
-        rendered = rehearsal.rendered_containers(app)
+        rendered = rehearsal.rendered_containers(app, job)
     except ImportError:
         print("(no kubernetes client: pods not compared with torchx's Volcano Job)")
         return
@@ -166,16 +184,22 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             nproc_per_node=1,
             job_id=JOB,
         )
-        pods = rehearsal.role_pods(cluster, app, JOB)
-        _check_pods_match_torchx(app, pods)
+        # the Volcano Job `torchx run -s kubernetes` would submit: its name (the launch's app
+        # id) names the pods, its restart and lifecycle policies decide what happens to a pod
+        # that ends
+        dry_run = rehearsal.volcano_job(app)
+        pods = rehearsal.role_pods(cluster, app, dry_run["metadata"]["name"])
+        _check_pods_match_torchx(app, pods, dry_run)
+        volcano = rehearsal.VolcanoJob(cluster, dry_run, pods)
         for pod_spec in pods.values():  # `python` in a pod is the image's: this venv's
             found = shutil.which(pod_spec.command[0], path=pod_spec.env["PATH"])
             assert found == str(rehearsal.VENV_BIN / "python"), found
-        controller = cluster.start(pods["controller-0"], "ctl")
+        controller = volcano.start("controller-0", "ctl")
         trainers = {
-            pods[task].name: cluster.start(pods[task], f"tr{i}")
+            pods[task].name: volcano.start(task, f"tr{i}")
             for i, task in enumerate(("trainer-0", "trainer-1"))
         }
+        task_of = {pods[task].name: task for task in ("trainer-0", "trainer-1")}
         store = Store(cluster.from_root(owner_url), read_only=True)
         try:
             checkpoint = rehearsal.wait_for(
@@ -202,7 +226,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             assert _run_in(cluster, survivor, CONNECT, "etcd", "2379") == "connected"
 
             # -- lose rank 0's pod: its link cut first (no FIN, no RST), then every process
-            cluster.kill(victim, silent=True)
+            volcano.lose(task_of[victim.name])
             mark(f"lost pod {victim.name} ({victim.ip}, rank 0)")
             shrunk = rehearsal.wait_for(
                 "a generation of one",
@@ -212,9 +236,10 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             )
             mark(f"generation {shrunk[0]} trains on 1 worker")
 
-            # -- Volcano recreates it: the same pod, in a new network namespace and address
-            again = rehearsal.renew_empty_dirs(cluster, victim.spec)
-            replacement = cluster.start(again, f"{victim.netns.rsplit('-', 1)[1]}b")
+            # -- evicted off the lost node, Volcano recreates it: the same pod, in a new
+            # network namespace and address
+            volcano.evict_lost(task_of[victim.name])
+            replacement = volcano.pod(task_of[victim.name])
             mark(f"recreated pod {replacement.name} at {replacement.ip}")
             widened = rehearsal.wait_for(
                 "the job to widen again",
@@ -224,12 +249,56 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             )
             mark(f"generation {widened[0]} trains on 2 workers from step {store.get_job(JOB).step}")
 
+            # -- a drain deletes the other trainer pod: SIGTERM reaches its PID 1, which
+            # forwards it; its workers checkpoint the step they are at and leave, the survivor
+            # re-forms from that state: no step is computed twice. Volcano recreates the pod.
+            drained = task_of[survivor.name]
+            volcano.delete(drained)
+            left = rehearsal.wait_for(
+                "a generation of one after the drain",
+                lambda: (w := _running_world(store)) and w[1] == 1 and w[0] > widened[0] and w,
+                90,
+                cluster.explain,
+            )
+            lost_steps = _steps_lost_at_end_of(store, left[0] - 1)
+            mark(f"pod {survivor.name} drained: generation {left[0]}, {lost_steps} steps lost")
+            assert lost_steps == 0, _timeline(store, unix0)
+            rehearsal.wait_for(
+                "the drained pod back in the job",
+                lambda: (w := _running_world(store)) and w[1] == 2 and w[0] > left[0] and w,
+                90,
+                cluster.explain,
+            )
+            mark(
+                f"the recreated {volcano.pod(drained).name} joined at step {store.get_job(JOB).step}"
+            )
+
+            # -- the controller pod is evicted: it hands the job over (exit 143), its
+            # PodEvicted policy replaces it, and the new one takes the job over
+            volcano.evict("controller-0")
+            rehearsal.wait_for(
+                "a new controller pod",
+                lambda: (
+                    volcano.pod("controller-0") is not controller and volcano.pod("controller-0")
+                ),
+                60,
+                cluster.explain,
+            )
+            assert controller.poll() == 143, controller.tail()
+            controller = volcano.pod("controller-0")
+            mark(f"controller evicted and replaced ({controller.netns})")
+
             code = controller.wait(timeout=150)
             mark(f"controller pod exited {code}")
             assert code == 0, controller.tail()
-            for pod in (survivor, replacement):
-                assert pod.wait(timeout=60) == 0, pod.tail()
+            for task in ("trainer-0", "trainer-1"):
+                assert volcano.pod(task).wait(timeout=60) == 0, volcano.pod(task).tail()
             mark("trainer pods exited 0")
+            # the controller's exit completed the Volcano job; nothing was restarted after it
+            rehearsal.wait_for("the Volcano job's end", lambda: volcano.phase != "Running", 15)
+            print("volcano:\n  " + "\n  ".join(volcano.history))
+            assert volcano.phase == "Completed", volcano.history
+            assert volcano.running() == [], volcano.history
 
             # -- what the store says, read from the root namespace through the bridge
             job = store.get_job(JOB)
@@ -243,6 +312,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             kinds = [e.kind for e in reversed(store.events(JOB, limit=1000))]
             assert "generation_aborted" in kinds and "worker_lost" in kinds, kinds
             assert "job_shrank" in kinds and "job_widened" in kinds and "worker_joined" in kinds
+            assert kinds.count("controller_started") == 2 and "controller_exited" in kinds
             started = [e for e in store.events(JOB, limit=1000) if e.kind == "worker_started"]
             assert {e.data["host"] for e in started} == set(trainers)
             # the checkpoints are on the shared volume, where the store says they are in a pod
@@ -254,6 +324,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                 host_path = volume / Path(c.path).relative_to("/workdir")
                 assert verify_checkpoint(host_path, c.checksum) == c.size_bytes
         finally:
+            volcano.close()
             with contextlib.suppress(Exception):
                 print("events:\n" + _timeline(store, unix0))
             store.close()
@@ -277,3 +348,85 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                 f"pod {pod.name} ({pod.netns}): CPU {cluster.cgroups.cpu.get(pod.netns, 0):.1f}s, "
                 f"memory peak {peak / 2**20:.0f} MiB (container limit {pod.spec.memory_limit_mb} MB)"
             )
+
+
+def test_a_stopped_job_and_a_failed_one_end_their_volcano_jobs_and_release_their_pods(
+    cluster: rehearsal.Cluster, tmp_path: Path
+) -> None:
+    """Two jobs' ends as the generated Job's policies handle them: a user's stop (the
+    controller exits 130: AbortJob: nothing restarts) and trainers that fail at every start
+    (`runtime.device: cuda` on this machine without a GPU): each failed trainer pod is
+    replaced until the Volcano job's maxRetry is spent, then the job is Failed and its other
+    pods stopped (the controller hands over: 143). Either way every pod stops: GPUs released."""
+    from core import keys
+    from core.etcd_client import EtcdClient
+    from core.protocol import Control
+
+    with rehearsal.explained(cluster):
+        etcd = cluster.start_etcd()
+        pg, owner_url, _ = cluster.start_postgres()
+        cluster.wait_etcd(etcd, 30)
+        cluster.wait_postgres(pg, owner_url, 30)
+        upgrade = cluster.start(rehearsal.db_upgrade_pod(cluster), "dbup")
+        assert upgrade.wait(timeout=90) == 0, upgrade.tail()
+        store = Store(cluster.from_root(owner_url), read_only=True)
+        client = EtcdClient(f"{etcd.ip}:2379")
+        try:
+
+            def end_of(job_id: str, runtime: dict[str, str], status: int, phase: str) -> None:
+                spec = write_spec(
+                    tmp_path / f"{job_id}.yaml",
+                    model=MODEL,
+                    training={"epochs": EPOCHS},
+                    runtime={**RUNTIME, **runtime},
+                )
+                app = train(
+                    spec=str(spec),
+                    image="rehearsal",
+                    etcd="etcd:2379",
+                    nnodes=2,
+                    nproc_per_node=1,
+                    job_id=job_id,
+                    gpu=1 if runtime else -1,
+                )
+                dry_run = rehearsal.volcano_job(app)
+                pods = rehearsal.role_pods(cluster, app, dry_run["metadata"]["name"])
+                volcano = rehearsal.VolcanoJob(cluster, dry_run, pods)
+                try:
+                    controller = volcano.start("controller-0", f"{job_id[:2]}c")
+                    for i in range(2):
+                        volcano.start(f"trainer-{i}", f"{job_id[:2]}t{i}")
+                    if job_id == "stopped":  # as the dashboard or `Ctrl-C` asks
+                        rehearsal.wait_for(
+                            "training",
+                            lambda: store.latest_checkpoint(job_id),
+                            120,
+                            cluster.explain,
+                        )
+                        client.put(keys.control(job_id), Control.STOP)
+                    assert controller.wait(timeout=150) == status, controller.tail()
+                    rehearsal.wait_for(
+                        f"the Volcano job {phase}",
+                        lambda: volcano.phase != "Running" and not volcano.running(),
+                        150,
+                        cluster.explain,
+                    )
+                    print(f"{job_id}:\n  " + "\n  ".join(volcano.history))
+                    assert volcano.phase == phase, volcano.history
+                    recreated = sum("recreated" in h for h in volcano.history)
+                    if job_id == "stopped":
+                        assert recreated == 0, volcano.history
+                        assert store.get_job(job_id).state == "interrupted"
+                        assert "stopped at step" in controller.log.read_text(), controller.tail()
+                    else:  # replaced up to the budget, each failing with one clear line
+                        assert recreated == int(dry_run["spec"]["maxRetry"]), volcano.history
+                        trainer = volcano.pod("trainer-0").tail(5)
+                        assert "runtime.device" in trainer and "Traceback" not in trainer, trainer
+                finally:
+                    volcano.close()
+
+            end_of("stopped", {}, 130, "Aborted")
+            end_of("failing", {"device": "cuda"}, 143, "Failed")
+        finally:
+            client.close()
+            store.close()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from core.keys import ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
+from core.keys import ACTIVATION_CACHE_BYTES_ENV, ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
 from core.spec import load_spec, spec_from_text
 from orchestrator.components import (
     CONTROLLER_MEM_MB,
@@ -28,10 +28,10 @@ from orchestrator.components import (
     train,
 )
 from orchestrator.pods import CACHE_DIR, POD_LABELS, TORCHX_SHM_VOLUME
+from tests import rehearsal
 from tests.pod_security import restricted_violations
 
 pytest.importorskip("kubernetes", reason="the kubernetes client (test extra) is not installed")
-from torchx.schedulers.kubernetes_scheduler import app_to_resource  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE = "registry.example/pipetransformer:1.0"
@@ -41,13 +41,8 @@ PRIORITY = "pipetransformer-training"
 
 
 def volcano_job(app: Any) -> dict[str, Any]:
-    """The Volcano Job torchx submits for `app`, as plain JSON-able data."""
-    from kubernetes.client import ApiClient
-
-    resource = app_to_resource(
-        app, QUEUE, service_account="pipetransformer", priority_class=PRIORITY
-    )
-    return ApiClient().sanitize_for_serialization(resource)
+    """The Volcano Job `torchx run -s kubernetes` submits for `app`, as plain JSON-able data."""
+    return rehearsal.volcano_job(app, QUEUE, "pipetransformer", PRIORITY)
 
 
 def elastic_spec(tmp_path: Path) -> Path:
@@ -114,10 +109,18 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         lost = {t["key"]: t for t in pod["tolerations"] if t["key"].startswith("node.")}
         assert set(lost) == {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
         assert {(t["effect"], t["tolerationSeconds"]) for t in lost.values()} == {("NoExecute", 30)}
-        # a failed process restarts in its pod; a failure never restarts the whole job
-        assert pod["restartPolicy"] == "OnFailure"
-        assert task["maxRetry"] >= 1
-        assert not any(p.get("action") == "RestartJob" for p in task.get("policies", []))
+        # a failed container fails its pod, which Volcano sees (no uncounted in-pod restarts);
+        # its policies replace it alone, within a budget; nothing restarts the whole job
+        assert pod["restartPolicy"] == "Never"
+        assert task["maxRetry"] == 3
+        assert task["policies"] and not any(
+            p.get("action") == "RestartJob" for p in task["policies"]
+        )
+        # Guaranteed QoS: requests equal limits for CPU and memory; ephemeral storage bounded
+        res = c["resources"]
+        for kind in ("cpu", "memory", "ephemeral-storage"):
+            assert res["requests"][kind] == res["limits"][kind], (task["name"], kind, res)
+        assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
     (ctl,) = controllers
     c = container(ctl)
@@ -129,8 +132,15 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
     assert "PIPETRANSFORMER_DB" not in env(c)
     assert spec_from_text(env(c)[SPEC_ENV], "env") == load_spec(spec)
     assert str(spec) not in args and "controller" in args
-    # torchx requests memMB minus its node reserve: the controller still gets its 1 GiB
-    assert int(c["resources"]["requests"]["memory"].removesuffix("M")) >= CONTROLLER_MEM_MB
+    assert c["resources"]["requests"]["memory"] == f"{CONTROLLER_MEM_MB}Mi"
+    # its exit status decides: done completes the Volcano job, a user's stop aborts it, a
+    # failure a restart cannot fix terminates it (GPUs released); anything else replaces it
+    by_code = {p["exitCode"]: p["action"] for p in ctl["policies"] if "exitCode" in p}
+    assert by_code == {130: "AbortJob", 2: "TerminateJob", 3: "TerminateJob"}
+    assert {"event": "TaskCompleted", "action": "CompleteJob"} in ctl["policies"]
+    assert {"events": ["PodFailed", "PodEvicted"], "action": "RestartTask"} in ctl["policies"]
+    assert args[args.index("--restart-budget") + 1] == "3"
+    assert args[args.index("--launch-id") + 1] == job["metadata"]["name"]
     # its metrics: served on the default port, named, and announced to Prometheus
     assert args[args.index("--metrics-port") + 1] == str(METRICS_PORT)
     assert c["ports"] == [{"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT}]
@@ -152,11 +162,17 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         assert args[args.index("--etcd") + 1] == "etcd:2379"
         assert task["minAvailable"] == (1 if i < 2 else 0)
         assert env(c)[ACTIVATION_CACHE_ENV] == CACHE_DIR  # node-local, not the shared volume
-        # 1 GiB per worker process requested, whatever torchx keeps back for the node
-        assert int(c["resources"]["requests"]["memory"].removesuffix("M")) >= 1024
+        # sized from the spec (orchestrator/sizing.py): a CPU worker needs well under 1 GiB
+        assert c["resources"]["requests"]["memory"] == "1024Mi"
+        # a failed or evicted trainer pod is replaced, and rejoins
+        assert task["policies"] == [
+            {"events": ["PodFailed", "PodEvicted"], "action": "RestartTask"}
+        ]
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         volumes = {v["name"]: v for v in task["template"]["spec"]["volumes"]}
-        assert "emptyDir" in volumes[mounts[CACHE_DIR]]
+        # node-local, size-limited (the kubelet evicts past it), and the files stay below it
+        limit = volumes[mounts[CACHE_DIR]]["emptyDir"]["sizeLimit"]
+        assert int(env(c)[ACTIVATION_CACHE_BYTES_ENV]) == int(limit.removesuffix("Mi")) << 20
         # trainers never see the store's credentials; they sign the rendezvous state
         assert c["envFrom"] == [{"secretRef": {"name": "pipetransformer-rdzv"}}]
         assert RDZV_SECRET_ENV not in env(c)  # from the Secret, never inline

@@ -84,6 +84,25 @@ def activation_cache_dir(job_id: str, checkpoint_dir: str | Path) -> Path:
     return Path(checkpoint_dir).parent / "cache"
 
 
+def cache_disk_budget() -> int | None:
+    """The bytes one boundary's AutoCache files may take: half the node's cap
+    ($PIPETRANSFORMER_ACTIVATION_CACHE_BYTES; two boundaries' files coexist while the next is
+    built from the previous), None without a cap. Every process of a node reads the same value:
+    it is part of the files' key."""
+    text = os.environ.get(keys.ACTIVATION_CACHE_BYTES_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        cap = int(text)
+    except ValueError:
+        cap = -1
+    if cap < 0:
+        raise ValueError(
+            f"${keys.ACTIVATION_CACHE_BYTES_ENV}={text!r}: give a number of bytes (0 or more)"
+        )
+    return cap // 2
+
+
 @dataclass(frozen=True)
 class Context:
     """What a rank knows about its job and generation for its whole life."""
@@ -264,6 +283,7 @@ class Trainer:
             self.spec.model,
             n,
             ram_bytes=tier,
+            disk_bytes=cache_disk_budget(),
             memory=memory,
             device=device,
             shared=shared,
