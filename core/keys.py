@@ -124,6 +124,15 @@ def alert(job_id: str, host: str, pid: int) -> str:
     return f"{alerts(job_id)}{host}-{pid}"
 
 
+def refusals(job_id: str) -> str:
+    """Trainer pods that cannot run the job where they landed (`protocol.TrainerRefused`)."""
+    return f"{job(job_id)}/refusals/"
+
+
+def refusal(job_id: str, host: str, pid: int) -> str:
+    return f"{refusals(job_id)}{host}-{pid}"
+
+
 def agents(job_id: str) -> str:
     return f"{job(job_id)}/agents/"
 

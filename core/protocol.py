@@ -216,6 +216,19 @@ class WorkerExit(_Model):
     time: float = Field(default_factory=time.time)
 
 
+class TrainerRefused(_Model):
+    """A trainer pod cannot run its share of the job where it landed (fewer GPUs than
+    workers): put under `keys.refusal` by `pipetransformer workers` before it exits 2. A
+    failed pod is replaced (its Volcano policy); the controller fails the job once pods have
+    refused as many times as its restart budget, so the store says why rather than a job
+    Volcano ended without a word."""
+
+    reason: str = Field(max_length=1000)
+    host: str = Field(max_length=255)
+    pid: int
+    time: float = Field(default_factory=time.time, allow_inf_nan=False)
+
+
 class RendezvousRefused(_Model):
     """A torchrun agent refused the rendezvous state it read: not signed with the job's secret
     (written by someone without it, or by an agent given another secret). Put under

@@ -548,6 +548,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         except UnknownJob:
             ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
         store.add_event(job_id, restarts.STARTED, "controller started", data=_launch(args))
+        ctrl.refusal_budget = args.restart_budget  # pods that cannot run here, replaced as often
 
         def launch(attached: bool) -> TrainerPods:
             if attached:

@@ -68,6 +68,7 @@ from core.protocol import (
     StageTimes,
     Started,
     StepTrace,
+    TrainerRefused,
     UnreadableRequest,
     WorkerEvent,
     WorkerExit,
@@ -218,6 +219,10 @@ class Controller:
         self._report: str | None = None  # etcd key of the worker report being applied
         self._leaving = False  # `leave` was asked: hand the job over at the next safe point
         self._alerts_looked = -math.inf  # monotonic time of the last look for refused states
+        # trainer pods' refusals to run the job where they landed (keys.refusal): past this
+        # many the job fails (a controller role sets it to its restart budget; None: never)
+        self.refusal_budget: int | None = None
+        self._refusals = 0
         # called with the reports of each drain, once they are stored (TensorBoard's writer)
         self.observers: list[Callable[[list[WorkerEvent]], None]] = []
 
@@ -356,6 +361,7 @@ class Controller:
         self.etcd.delete_prefix(keys.events(self.job_id))
         self.etcd.delete_prefix(keys.exits(self.job_id))
         self.etcd.delete_prefix(keys.alerts(self.job_id))
+        self.etcd.delete_prefix(keys.refusals(self.job_id))
         self.layout = self.layout or plan_layout(self.spec).layout
         self.etcd.put(keys.spec(self.job_id), self.spec.to_json())
         self.etcd.put(keys.layout(self.job_id), self.layout.model_dump_json())
@@ -742,6 +748,35 @@ class Controller:
                     key=f"{key}:{alert.run_id}",  # once per agent and run: it may say it again
                 )
             self.etcd.delete(key)
+        for key, value in self.etcd.get_prefix(keys.refusals(self.job_id)):
+            try:
+                refused = TrainerRefused.model_validate_json(value)
+            except ValueError:
+                log.warning("controller: ignoring a malformed refusal under %s", key)
+            else:
+                self._trainer_refused(refused, key)
+            self.etcd.delete(key)
+
+    def _trainer_refused(self, refused: TrainerRefused, key: str) -> None:
+        """A trainer pod could not run here: an event; once pods have refused `refusal_budget`
+        times the job fails (each was replaced and refused again: restarting does not help)."""
+        self._refusals += 1
+        who = f"trainer pod {refused.host} (pid {refused.pid})"
+        self.store.add_event(
+            self.job_id,
+            "trainer_refused",
+            f"{who} cannot run the job: {refused.reason}",
+            data=refused.model_dump(mode="json"),
+            # a replaced pod has the same name and PID (1): once per refusal, not per key
+            key=f"{key}:{refused.time}",
+        )
+        budget = self.refusal_budget
+        if budget is not None and self._refusals >= max(1, budget) and not self.progress.outcome:
+            message = (
+                f"trainer pods refused to run the job {self._refusals} times: {refused.reason}"
+            )
+            log.error("controller: %s", message)
+            self.progress.outcome, self.progress.error = "failed", message
 
     def _current(self, state: TrainingState) -> TrainingState:
         """A reported state, with the version of the layout in force: a checkpoint written just

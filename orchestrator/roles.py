@@ -12,6 +12,7 @@ import time
 
 from core import keys
 from core.etcd_client import EtcdClient
+from core.protocol import TrainerRefused
 from core.spec import JobSpec, gpu_shortfall
 from orchestrator import forkserver
 from orchestrator.controller import Controller
@@ -85,7 +86,11 @@ def serve_node(
     import torch  # here: only this role needs to count GPUs
 
     if problem := gpu_shortfall(spec.runtime.device, nproc_per_node, torch.cuda.device_count()):
-        # before torchrun: one clear line in the pod's log, not a traceback per worker
+        # before torchrun: one clear line in the pod's log, not a traceback per worker; and the
+        # controller hears it (it fails the job once refusals spend its restart budget)
+        host, pid = socket.gethostname(), os.getpid()
+        refused = TrainerRefused(reason=problem, host=host, pid=pid)
+        client.put(keys.refusal(job_id, host, pid), refused.model_dump_json())
         raise UsageError(problem)
     env = with_job_secret(worker_env(1), workdir, job_id)  # a node joining a local job
     server, name = None, None

@@ -354,10 +354,12 @@ def test_a_stopped_job_and_a_failed_one_end_their_volcano_jobs_and_release_their
     cluster: rehearsal.Cluster, tmp_path: Path
 ) -> None:
     """Two jobs' ends as the generated Job's policies handle them: a user's stop (the
-    controller exits 130: AbortJob: nothing restarts) and trainers that fail at every start
-    (`runtime.device: cuda` on this machine without a GPU): each failed trainer pod is
-    replaced until the Volcano job's maxRetry is spent, then the job is Failed and its other
-    pods stopped (the controller hands over: 143). Either way every pod stops: GPUs released."""
+    controller exits 130: AbortJob: nothing restarts) and trainers that refuse to start on
+    every pod (`runtime.device: cuda` on this machine without a GPU): each failed trainer pod
+    is replaced (RestartTask) and refuses again, until the refusals spend the controller's
+    restart budget: the job fails with the reason in the store, the controller exits 3
+    (TerminateJob) before Volcano's maxRetry is spent. Either way every pod stops: GPUs
+    released."""
     from core import keys
     from core.etcd_client import EtcdClient
     from core.protocol import Control
@@ -418,15 +420,21 @@ def test_a_stopped_job_and_a_failed_one_end_their_volcano_jobs_and_release_their
                         assert recreated == 0, volcano.history
                         assert store.get_job(job_id).state == "interrupted"
                         assert "stopped at step" in controller.log.read_text(), controller.tail()
-                    else:  # replaced up to the budget, each failing with one clear line
-                        assert recreated == int(dry_run["spec"]["maxRetry"]), volcano.history
+                    else:  # replaced within the budget, each refusing with one clear line
+                        assert 1 <= recreated <= int(dry_run["spec"]["maxRetry"]), volcano.history
                         trainer = volcano.pod("trainer-0").tail(5)
                         assert "runtime.device" in trainer and "Traceback" not in trainer, trainer
+                        job = store.get_job(job_id)
+                        assert job.state == "failed" and "refused to run the job 3 times" in (
+                            job.message or ""
+                        ), job.message
+                        refusals = store.events(job_id, kinds=["trainer_refused"])
+                        assert len(refusals) >= 3 and "runtime.device" in refusals[0].message
                 finally:
                     volcano.close()
 
             end_of("stopped", {}, 130, "Aborted")
-            end_of("failing", {"device": "cuda"}, 143, "Failed")
+            end_of("failing", {"device": "cuda"}, 3, "Terminated")
         finally:
             client.close()
             store.close()
