@@ -36,7 +36,8 @@ final held-out accuracy, time to reach the baseline's final accuracy, the epoch 
 freeze and the fraction of the run spent with at least half of the blocks frozen.
 
     .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 1/4]
-        [--keep-trainable 3] [--only NAME ...] [--keep DIR] [--upstream-device cuda]
+        [--keep-trainable 3] [--sweep-keep-trainable 1] [--only NAME ...] [--keep DIR]
+        [--upstream-device cuda]
         [--upstream-epochs 60] [--body DIR | --upstream-only] [--from-json paper.json]
 
 One JSON line (also bench/out/paper.json) and figures in bench/out/: paper-throughput.png
@@ -233,15 +234,30 @@ def linear_probe(body: Path, data: Path) -> float:
 # -- the compared jobs ----------------------------------------------------------------------------
 
 
-def configurations(alpha: Fraction, keep: int) -> dict[str, dict | None]:
-    """name -> the freeze section of its spec (None: the baseline, no freezing)."""
+def configurations(
+    alpha: Fraction, keep: int, sweep_keep: int | None = None
+) -> dict[str, dict | None]:
+    """name -> the freeze section of its spec (None: the baseline, no freezing). With a
+    `sweep_keep` other than `keep`, the alpha sweep is its own rows (`sweep a=X`, all four
+    components with keep_trainable `sweep_keep`) beside the headline `all a=alpha`: with a cap
+    that every alpha reaches within two decisions, alpha cannot show what it trades."""
     configs: dict[str, dict | None] = {"baseline": None}
     base = {"policy": "gradient", "keep_trainable": keep}
     for name, extra in ABLATION.items():
         if name != "all":
             configs[name] = {**base, "alpha": float(alpha), **extra}
-    for a in ALPHAS:
-        configs[f"all a={a}"] = {**base, "alpha": float(a), **ABLATION["all"]}
+    if sweep_keep is None or sweep_keep == keep:
+        for a in ALPHAS:
+            configs[f"all a={a}"] = {**base, "alpha": float(a), **ABLATION["all"]}
+    else:
+        configs[f"all a={alpha}"] = {**base, "alpha": float(alpha), **ABLATION["all"]}
+        for a in ALPHAS:
+            configs[f"sweep a={a}"] = {
+                **base,
+                "keep_trainable": sweep_keep,
+                "alpha": float(a),
+                **ABLATION["all"],
+            }
     configs["all schedule"] = {
         **base,
         "policy": "schedule",
@@ -312,6 +328,15 @@ def plot(per_seed: list[dict], summary: dict, out: Path) -> list[str]:
     paths.append(str(out / "paper-throughput.png"))
     fig.savefig(paths[-1], dpi=120)
 
+    if summary["ablation"]:
+        paths.append(_plot_ablation(plt, summary, out))
+    if summary["alpha_sweep"]:
+        paths.append(_plot_alpha(plt, summary, out))
+    plt.close("all")
+    return paths
+
+
+def _plot_ablation(plt: Any, summary: dict, out: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     names = list(summary["ablation"])
     ours = [summary["ablation"][n]["wall_time_speedup"] for n in names]
@@ -323,9 +348,11 @@ def plot(per_seed: list[dict], summary: dict, out: Path) -> list[str]:
     ax.set_ylabel("wall-time speed-up over the baseline")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(str(out / "paper-ablation.png"))
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(out / "paper-ablation.png", dpi=120)
+    return str(out / "paper-ablation.png")
 
+
+def _plot_alpha(plt: Any, summary: dict, out: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = list(summary["alpha_sweep"])
     alphas = [float(Fraction(a)) for a in labels]
@@ -346,10 +373,8 @@ def plot(per_seed: list[dict], summary: dict, out: Path) -> list[str]:
     lines = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
     ax.legend(lines, [h.get_label() for h in lines], fontsize=8, loc="upper left")
     fig.tight_layout()
-    paths.append(str(out / "paper-alpha.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close("all")
-    return paths
+    fig.savefig(out / "paper-alpha.png", dpi=120)
+    return str(out / "paper-alpha.png")
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -394,15 +419,39 @@ def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[
             "half_frozen_fraction": _med(half),
         }
     default = f"all a={default_alpha}"
-    ablation = {n: rows[n] for n in ABLATION if n != "all"} | {"all": rows[default]}
-    sweep = {str(a): rows[f"all a={a}"] for a in ALPHAS}
+    # a partial run (--only) summarises what it ran
+    ablation = {n: rows[n] for n in ABLATION if n != "all" and n in rows}
+    if default in rows:
+        ablation["all"] = rows[default]
+    prefix = "sweep" if any(n.startswith("sweep a=") for n in rows) else "all"
+    sweep = {str(a): rows[f"{prefix} a={a}"] for a in ALPHAS if f"{prefix} a={a}" in rows}
+    kinds = ("first_freeze_epoch", "half_frozen_fraction")
     policies = {
-        "gradient": {k: rows[default][k] for k in ("first_freeze_epoch", "half_frozen_fraction")},
-        "schedule": {
-            k: rows["all schedule"][k] for k in ("first_freeze_epoch", "half_frozen_fraction")
-        },
+        policy: {k: rows[name][k] for k in kinds}
+        for policy, name in (("gradient", default), ("schedule", "all schedule"))
+        if name in rows
     }
-    return {"rows": rows, "ablation": ablation, "alpha_sweep": sweep, "policies": policies}
+    return {
+        "rows": rows,
+        "ablation": ablation,
+        "alpha_sweep": sweep,
+        "alpha_sweep_monotonic": monotonic(sweep),
+        "policies": policies,
+    }
+
+
+def monotonic(sweep: dict[str, dict]) -> dict[str, bool] | None:
+    """Whether the sweep trades as the paper's does: speed-up never falling and accuracy never
+    rising as alpha grows (None: fewer than two alphas)."""
+    if len(sweep) < 2:
+        return None
+    ordered = [sweep[a] for a in sorted(sweep, key=Fraction)]
+    speed = [r["wall_time_speedup"] for r in ordered]
+    acc = [r["accuracy_delta_pp"] for r in ordered]
+    return {
+        "speedup_rises": all(b >= a for a, b in zip(speed, speed[1:], strict=False)),
+        "accuracy_falls": all(b <= a for a, b in zip(acc, acc[1:], strict=False)),
+    }
 
 
 def main() -> None:
@@ -429,6 +478,13 @@ def main() -> None:
         help="freeze.keep_trainable of every freezing job (default 3 of the 8 blocks: with 2 the "
         "target's domain shift cost about 1 pp of accuracy)",
     )
+    parser.add_argument(
+        "--sweep-keep-trainable",
+        type=int,
+        help="freeze.keep_trainable of the alpha sweep's jobs, as rows `sweep a=X` of their own "
+        "(default: --keep-trainable, the sweep being the `all a=X` rows); 1 lets alpha, not the "
+        "cap, set how fast the boundary rises",
+    )
     parser.add_argument("--only", nargs="+", help="run only these configurations (and baseline)")
     parser.add_argument("--keep", type=Path, help="keep the runs under this directory")
     parser.add_argument(
@@ -441,16 +497,20 @@ def main() -> None:
         earlier = json.loads(args.from_json.read_text().strip().splitlines()[-1])
         alpha = Fraction(earlier["config"]["alpha"])
         summary = summarise(earlier["per_seed"], alpha)
+        headline = summary["ablation"].get("all", {})
         earlier |= {
-            "wall_time_speedup": summary["ablation"]["all"]["wall_time_speedup"],
-            "accuracy_delta_pp": summary["ablation"]["all"]["accuracy_delta_pp"],
+            "wall_time_speedup": headline.get("wall_time_speedup"),
+            "accuracy_delta_pp": headline.get("accuracy_delta_pp"),
             "configurations": summary["rows"],
-            **{k: summary[k] for k in ("ablation", "alpha_sweep", "policies")},
+            **{
+                k: summary[k]
+                for k in ("ablation", "alpha_sweep", "alpha_sweep_monotonic", "policies")
+            },
             "figures": plot(earlier["per_seed"], summary, out_dir()),
         }
         emit(earlier, save_as="paper.json")
         return
-    configs = configurations(args.alpha, args.keep_trainable)
+    configs = configurations(args.alpha, args.keep_trainable, args.sweep_keep_trainable)
     if args.only:
         configs = {k: v for k, v in configs.items() if k == "baseline" or k in args.only}
     with tempfile.TemporaryDirectory() as scratch:
@@ -486,8 +546,8 @@ def main() -> None:
                     f"{runs[name]['first_freeze_epoch']}"
                 )
             per_seed.append({n: runs[n] for n in names})
-        summary = summarise(per_seed, args.alpha) if not args.only else {"rows": {}}
-        figures = plot(per_seed, summary, out_dir()) if not args.only else []
+        summary = summarise(per_seed, args.alpha)
+        figures = plot(per_seed, summary, out_dir())
     headline = summary.get("ablation", {}).get("all", {})
     emit(
         {
@@ -497,6 +557,7 @@ def main() -> None:
             "linear_probe_accuracy": probe,
             "ablation": summary.get("ablation"),
             "alpha_sweep": summary.get("alpha_sweep"),
+            "alpha_sweep_monotonic": summary.get("alpha_sweep_monotonic"),
             "policies": summary.get("policies"),
             "configurations": summary["rows"],
             "paper": PAPER,
@@ -510,6 +571,8 @@ def main() -> None:
                 "body": str(args.body) if args.body else None,
                 "alpha": str(args.alpha),
                 "keep_trainable": args.keep_trainable,
+                "sweep_keep_trainable": args.sweep_keep_trainable,
+                "only": args.only,
             },
             "per_seed": per_seed,
             "figures": figures,

@@ -97,3 +97,28 @@ def test_time_to_an_accuracy_is_the_first_evaluation_reaching_it() -> None:
     hist = _run(90.0, 0.8, [0.5, 0.8, 0.7])
     assert paper.time_to(hist, 0.8) == pytest.approx(60.0)
     assert paper.time_to(hist, 0.81) is None
+
+
+def test_a_sweep_of_its_own_and_whether_it_trades_speed_for_accuracy() -> None:
+    configs = paper.configurations(Fraction(1, 4), keep=3, sweep_keep=1)
+    # the headline keeps its cap; the sweep's rows are their own, with the lower one
+    assert configs["all a=1/4"]["keep_trainable"] == 3
+    assert "all a=1/2" not in configs
+    assert [configs[f"sweep a={a}"]["keep_trainable"] for a in paper.ALPHAS] == [1] * 5
+    # a partial run (--only the sweep and the baseline) summarises the sweep alone
+    seeds = []
+    for base_wall in (100.0, 110.0, 120.0):
+        runs = {"baseline": _run(base_wall, 0.81, [0.6, 0.7, 0.81], first=None)}
+        for k, a in enumerate(paper.ALPHAS):  # faster and less accurate as alpha grows
+            runs[f"sweep a={a}"] = _run(60.0 - 5 * k, 0.81 - 0.002 * k, [0.5, 0.7, 0.81])
+        seeds.append(runs)
+    summary = paper.summarise(seeds, Fraction(1, 4))
+    assert summary["ablation"] == {} and summary["policies"] == {}
+    assert list(summary["alpha_sweep"]) == [str(a) for a in paper.ALPHAS]
+    assert summary["alpha_sweep_monotonic"] == {"speedup_rises": True, "accuracy_falls": True}
+    seeds[1]["sweep a=1/3"]["wall_s"] = 30.0  # one seed's outlier moves no median
+    assert paper.summarise(seeds, Fraction(1, 4))["alpha_sweep_monotonic"]["speedup_rises"]
+    for runs in seeds:  # a real dip is seen
+        runs["sweep a=2/5"]["wall_s"] = 70.0
+    assert not paper.summarise(seeds, Fraction(1, 4))["alpha_sweep_monotonic"]["speedup_rises"]
+    assert paper.monotonic({"1/4": summary["alpha_sweep"]["1/4"]}) is None
