@@ -15,6 +15,15 @@ library leaves to the caller:
   another endpoint is possible; we build the endpoint with ``time_retry=0`` so a restarted
   etcd is used again at once, and cap gRPC's reconnect backoff at one second.
 * **Leases** with :class:`KeepAlive`, a background refresher that notices expiry.
+* **TLS and identity from one place.** Every client, whichever role builds it (controller,
+  ``pipetransformer workers``, the workers, torchrun's rendezvous, the dashboard), takes its
+  TLS settings and etcd identity from the environment unless given others (:class:`EtcdTls`,
+  ``$PIPETRANSFORMER_ETCD_CACERT``/``_CERT``/``_KEY``/``_USER``/``_PASSWORD[_FILE]``), so a pod
+  is configured by its environment alone. A password identity's token is fetched lazily and
+  fetched again when etcd drops it (tokens expire when idle and die with a restart). What etcd
+  refuses (a certificate it does not trust, a permission the identity lacks) is an error at
+  once, naming the identity; a user that does not exist yet is waited for like an outage (a
+  job's controller creates its trainers' user while they start).
 """
 
 from __future__ import annotations
@@ -22,23 +31,39 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import os
 import random
+import re
+import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, TypeVar
 
 import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 from pyetcd import utils as etcd_utils
+from pyetcd.etcdrpc import rpc_pb2
 
 __all__ = [
+    "CACERT_ENV",
+    "CERT_ENV",
+    "FROM_ENV",
+    "KEY_ENV",
+    "PASSWORD_ENV",
+    "PASSWORD_FILE_ENV",
+    "USER_ENV",
+    "EtcdAuthFailed",
     "EtcdClient",
+    "EtcdConfigError",
     "EtcdError",
+    "EtcdPermissionDenied",
     "EtcdStatus",
+    "EtcdTls",
+    "EtcdTlsRefused",
     "EtcdUnavailable",
     "KeepAlive",
     "Lease",
@@ -87,6 +112,191 @@ class LeaseExpired(EtcdError):
     """The lease is gone (expired or revoked); keys attached to it were deleted."""
 
 
+class EtcdConfigError(EtcdError, ValueError):
+    """The client's TLS or identity settings are wrong (one line naming the setting)."""
+
+
+class EtcdTlsRefused(EtcdError):
+    """The TLS handshake failed on a certificate: the client's (not trusted, none given) or the
+    server's (not signed by our CA, not issued for the name we dialled). Retrying cannot help."""
+
+
+class EtcdPermissionDenied(EtcdError):
+    """etcd refused the operation to this client's identity (its roles do not cover the key)."""
+
+
+class EtcdAuthFailed(EtcdError):
+    """etcd refused the user and password (wrong, or the user does not exist)."""
+
+
+# -- TLS and identity ------------------------------------------------------------------------
+
+# The environment every role's client reads (EtcdTls.from_env): the pod contract's names.
+CACERT_ENV = "PIPETRANSFORMER_ETCD_CACERT"  # PEM CA bundle etcd's certificate must chain to
+CERT_ENV = "PIPETRANSFORMER_ETCD_CERT"  # PEM client certificate (etcd: user = its CN)
+KEY_ENV = "PIPETRANSFORMER_ETCD_KEY"  # its private key
+USER_ENV = "PIPETRANSFORMER_ETCD_USER"  # a password identity instead of the certificate's CN
+PASSWORD_ENV = "PIPETRANSFORMER_ETCD_PASSWORD"
+PASSWORD_FILE_ENV = "PIPETRANSFORMER_ETCD_PASSWORD_FILE"  # a file holding it (a mounted Secret)
+
+_MAX_PEM_BYTES = 1 << 20
+
+
+def _read_setting(path: str, where: str, what: str, marker: bytes) -> bytes:
+    """The bytes of a PEM file, or EtcdConfigError naming the setting and the path."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_PEM_BYTES)
+    except OSError as exc:
+        raise EtcdConfigError(
+            f"{where}={path}: cannot read the {what}: {exc.strerror or exc}"
+        ) from None
+    if marker not in data:
+        raise EtcdConfigError(f"{where}={path}: not a PEM {what} (no '{marker.decode()}' line)")
+    return data
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """How a client reaches a TLS etcd and who it is there.
+
+    ``ca_cert`` (a PEM bundle) turns TLS on and is what the server's certificate must chain to;
+    ``cert``/``key`` are the client certificate, needed by an etcd started with
+    ``--client-cert-auth`` and, with auth enabled, the identity (the user named by its CN);
+    ``user``/``password`` authenticate as that user instead (etcd prefers a token over the
+    certificate's CN). A password is only sent over TLS.
+    """
+
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    # what each field is called in errors: the environment variable it came from, or itself
+    names: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            given, missing = ("cert", "key") if self.cert else ("key", "cert")
+            raise EtcdConfigError(
+                f"{self._name(given)} is set but {self._name(missing)} is not: a client "
+                "certificate needs both the certificate and its key"
+            )
+        if bool(self.user) != (self.password is not None):
+            given, missing = ("user", "password") if self.user else ("password", "user")
+            raise EtcdConfigError(f"{self._name(given)} is set but {self._name(missing)} is not")
+        if self.password is not None and not self.password:
+            raise EtcdConfigError(f"{self._name('password')} is empty")
+        if (self.cert or self.user) and not self.ca_cert:
+            what = "a client certificate" if self.cert else "a password"
+            raise EtcdConfigError(
+                f"{self._name('cert' if self.cert else 'user')} is set but "
+                f"{self._name('ca_cert')} is not: {what} is only used over TLS, which needs "
+                "the CA that signed etcd's certificate"
+            )
+
+    def _name(self, attr: str) -> str:
+        return self.names.get(attr, attr)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EtcdTls | None:
+        """The settings in the environment; None when none is set (plaintext, no identity).
+        A password file that cannot be read is an EtcdConfigError naming it."""
+        env = os.environ if environ is None else environ
+        names = {
+            "ca_cert": CACERT_ENV,
+            "cert": CERT_ENV,
+            "key": KEY_ENV,
+            "user": USER_ENV,
+            "password": PASSWORD_ENV,
+        }
+        password = env.get(PASSWORD_ENV) or None
+        if password is None and (path := env.get(PASSWORD_FILE_ENV)):
+            names["password"] = PASSWORD_FILE_ENV
+            try:
+                with open(path, encoding="utf-8") as f:
+                    password = f.read(4096).strip()
+            except OSError as exc:
+                raise EtcdConfigError(
+                    f"{PASSWORD_FILE_ENV}={path}: cannot read the password: {exc.strerror or exc}"
+                ) from None
+        values = {attr: env.get(var) or None for attr, var in names.items() if attr != "password"}
+        if not any(values.values()) and password is None:
+            return None
+        return cls(**values, password=password, names=names)
+
+    @property
+    def identity(self) -> str:
+        """Who etcd takes this client for, for errors."""
+        if self.user:
+            return f"user {self.user!r}"
+        if self.cert:
+            cn = _common_name(self.cert)
+            return f"the certificate {self.cert}" + (f" (CN {cn!r})" if cn else "")
+        return "a client without a certificate"
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials, after checking each file (EtcdConfigError naming it)."""
+        assert self.ca_cert
+        ca = _read_setting(self.ca_cert, self._name("ca_cert"), "CA certificate", b"CERTIFICATE")
+        try:
+            ssl.create_default_context(cadata=ca.decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as exc:
+            raise EtcdConfigError(
+                f"{self._name('ca_cert')}={self.ca_cert}: not a usable CA certificate ({exc})"
+            ) from None
+        if not self.cert:
+            return grpc.ssl_channel_credentials(root_certificates=ca)
+        assert self.key
+        chain = _read_setting(self.cert, self._name("cert"), "client certificate", b"CERTIFICATE")
+        key = _read_setting(self.key, self._name("key"), "private key", b"PRIVATE KEY")
+        if b"ENCRYPTED" in key:
+            raise EtcdConfigError(
+                f"{self._name('key')}={self.key}: the private key is encrypted; gRPC takes an "
+                "unencrypted one (`openssl pkey -in KEY -out PLAIN`), kept in a Secret"
+            )
+        try:  # a key that does not match the certificate fails here, not in a handshake later
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.load_cert_chain(self.cert, self.key, password="")  # never a prompt
+        except (ssl.SSLError, OSError) as exc:
+            raise EtcdConfigError(
+                f"{self._name('cert')}={self.cert}, {self._name('key')}={self.key}: the "
+                f"certificate and key do not make a pair ({exc})"
+            ) from None
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=chain
+        )
+
+
+def _common_name(path: str) -> str | None:
+    """The CN of a PEM certificate, best effort (CPython's own decoder; None if it cannot)."""
+    try:
+        decoded = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    for rdn in decoded.get("subject", ()):
+        for name, value in rdn:
+            if name == "commonName":
+                return str(value)
+    return None
+
+
+class _FromEnv:
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+FROM_ENV: Final = _FromEnv()
+"""`EtcdClient(tls=FROM_ENV)`, the default: the settings in the environment (EtcdTls.from_env)."""
+
+# gRPC's words for a handshake that failed on a certificate (ours refused, theirs not trusted or
+# not for this name) or on a server that does not speak TLS: configuration, not an outage.
+_TLS_REFUSAL = re.compile(
+    r"CERTIFICATE|UNKNOWN_CA|WRONG_VERSION_NUMBER|Hostname Verification|not in peer certificate",
+    re.I,
+)
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``"host:port"`` (optionally ``http://``-prefixed, port defaults to 2379) -> (host, port)."""
     text = endpoint.strip()
@@ -117,10 +327,36 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES
 
 
+def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
+    """The gRPC error behind ``exc``: pyetcd turns some codes into its own exceptions, raised
+    while handling the gRPC one (which keeps the server's words)."""
+    for candidate in (exc, exc.__context__):
+        if isinstance(candidate, grpc.RpcError) and hasattr(candidate, "code"):
+            return candidate
+    return None
+
+
+def _code(exc: BaseException) -> grpc.StatusCode | None:
+    rpc = _rpc_error(exc)
+    return rpc.code() if rpc is not None else None
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name}: {exc.details()}"
+    rpc = _rpc_error(exc)
+    if rpc is not None:
+        return f"{rpc.code().name}: {rpc.details()}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _is_auth_failure(exc: BaseException) -> bool:
+    # INVALID_ARGUMENT "etcdserver: authentication failed, invalid user ID or password"
+    return _code(exc) == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in (
+        _describe(exc)
+    )
+
+
+def _is_tls_refusal(exc: BaseException) -> bool:
+    return _code(exc) == grpc.StatusCode.UNAVAILABLE and bool(_TLS_REFUSAL.search(_describe(exc)))
 
 
 P = ParamSpec("P")
@@ -134,7 +370,8 @@ def _retrying(method: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         self = args[0]
         assert isinstance(self, EtcdClient)
-        return self._call(method.__name__, functools.partial(method, *args, **kwargs))
+        key = args[1] if len(args) > 1 and isinstance(args[1], str) else None
+        return self._call(method.__name__, functools.partial(method, *args, **kwargs), key=key)
 
     return wrapper
 
@@ -252,41 +489,140 @@ class EtcdClient:
     """etcd v3 client over one endpoint (``host:port``).
 
     ``timeout`` bounds each RPC; ``retry_timeout`` bounds the total time spent retrying
-    transient failures of one call (0 disables retries).
+    transient failures of one call (0 disables retries). ``tls``: the TLS settings and
+    identity (:class:`EtcdTls`), None for plaintext, by default those in the environment; a
+    setting that cannot work (a missing file, a certificate without its key) is an
+    :class:`EtcdConfigError` here, before anything is sent.
     """
 
-    def __init__(self, endpoint: str, timeout: float = 5.0, retry_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout: float = 5.0,
+        retry_timeout: float = 10.0,
+        tls: EtcdTls | None | _FromEnv = FROM_ENV,
+    ) -> None:
         host, port = parse_endpoint(endpoint)
         self.host, self.port = host, port
         self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.timeout = timeout
         self.retry_timeout = retry_timeout
+        self.tls: EtcdTls | None = EtcdTls.from_env() if isinstance(tls, _FromEnv) else tls
         self._closed = False
         # (operation, seconds) of calls that succeeded only after riding out an outage, for
         # whoever reports them (the controller turns them into events); bounded
         self.recoveries: collections.deque[tuple[str, float]] = collections.deque(maxlen=100)
-        ep = pyetcd.Endpoint(host, port, secure=False, time_retry=0.0, opts=_GRPC_OPTIONS)
+        # a password identity's token: fetched before the first call, again when etcd drops it
+        self._auth_lock = threading.Lock()
+        self._token: str | None = None
+        self._auth_off = False  # etcd said auth is not enabled: no token to fetch (yet)
+        creds = self.tls.credentials() if self.tls is not None else None
+        # pyetcd joins host and port as they are: an IPv6 address needs its brackets for gRPC
+        target = f"[{host}]" if ":" in host else host
+        ep = pyetcd.Endpoint(
+            target, port, secure=creds is not None, creds=creds, time_retry=0.0, opts=_GRPC_OPTIONS
+        )
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=[ep], timeout=timeout)
+
+    @property
+    def identity(self) -> str:
+        """Who etcd takes this client for, for errors and logs."""
+        return self.tls.identity if self.tls is not None else "a plaintext client"
+
+    # -- authentication --------------------------------------------------------------------
+
+    def _authenticate(self) -> None:
+        """Fetch a token for the password identity (once; again after `_drop_token`)."""
+        tls = self.tls
+        if tls is None or not tls.user or self._token is not None or self._auth_off:
+            return
+        with self._auth_lock:
+            if self._token is not None or self._auth_off:
+                return
+            request = rpc_pb2.AuthenticateRequest(name=tls.user, password=tls.password or "")
+            try:
+                reply = self._client.authstub.Authenticate(request, self.timeout)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in (
+                    exc.details() or ""
+                ):
+                    self._auth_off = True  # everything is allowed; look again on a refusal
+                    return
+                raise
+            self._token = str(reply.token)
+            # pyetcd sends its `metadata` with every call (watches aside, which we do not use)
+            self._client.metadata = (("token", self._token),)
+
+    def _drop_token(self) -> None:
+        with self._auth_lock:
+            self._token = None
+            self._auth_off = False
+            self._client.metadata = None
 
     # -- retry policy ----------------------------------------------------------------------
 
-    def _call(self, op: str, fn: Callable[[], R], budget: float | None = None) -> R:
-        """Run ``fn``, retrying transient failures with capped exponential backoff + jitter."""
+    def _call(
+        self, op: str, fn: Callable[[], R], budget: float | None = None, key: str | None = None
+    ) -> R:
+        """Run ``fn``, retrying transient failures with capped exponential backoff + jitter.
+
+        A password identity's token is fetched first; a token etcd no longer knows (it expires
+        when idle, and dies with a restart) is fetched again and the call repeated. A user
+        etcd refuses when this client signs in is retried like an outage: it may not exist yet.
+        """
         budget = self.retry_timeout if budget is None else budget
         start = time.monotonic()
         delay = 0.05
+        reauth = 0
+        what = f"{op} {key}" if key is not None else op
         while True:
             if self._closed:
                 raise EtcdError(f"etcd client for {self.endpoint} is closed")
+            signing_in = True
             try:
+                self._authenticate()
+                signing_in = False
                 result = fn()
             except (etcd_exc.Etcd3Exception, grpc.RpcError) as exc:
-                if not _is_transient(exc):
-                    raise EtcdError(f"etcd {op} failed: {_describe(exc)}") from exc
+                code = _code(exc)
+                user = self.tls is not None and bool(self.tls.user)
+                stale = (
+                    code == grpc.StatusCode.UNAUTHENTICATED
+                    or (code == grpc.StatusCode.PERMISSION_DENIED and self._token is None)
+                    or (
+                        code == grpc.StatusCode.INVALID_ARGUMENT
+                        and "auth store is old" in _describe(exc)
+                    )
+                )
+                if user and stale and reauth < 3:
+                    # the token expired or etcd restarted; or auth was enabled after we looked
+                    reauth += 1
+                    self._drop_token()
+                    continue
+                if _is_tls_refusal(exc):
+                    raise EtcdTlsRefused(
+                        f"the TLS handshake with etcd at {self.endpoint} failed ({what}: "
+                        f"{_describe(exc)}); check {self._tls_settings()}, and that etcd's "
+                        "certificate names the address dialled"
+                    ) from exc
+                if code == grpc.StatusCode.PERMISSION_DENIED:
+                    raise EtcdPermissionDenied(
+                        f"etcd refused {what} to {self.identity}: permission denied (its etcd "
+                        "roles do not allow it; k8s/README.md, 'etcd: TLS and roles')"
+                    ) from exc
+                auth_failed = signing_in and _is_auth_failure(exc)
+                if not auth_failed and not _is_transient(exc):
+                    raise EtcdError(f"etcd {what} failed: {_describe(exc)}") from exc
                 elapsed = time.monotonic() - start
                 if elapsed + delay > budget:
+                    if auth_failed:
+                        raise EtcdAuthFailed(
+                            f"etcd at {self.endpoint} refused the password of {self.identity} "
+                            f"for {elapsed:.1f}s: a wrong password, or a user that was never "
+                            "created (a job's trainer user is made by its controller)"
+                        ) from exc
                     raise EtcdUnavailable(
-                        self.endpoint, f"{op}: {_describe(exc)}", elapsed
+                        self.endpoint, f"{op}: {_describe(exc)}{self._plaintext_hint(exc)}", elapsed
                     ) from exc
                 log.debug("etcd %s: %s; retrying in %.2fs", op, _describe(exc), delay)
                 time.sleep(delay * random.uniform(0.8, 1.2))
@@ -295,6 +631,23 @@ class EtcdClient:
             if delay > 0.05:  # it failed at least once before succeeding
                 self.recoveries.append((op, time.monotonic() - start))
             return result
+
+    def _tls_settings(self) -> str:
+        tls = self.tls
+        if tls is None:
+            return f"the server's address: a plaintext client reached a TLS port ({CACERT_ENV})"
+        names = [f"{tls._name('ca_cert')}={tls.ca_cert}"]
+        if tls.cert:
+            names.append(f"{tls._name('cert')}={tls.cert}")
+        else:
+            names.append(f"{CERT_ENV}/{KEY_ENV} (no client certificate given)")
+        return ", ".join(names)
+
+    def _plaintext_hint(self, exc: BaseException) -> str:
+        # a TLS-only etcd closes a plaintext connection without a word
+        if self.tls is None and "Socket closed" in _describe(exc):
+            return f" (a TLS etcd closes plaintext connections: is {CACERT_ENV} needed?)"
+        return ""
 
     # -- key/value -------------------------------------------------------------------------
 
@@ -480,6 +833,16 @@ class EtcdClient:
         """Start and return a :class:`KeepAlive` for ``lease``."""
         return KeepAlive(lease, interval, on_expired).start()
 
+    # -- users and roles (etcd's Auth service) ---------------------------------------------
+
+    def auth_rpc(self, method: str, request: Any) -> Any:
+        """One call of etcd's Auth service (``"RoleAdd"``, ``"UserGet"``, ...: user and role
+        management, orchestrator/etcd_auth.py) under the retry policy; its answer as is."""
+        call = getattr(self._client.authstub, method)
+        return self._call(
+            method, lambda: call(request, self.timeout, metadata=self._client.metadata)
+        )
+
     # -- cluster ---------------------------------------------------------------------------
 
     def _status_once(self) -> EtcdStatus:
@@ -517,8 +880,16 @@ class EtcdClient:
         return f"EtcdClient({self.endpoint!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        # A gRPC channel cannot cross a process boundary; pickle the address and reconnect.
-        return {"endpoint": self.endpoint, "timeout": self.timeout, "retry": self.retry_timeout}
+        # A gRPC channel cannot cross a process boundary; pickle the address (and the settings
+        # it was made with, not a token) and reconnect.
+        return {
+            "endpoint": self.endpoint,
+            "timeout": self.timeout,
+            "retry": self.retry_timeout,
+            "tls": self.tls,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["endpoint"], state["timeout"], state["retry"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["endpoint"], state["timeout"], state["retry"], tls=state.get("tls", FROM_ENV)
+        )

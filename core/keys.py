@@ -8,7 +8,6 @@
 /pipetransformer/jobs/<job>/abort            generation number the controller aborted (workers watch)
 /pipetransformer/jobs/<job>/controller       {"host", "pid"} of the live controller, on its lease
 /pipetransformer/jobs/<job>/control          "run" | "stop", read by rank 0 at control points
-/pipetransformer/jobs/<job>/freeze_override  pending manual freeze request {"id", "layers", ...}
 /pipetransformer/jobs/<job>/events/<g>-<r>-<n> WorkerEvent JSON queue (workers put, controller drains)
 /pipetransformer/jobs/<job>/workers/<rank>   {"generation", "pid", "host"}, on the worker's lease
 /pipetransformer/jobs/<job>/agents/<host>-<pid> a `workers` launcher (torchx trainer role), on its lease
@@ -16,7 +15,13 @@
                                              server reports; the controller drains)
 /pipetransformer/jobs/<job>/alerts/<host>-<pid> RendezvousRefused JSON: a torchrun agent refused a
                                              rendezvous state that did not verify (controller drains)
+/pipetransformer/requests/<job>/freeze_override  pending manual freeze request {"id", "layers", ...}
+/pipetransformer/requests/<job>/trace_request    pending TraceRequest (rank 0 marks it served)
 /pipetransformer/rdzv/<run_id>               torchrun rendezvous state (etcd3 backend)
+
+The requests people file (the CLI, the dashboard) live under their own prefix, apart from the
+job's keys: etcd grants permissions by key range, and this is what lets one etcd role write the
+requests of every job and nothing else (orchestrator/etcd_auth.py).
 
 What each key holds is typed in `core.protocol`. The one name outside etcd both sides
 agree on, the environment variable a fork server sets, is here too (the fork-server client
@@ -26,6 +31,10 @@ imports this module and nothing heavier).
 from __future__ import annotations
 
 ROOT = "/pipetransformer"
+# The three subtrees, each a prefix an etcd role is granted (orchestrator/etcd_auth.py)
+JOBS = f"{ROOT}/jobs/"
+REQUESTS = f"{ROOT}/requests/"
+RDZV = f"{ROOT}/rdzv/"
 
 # Set by a node's fork server in every worker it forks: the pid of the worker's torchrun agent,
 # which names the worker's node ("host:agent-pid"; host names alone repeat on one machine).
@@ -47,7 +56,7 @@ RDZV_SECRET_FILE_ENV = "PIPETRANSFORMER_RDZV_SECRET_FILE"
 
 
 def job(job_id: str) -> str:
-    return f"{ROOT}/jobs/{job_id}"
+    return f"{JOBS}{job_id}"
 
 
 def spec(job_id: str) -> str:
@@ -82,13 +91,18 @@ def control(job_id: str) -> str:
     return f"{job(job_id)}/control"
 
 
+def requests(job_id: str) -> str:
+    """The requests people file for a job (a prefix: the dashboard's role may write them)."""
+    return f"{REQUESTS}{job_id}/"
+
+
 def freeze_override(job_id: str) -> str:
-    return f"{job(job_id)}/freeze_override"
+    return f"{requests(job_id)}freeze_override"
 
 
 def trace_request(job_id: str) -> str:
     """A `TraceRequest`: capture one step's schedule on every rank (read at control points)."""
-    return f"{job(job_id)}/trace_request"
+    return f"{requests(job_id)}trace_request"
 
 
 def events(job_id: str) -> str:
@@ -138,4 +152,4 @@ def agents(job_id: str) -> str:
 
 
 def rendezvous(run_id: str) -> str:
-    return f"{ROOT}/rdzv/{run_id}"
+    return f"{RDZV}{run_id}"

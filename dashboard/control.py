@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import streamlit as st
 
-from core.etcd_client import EtcdClient, EtcdUnavailable
+from core.etcd_client import EtcdClient, EtcdError
 from core.overrides import (
     OverrideError,
     allowed_layers,
@@ -155,7 +155,7 @@ def pending_raw(job: JobInfo, options: Options) -> str | None:
         return None
     try:
         return pending_request(etcd, job.id)
-    except EtcdUnavailable:
+    except EtcdError:  # down, or refusing this dashboard (TLS, permissions): nothing shown
         return None
 
 
@@ -223,8 +223,8 @@ def _file_signed_in(
     except OverrideError as exc:
         log.warning("refused %s request by %s for %s: %s", kind, who, job.id, exc)
         st.error(f"Refused: {exc}")
-    except EtcdUnavailable as exc:
-        st.error(f"The job's etcd does not answer: {exc}")
+    except EtcdError as exc:  # down, or refusing this dashboard's identity
+        st.error(f"The job's etcd did not take the request: {exc}")
     return None
 
 

@@ -36,7 +36,7 @@ from core.overrides import (
 from core.readings import mfu_text, peak_memory_text
 from core.spec import JobSpec, SpecError, load_spec, spec_from_text
 from core.stage_times import chrome_trace
-from orchestrator import restarts
+from orchestrator import etcd_auth, restarts
 from orchestrator.controller import (
     Controller,
     ControllerError,
@@ -560,6 +560,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
             return TrainerPods(ctrl, etcd, args.join_timeout)
 
         rdzv_id = args.rdzv_id or f"{job_id}-{uuid.uuid4().hex[:6]}"
+        # an etcd with auth: the trainers' user exists before they can read the launch
+        for line in etcd_auth.admit_trainers_from_env(etcd, job_id, rdzv_id):
+            console.print(f"etcd auth: {line}")
         supervising.append(ctrl)
         try:
             # 0.0.0.0: Prometheus scrapes the pod's address
@@ -826,6 +829,10 @@ def build_parser() -> argparse.ArgumentParser:
         "pods take theirs from $PIPETRANSFORMER_RDZV_SECRET)",
     )
     p.set_defaults(fn=cmd_workers)
+
+    p = sub.add_parser("etcd-auth", help="etcd's users and roles for each role (TLS + auth)")
+    etcd_auth.add_arguments(p)
+    p.set_defaults(fn=etcd_auth.cmd_etcd_auth)
 
     p = sub.add_parser("etcd", help="serve an embedded etcd in the foreground")
     p.add_argument("--data-dir", default="./runs/etcd")

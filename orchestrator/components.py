@@ -52,11 +52,18 @@ from torchx.specs import RetryPolicy, macros
 from torchx.specs.finder import ComponentValidationException
 from torchx.specs.overlays import set_overlay
 
+from core.etcd_client import PASSWORD_ENV, USER_ENV
 from core.keys import ACTIVATION_CACHE_BYTES_ENV, ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
 from core.spec import JobSpec, SpecError, load_spec
-from orchestrator import sizing, volcano
+from orchestrator import etcd_auth, sizing, volcano
 from orchestrator.etcd_server import free_port
-from orchestrator.pods import CACHE_DIR, PodVolumes, metrics_annotations, pod_overlay
+from orchestrator.pods import (
+    CACHE_DIR,
+    PodVolumes,
+    etcd_client_env,
+    metrics_annotations,
+    pod_overlay,
+)
 
 CONTROLLER_ROLE = "controller"
 TRAINER_ROLE = "trainer"
@@ -102,6 +109,7 @@ def train(
     max_retries: int = -1,
     db_secret: str = "pipetransformer-db",
     rdzv_secret: str = "pipetransformer-rdzv",
+    etcd_client_secrets: str = "etcd-client",
     workdir_pvc: str = "pipetransformer-workdir",
     grace_period_s: int = 120,
     trainer_overlay: str = "",
@@ -157,6 +165,11 @@ def train(
             PIPETRANSFORMER_RDZV_SECRET, the trainers' environment: it signs torchrun's
             rendezvous state, a pickle, so that no one without it can write one (empty: an
             unsigned rendezvous, for trials); locally a secret is made for each launch
+        etcd_client_secrets: container mode: the Secrets holding each role's etcd client
+            certificate, `<this>-controller` and `<this>-trainer` (keys ca.crt, tls.crt, tls.key;
+            k8s/README.md "etcd: TLS and roles"); the trainers sign in as etcd user
+            `trainer-<job id>` with a password made for this launch, which the controller
+            creates (empty: an etcd without TLS or auth, for trials)
         workdir_pvc: container mode: the ReadWriteMany PVC mounted at workdir in every pod
         grace_period_s: container mode: seconds a pod gets after SIGTERM (a leaving trainer
             checkpoints in that time)
@@ -194,6 +207,9 @@ def train(
             rdzv_secret=rdzv_secret,
             trainer_overlay=_user_overlay(trainer_overlay) if trainer_overlay else None,
             trainer_size=None if h else size,  # a named resource is the user's to size
+            etcd_client_secrets=etcd_client_secrets,
+            # one per launch: the trainers' etcd user can write this job's keys only
+            etcd_trainer_password=secrets.token_hex(32) if etcd_client_secrets else "",
         )
         retries = K8S_RETRIES if max_retries < 0 else max_retries
         metrics_port = METRICS_PORT if metrics_port < 0 else metrics_port
@@ -246,6 +262,11 @@ class Pods:
     rdzv_secret: str  # the trainers' (orchestrator/rendezvous.py, "Trust")
     trainer_overlay: dict[str, Any] | None
     trainer_size: sizing.PodSize | None  # requests = limits (None: a named resource's)
+    etcd_client_secrets: str  # "<this>-controller", "<this>-trainer" ("": no TLS, no auth)
+    etcd_trainer_password: str  # the trainers' etcd user's, made for this launch
+
+    def etcd_cert_secret(self, role: str) -> str | None:
+        return f"{self.etcd_client_secrets}-{role}" if self.etcd_client_secrets else None
 
 
 @dataclass(frozen=True)
@@ -306,6 +327,9 @@ def controller_role(opts: TrainOptions) -> specs.Role:
     size = sizing.controller_size()
     if pods:
         env[SPEC_ENV] = pods.spec_text
+        if pods.etcd_client_secrets:  # TLS with its certificate; it creates the trainers' user
+            env.update(etcd_client_env())
+            env[etcd_auth.TRAINER_PASSWORD_ENV] = pods.etcd_trainer_password
     resource = specs.resource(cpu=size.cpus, gpu=0, memMB=size.memory_mib)
     role = _role(opts, CONTROLLER_ROLE, args, 1, resource, env, policies=CONTROLLER_POLICIES)
     if opts.metrics_port:  # a container port named `metrics` in the pod (unused locally)
@@ -318,6 +342,7 @@ def controller_role(opts: TrainOptions) -> specs.Role:
             [pods.db_secret] if pods.db_secret else [],
             annotations=metrics_annotations(opts.metrics_port) if opts.metrics_port else None,
             resources=size.resources(),
+            etcd_cert_secret=pods.etcd_cert_secret(CONTROLLER_ROLE),
         )
         set_overlay(role, "kubernetes", "V1Pod", overlay)
     return role
@@ -347,6 +372,10 @@ def trainer_role(opts: TrainOptions) -> specs.Role:
         env[ACTIVATION_CACHE_ENV] = CACHE_DIR
         if size and size.cache_mib:  # the files stay inside the cache volume's size limit
             env[ACTIVATION_CACHE_BYTES_ENV] = str(size.cache_mib * sizing.MIB)
+        if pods.etcd_client_secrets:  # TLS with its certificate, signed in as the job's user
+            env.update(etcd_client_env())
+            env[USER_ENV] = etcd_auth.trainer_user(opts.job_id)  # torchx fills in ${app_id}
+            env[PASSWORD_ENV] = pods.etcd_trainer_password
     else:  # one secret per launch, shared by its agents (pods read theirs from a Secret)
         env[RDZV_SECRET_ENV] = secrets.token_hex(32)
     # in pods the first min_nodes are required to start; a lost pod is replaced and rejoins
@@ -371,6 +400,7 @@ def trainer_role(opts: TrainOptions) -> specs.Role:
             cache=True,
             resources=size.resources(opts.trainer_resource.gpu) if size else None,
             cache_mib=size.cache_mib if size else None,
+            etcd_cert_secret=pods.etcd_cert_secret(TRAINER_ROLE),
         )
         set_overlay(role, "kubernetes", "V1Pod", overlay)
         if pods.trainer_overlay:  # the user's, merged after ours (lists append, mappings merge)

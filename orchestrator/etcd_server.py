@@ -221,7 +221,7 @@ class EmbeddedEtcd:
         self._finalizer = weakref.finalize(self, _terminate, self._proc, 5.0)
         deadline = time.monotonic() + self.startup_timeout
         last_error = "no answer yet"
-        with EtcdClient(self.endpoint, timeout=1.0, retry_timeout=0.0) as client:
+        with EtcdClient(self.endpoint, timeout=1.0, retry_timeout=0.0, tls=None) as client:
             while True:
                 code = self._proc.poll()
                 if code is not None:

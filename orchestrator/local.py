@@ -52,7 +52,8 @@ def job_etcd(
         return
     server = EmbeddedEtcd(job_dir(workdir, job_id) / "etcd", client_port=port or None)
     found_at = endpoint_file(workdir, job_id)
-    with server, EtcdClient(server.endpoint) as client:
+    # the embedded etcd is plaintext on loopback: no TLS, whatever the environment asks
+    with server, EtcdClient(server.endpoint, tls=None) as client:
         found_at.write_text(server.endpoint)  # how `freeze` and the dashboard find a running job
         try:
             yield client

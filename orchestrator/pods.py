@@ -21,6 +21,20 @@ TORCHX_SHM_VOLUME = "dshm"  # the /dev/shm volume torchx gives every pod (a test
 # role): k8s/monitoring/podmonitor.yaml selects the controller pods by the two
 POD_LABELS = {"app.kubernetes.io/part-of": "pipetransformer"}
 METRICS_PATH = "/metrics"
+# where a pod finds its etcd client certificate (a Secret's ca.crt, tls.crt, tls.key)
+ETCD_CERT_DIR = "/etc/pipetransformer/etcd"
+ETCD_CERT_FILES = ("ca.crt", "tls.crt", "tls.key")
+
+
+def etcd_client_env() -> dict[str, str]:
+    """The variables that point core.etcd_client at the certificate in `ETCD_CERT_DIR`."""
+    from core.etcd_client import CACERT_ENV, CERT_ENV, KEY_ENV
+
+    return {
+        CACERT_ENV: f"{ETCD_CERT_DIR}/ca.crt",
+        CERT_ENV: f"{ETCD_CERT_DIR}/tls.crt",
+        KEY_ENV: f"{ETCD_CERT_DIR}/tls.key",
+    }
 
 
 def metrics_annotations(port: int) -> dict[str, str]:
@@ -84,13 +98,16 @@ def pod_overlay(
     annotations: Mapping[str, str] | None = None,
     resources: Mapping[str, Mapping[str, str]] | None = None,
     cache_mib: int | None = None,
+    etcd_cert_secret: str | None = None,
 ) -> dict[str, Any]:
     """What torchx's generated pod lacks: the non-root user and volume group of the image, a
     security context the Pod Security "restricted" profile admits, no API token (the pods never
     call the Kubernetes API), no restarts in place (a failed container is a Failed pod, which
     the role's Volcano policies act on: orchestrator/volcano.py), the container's last words
     kept as its termination message, `resources` (requests equal to limits: Guaranteed QoS,
-    orchestrator/sizing.py), the grace period a leaving trainer checkpoints in, the environment from `env_secrets` (`envFrom`: each key is
+    orchestrator/sizing.py), the role's etcd client certificate from the Secret
+    `etcd_cert_secret` at `ETCD_CERT_DIR` (read-only, readable by the image's group), the
+    grace period a leaving trainer checkpoints in, the environment from `env_secrets` (`envFrom`: each key is
     a variable's name: the controller's store URL, PIPETRANSFORMER_DB; the trainers'
     rendezvous secret, PIPETRANSFORMER_RDZV_SECRET), the checkpoint volume and a node-local
     cache; the project's label (`POD_LABELS`) and `annotations` (the controller's
@@ -101,6 +118,20 @@ def pod_overlay(
     `volumeMounts` (listed whole), `envFrom` (absent before) and `securityContext` (a mapping,
     merged) are set on it."""
     pod_volumes, container_mounts = volumes.volumes(cache, cache_mib)
+    if etcd_cert_secret:
+        pod_volumes.append(
+            {
+                "name": "etcd-client",
+                "secret": {
+                    "secretName": etcd_cert_secret,
+                    "defaultMode": 0o440,
+                    "items": [{"key": f, "path": f} for f in ETCD_CERT_FILES],
+                },
+            }
+        )
+        container_mounts.append(
+            {"name": "etcd-client", "mountPath": ETCD_CERT_DIR, "readOnly": True}
+        )
     container: dict[str, Any] = {
         "image": image,
         "volumeMounts": container_mounts,

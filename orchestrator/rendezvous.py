@@ -109,7 +109,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from core import keys
-from core.etcd_client import EtcdClient, EtcdError
+from core.etcd_client import EtcdClient, EtcdConfigError, EtcdError
 from core.protocol import RendezvousRefused
 
 __all__ = [
@@ -492,7 +492,10 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         raise ValueError("The etcd3 rendezvous needs --rdzv-endpoint HOST:PORT of etcd.")
     read_timeout = _positive(params, "read_timeout", DEFAULT_READ_TIMEOUT)
     rpc_timeout = _positive(params, "rpc_timeout", DEFAULT_RPC_TIMEOUT)
-    client = EtcdClient(params.endpoint, timeout=rpc_timeout, retry_timeout=read_timeout)
+    try:  # TLS and identity from the environment, as every client here (core/etcd_client.py)
+        client = EtcdClient(params.endpoint, timeout=rpc_timeout, retry_timeout=read_timeout)
+    except EtcdConfigError as exc:
+        raise RendezvousConnectionError(f"The etcd3 rendezvous cannot use etcd: {exc}") from None
     try:
         # Fail fast and clearly on a wrong endpoint instead of deep inside the join loop.
         client.wait_ready(timeout=read_timeout)

@@ -49,6 +49,18 @@ SECRETS: dict[str, set[str]] = {
     "pipetransformer-db-readonly": {"PIPETRANSFORMER_DB"},
     "pipetransformer-dashboard-auth": {"tokens"},
     "pipetransformer-rdzv": {"PIPETRANSFORMER_RDZV_SECRET"},
+    # etcd's TLS (k8s/README.md, "etcd: TLS and roles"): the members' certificate and one
+    # client certificate per role, laid out as cert-manager writes them
+    **{
+        name: {"ca.crt", "tls.crt", "tls.key"}
+        for name in (
+            "etcd-member-tls",
+            "etcd-client-root",
+            "etcd-client-controller",
+            "etcd-client-dashboard",
+            "etcd-client-trainer",
+        )
+    },
     # cloudnativepg overlay: kubernetes.io/basic-auth Secrets the operator reads
     "postgres-owner": {"username", "password"},
     "postgres-readonly": {"username", "password"},
@@ -361,11 +373,11 @@ def test_etcd_is_a_three_member_cluster_with_probes_and_a_budget(name: str) -> N
     # the initial cluster: exactly the StatefulSet's members, by their stable DNS names
     replicas = sts["spec"]["replicas"]
     expected = ",".join(
-        f"etcd-{i}=http://etcd-{i}.etcd-peers.$(POD_NAMESPACE).svc:2380" for i in range(replicas)
+        f"etcd-{i}=https://etcd-{i}.etcd-peers.$(POD_NAMESPACE).svc:2380" for i in range(replicas)
     )
     assert env["ETCD_INITIAL_CLUSTER"]["value"] == expected
     assert env["ETCD_NAME"]["value"] == "$(POD_NAME)"
-    own = "http://$(POD_NAME).etcd-peers.$(POD_NAMESPACE).svc"
+    own = "https://$(POD_NAME).etcd-peers.$(POD_NAMESPACE).svc"
     assert env["ETCD_INITIAL_ADVERTISE_PEER_URLS"]["value"] == f"{own}:2380"
     assert env["ETCD_ADVERTISE_CLIENT_URLS"]["value"] == f"{own}:2379"
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -386,6 +398,107 @@ def test_etcd_is_a_three_member_cluster_with_probes_and_a_budget(name: str) -> N
     assert pdb["minAvailable"] == 2
     labels = sts["spec"]["template"]["metadata"]["labels"]
     assert pdb["selector"]["matchLabels"].items() <= labels.items()
+
+
+def etcd_identity(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(the container, the Secret) of a workload that talks to etcd: its
+    PIPETRANSFORMER_ETCD_CACERT/CERT/KEY name files of one mounted Secret's keys."""
+    pod = pod_spec(obj)
+    (container,) = pod["containers"]
+    env = env_of(container)
+    paths = {var: Path(env[f"PIPETRANSFORMER_ETCD_{var}"]["value"]) for var in TLS_FILES}
+    (folder,) = {path.parent for path in paths.values()}
+    mount = {m["mountPath"]: m for m in container["volumeMounts"]}[str(folder)]
+    assert mount["readOnly"] is True
+    secret = {v["name"]: v for v in pod["volumes"]}[mount["name"]]["secret"]
+    items = {item["path"]: item["key"] for item in secret["items"]}
+    assert {items[path.name] for path in paths.values()} == {"ca.crt", "tls.crt", "tls.key"}
+    assert items[paths["KEY"].name] == "tls.key" and items[paths["CERT"].name] == "tls.crt"
+    assert secret["defaultMode"] & 0o007 == 0  # the key: no one but the pod's user and group
+    return container, secret["secretName"]
+
+
+TLS_FILES = ("CACERT", "CERT", "KEY")
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_etcd_serves_tls_and_takes_only_certificates_of_its_ca(name: str) -> None:
+    objects = rendered(name)
+    sts = find(objects, "StatefulSet", "etcd")
+    pod = pod_spec(sts)
+    (etcd,) = pod["containers"]
+    env = {k: v.get("value") for k, v in env_of(etcd).items()}
+    for listen in ("ETCD_LISTEN_CLIENT_URLS", "ETCD_LISTEN_PEER_URLS"):
+        assert env[listen].startswith("https://"), listen
+    assert env["ETCD_LISTEN_METRICS_URLS"].startswith("http://")  # the probes' port: no data
+    assert env["ETCD_CLIENT_CERT_AUTH"] == "true" and env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
+    assert env["ETCD_PEER_CERT_ALLOWED_CN"] == "etcd-peer"  # no client certificate joins
+    mount = {m["name"]: m for m in etcd["volumeMounts"]}["tls"]
+    secret = {v["name"]: v for v in pod["volumes"]}["tls"]["secret"]
+    assert secret["secretName"] == "etcd-member-tls" and mount["readOnly"] is True
+    files = {f"{mount['mountPath']}/{item['path']}": item["key"] for item in secret["items"]}
+    for var, key in (
+        ("ETCD_CERT_FILE", "tls.crt"),
+        ("ETCD_KEY_FILE", "tls.key"),
+        ("ETCD_TRUSTED_CA_FILE", "ca.crt"),
+        ("ETCD_PEER_CERT_FILE", "tls.crt"),
+        ("ETCD_PEER_KEY_FILE", "tls.key"),
+        ("ETCD_PEER_TRUSTED_CA_FILE", "ca.crt"),
+    ):
+        assert files[env[var]] == key, var
+    # group-readable for the etcd user (fsGroup), nobody else
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+    assert secret["defaultMode"] == 0o440
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_each_etcd_client_here_shows_its_roles_certificate(name: str) -> None:
+    objects = rendered(name)
+    job = find(objects, "Job", "pipetransformer-etcd-auth")
+    container, secret = etcd_identity(job)
+    assert secret == "etcd-client-root"  # etcd's root: `setup` creates users and enables auth
+    assert [*container["command"], *container["args"]] == [
+        "pipetransformer",
+        "etcd-auth",
+        "setup",
+        "--etcd",
+        "etcd:2379",
+    ]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    _, secret = etcd_identity(find(objects, "Deployment", "dashboard"))
+    assert secret == "etcd-client-dashboard"
+
+
+def test_cert_manager_example_makes_the_documented_secrets() -> None:
+    """k8s/cert-manager, apart from the base (cert-manager's CRDs may not exist): a CA and,
+    signed by it, each etcd Secret the manifests and the pods use, with the CN etcd takes for
+    the user (orchestrator/etcd_auth.py) and the members' DNS names."""
+    from orchestrator import etcd_auth
+
+    objects = render(K8S / "cert-manager")
+    for name in RENDERS:
+        assert not any(o["apiVersion"].startswith("cert-manager.io/") for o in rendered(name))
+    certificates = {
+        o["spec"]["secretName"]: o["spec"] for o in objects if o["kind"] == "Certificate"
+    }
+    assert certificates.pop("etcd-ca")["isCA"] is True
+    assert set(certificates) == {name for name in SECRETS if name.startswith("etcd-")}
+    names = {
+        "etcd-member-tls": "etcd-peer",
+        "etcd-client-root": etcd_auth.ROOT_USER,
+        "etcd-client-controller": etcd_auth.CONTROLLER_USER,
+        "etcd-client-dashboard": etcd_auth.DASHBOARD_USER,
+        "etcd-client-trainer": etcd_auth.TRAINER_CERT_CN,
+    }
+    for secret, spec in certificates.items():
+        assert spec["commonName"] == names[secret], secret
+        assert spec["issuerRef"] == {"name": "etcd-ca", "kind": "Issuer"}
+        assert "client auth" in spec["usages"]
+    member = certificates["etcd-member-tls"]
+    assert "server auth" in member["usages"]
+    assert {"etcd", "*.etcd-peers.pipetransformer.svc"} <= set(member["dnsNames"])
+    issuer = find(objects, "Issuer", "etcd-ca")
+    assert issuer["spec"]["ca"]["secretName"] == "etcd-ca"
 
 
 @pytest.mark.parametrize("name", ["base", "dev", "gpu"])
@@ -471,7 +584,7 @@ def test_volcano_queue_priority_class_and_service_account(name: str) -> None:
 def test_gpu_overlay_keeps_cluster_pods_off_gpu_nodes_and_lets_the_queue_hand_out_gpus() -> None:
     objects = rendered("gpu")
     workloads = [o for o in objects if o["kind"] in WORKLOADS]
-    assert len(workloads) == 4
+    assert len(workloads) == 5
     for obj in workloads:
         pod = pod_spec(obj)
         terms = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
@@ -531,9 +644,17 @@ def test_dev_secrets_come_from_git_ignored_files(tmp_path: Path) -> None:
     for name, text in files.items():
         (folder / name).write_text(text)
         assert any(fnmatch.fnmatch(name, pattern) for pattern in ignored), name
+    # etcd's certificates, as k8s/README.md makes them: a folder git ignores whole
+    certs = folder / "etcd-certs"
+    made = subprocess.run(
+        [str(REPO / "scripts" / "make-etcd-certs.sh"), str(certs)], capture_output=True, timeout=60
+    )
+    assert made.returncode == 0, made.stderr
+    assert "etcd-certs/" in ignored
     secrets = render(folder)
     expected = ("postgres-credentials", "pipetransformer-db", "pipetransformer-db-readonly")
     expected += ("pipetransformer-dashboard-auth", "pipetransformer-rdzv")
+    expected += tuple(name for name in SECRETS if name.startswith("etcd-"))
     assert {s["metadata"]["name"]: set(s["data"]) for s in secrets} == {
         name: SECRETS[name] for name in expected
     }
@@ -827,6 +948,11 @@ def test_readme_documents_the_secrets_overlays_and_steps() -> None:
         "prometheus.io/scrape",
         "grafana-dashboard.json",
         "--metrics_port",
+        "## etcd: TLS and roles",
+        "scripts/make-etcd-certs.sh",
+        "kubectl apply -k k8s/cert-manager",
+        "pipetransformer-etcd-auth",
+        "pipetransformer etcd-auth setup",
     ):
         assert text in readme, text
 

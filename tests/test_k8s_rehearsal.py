@@ -183,6 +183,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             nnodes=2,
             nproc_per_node=1,
             job_id=JOB,
+            etcd_client_secrets="",  # the rehearsal's etcd has no TLS (tests/test_etcd_auth.py)
         )
         # the Volcano Job `torchx run -s kubernetes` would submit: its name (the launch's app
         # id) names the pods, its restart and lifecycle policies decide what happens to a pod
@@ -390,6 +391,7 @@ def test_a_stopped_job_and_a_failed_one_end_their_volcano_jobs_and_release_their
                     nproc_per_node=1,
                     job_id=job_id,
                     gpu=1 if runtime else -1,
+                    etcd_client_secrets="",
                 )
                 dry_run = rehearsal.volcano_job(app)
                 pods = rehearsal.role_pods(cluster, app, dry_run["metadata"]["name"])

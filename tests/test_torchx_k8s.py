@@ -27,7 +27,7 @@ from orchestrator.components import (
     ComponentArgError,
     train,
 )
-from orchestrator.pods import CACHE_DIR, POD_LABELS, TORCHX_SHM_VOLUME
+from orchestrator.pods import CACHE_DIR, ETCD_CERT_DIR, POD_LABELS, TORCHX_SHM_VOLUME
 from tests import rehearsal
 from tests.pod_security import restricted_violations
 
@@ -121,6 +121,12 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         for kind in ("cpu", "memory", "ephemeral-storage"):
             assert res["requests"][kind] == res["limits"][kind], (task["name"], kind, res)
         assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        # etcd over TLS with the role's client certificate (k8s/README "etcd: TLS and roles")
+        role = task["name"].rsplit("-", 1)[0]
+        cert = next(v for v in pod["volumes"] if v["name"] == "etcd-client")
+        assert cert["secret"]["secretName"] == f"etcd-client-{role}"
+        assert mounts[ETCD_CERT_DIR] == "etcd-client"
+        assert env(c)["PIPETRANSFORMER_ETCD_CERT"].startswith(ETCD_CERT_DIR)
 
     (ctl,) = controllers
     c = container(ctl)
@@ -176,6 +182,11 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         # trainers never see the store's credentials; they sign the rendezvous state
         assert c["envFrom"] == [{"secretRef": {"name": "pipetransformer-rdzv"}}]
         assert RDZV_SECRET_ENV not in env(c)  # from the Secret, never inline
+        # signed in as this job's etcd user, whose password the controller was given
+        assert env(c)["PIPETRANSFORMER_ETCD_USER"] == f"trainer-{job['metadata']['name']}"
+        password = env(c)["PIPETRANSFORMER_ETCD_PASSWORD"]
+        assert len(password) == 64
+        assert env(container(ctl))["PIPETRANSFORMER_ETCD_TRAINER_PASSWORD"] == password
         # part of the job, but nothing to scrape
         meta = task["template"]["metadata"]
         assert POD_LABELS.items() <= meta["labels"].items()
@@ -225,6 +236,25 @@ def test_container_mode_refuses_what_cannot_work_in_a_cluster(tmp_path: Path) ->
         assert mounts["/data"]["readOnly"] is True
         names = {v["name"]: v for v in task["template"]["spec"]["volumes"]}
         assert names[mounts["/data"]["name"]]["persistentVolumeClaim"]["claimName"] == "datasets"
+
+
+def test_an_etcd_without_tls_takes_no_certificates_and_no_users(tmp_path: Path) -> None:
+    spec = str(REPO / "examples" / "vit-digits.yaml")
+    job = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379", etcd_client_secrets=""))
+    for task in job["spec"]["tasks"]:
+        c = container(task)
+        assert not any("ETCD" in name for name in env(c)), env(c)
+        assert all(v["name"] != "etcd-client" for v in task["template"]["spec"]["volumes"])
+    # each launch its own trainers' password
+    passwords = {
+        env(
+            container(
+                tasks(volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379")), "trainer")[0]
+            )
+        )["PIPETRANSFORMER_ETCD_PASSWORD"]
+        for _ in range(2)
+    }
+    assert len(passwords) == 2
 
 
 def test_local_mode_is_unchanged(tmp_path: Path) -> None:
