@@ -99,6 +99,7 @@ def train(
     nproc_per_node: int = 0,
     join_timeout: float = 300.0,
     image: str = "",
+    controller_image: str = "",
     python: str = "",
     h: str | None = None,
     cpu: int = 0,
@@ -143,6 +144,9 @@ def train(
         join_timeout: seconds the roles wait for each other (etcd, assignment, first workers)
         image: container image with the project (REGISTRY/pipetransformer:TAG); switches to
             container mode (Kubernetes); local_cwd leaves it empty
+        controller_image: container mode: the controller's image (default: --image), e.g. the
+            Dockerfile's slim `controller` target (CPU torch, no CUDA wheels or Hugging Face
+            libraries): a cold pull that fits well inside join_timeout (docs/image.md)
         python: interpreter the roles run (default: the one running torchx; `python` in images)
         h: a registered named resource for the trainer (takes precedence over cpu and memMB)
         cpu: cpus per trainer replica (default: from the spec, orchestrator/sizing.py: each
@@ -192,6 +196,10 @@ def train(
     pods: Pods | None = None
     embedded_port: int | None = None
     role_mounts: list[specs.BindMount | specs.VolumeMount | specs.DeviceMount] = []
+    if controller_image and not image:
+        raise ComponentArgError(
+            "controller_image is for container mode: give --image (the trainers') as well"
+        )
     if image:
         workdir = POD_WORKDIR if workdir == "./runs" else workdir
         size = trainer_pod_size(job, nproc_per_node, trainer_gpus(job, nproc_per_node, gpu))
@@ -238,6 +246,7 @@ def train(
         nproc_per_node=nproc_per_node,
         join_timeout=join_timeout,
         image=image or os.getcwd(),  # local_cwd runs a role in its image's directory
+        controller_image=controller_image or image or os.getcwd(),
         python=python or ("python" if pods else sys.executable),
         trainer_resource=resource,
         env={"COLUMNS": "120", **(env or {})},
@@ -286,6 +295,7 @@ class TrainOptions:
     nproc_per_node: int
     join_timeout: float
     image: str  # the container image, or the current directory (local_cwd runs a role there)
+    controller_image: str  # the controller's (container mode; else the same as `image`)
     python: str
     trainer_resource: specs.Resource
     env: dict[str, str]  # both roles'
@@ -331,12 +341,21 @@ def controller_role(opts: TrainOptions) -> specs.Role:
             env.update(etcd_client_env())
             env[etcd_auth.TRAINER_PASSWORD_ENV] = pods.etcd_trainer_password
     resource = specs.resource(cpu=size.cpus, gpu=0, memMB=size.memory_mib)
-    role = _role(opts, CONTROLLER_ROLE, args, 1, resource, env, policies=CONTROLLER_POLICIES)
+    role = _role(
+        opts,
+        CONTROLLER_ROLE,
+        args,
+        1,
+        resource,
+        env,
+        policies=CONTROLLER_POLICIES,
+        image=opts.controller_image,
+    )
     if opts.metrics_port:  # a container port named `metrics` in the pod (unused locally)
         role.port_map = {METRICS_PORT_NAME: opts.metrics_port}
     if pods:
         overlay = pod_overlay(
-            opts.image,
+            opts.controller_image,
             pods.grace_period_s,
             pods.volumes,
             [pods.db_secret] if pods.db_secret else [],
@@ -417,13 +436,14 @@ def _role(
     env: dict[str, str],
     min_replicas: int | None = None,
     policies: list[dict[str, Any]] | None = None,
+    image: str | None = None,
 ) -> specs.Role:
     """What both roles share: the CLI of the image's (or this) Python, mounts and retries; in
     pods a failed replica is replaced alone (never RestartJob: the rest keeps training), as the
     role's Volcano `policies` say (orchestrator/volcano.py)."""
     return specs.Role(
         name=name,
-        image=opts.image,
+        image=image or opts.image,
         entrypoint=opts.python,
         args=["-m", "orchestrator.cli", *args],
         num_replicas=replicas,

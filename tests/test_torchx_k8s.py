@@ -415,3 +415,17 @@ def test_the_podmonitor_selects_the_controller_pod_and_its_port() -> None:
                 meta = task["template"]["metadata"]["annotations"]
                 assert endpoint["path"] == meta["prometheus.io/path"]
                 assert str(ports[endpoint["port"]]) == meta["prometheus.io/port"]
+
+
+def test_the_controller_may_run_the_slim_image(tmp_path: Path) -> None:
+    spec = str(REPO / "examples" / "vit-digits.yaml")
+    slim = "registry.example/pipetransformer:1.0-controller"
+    job = volcano_job(train(spec=spec, image=IMAGE, controller_image=slim, etcd="etcd:2379"))
+    (ctl,) = tasks(job, "controller")
+    assert container(ctl)["image"] == slim
+    assert {container(t)["image"] for t in tasks(job, "trainer")} == {IMAGE}
+    # the overlay found its container (by image): the controller's pod is complete
+    assert any(m["mountPath"] == "/workdir" for m in container(ctl)["volumeMounts"])
+    assert container(ctl)["securityContext"]["allowPrivilegeEscalation"] is False
+    with pytest.raises(ComponentArgError, match="controller_image is for container mode"):
+        train(spec=spec, controller_image=slim)
