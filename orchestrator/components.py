@@ -67,7 +67,6 @@ from orchestrator.pods import (
 
 CONTROLLER_ROLE = "controller"
 TRAINER_ROLE = "trainer"
-CONTROLLER_MEM_MB = 1024  # locally (pods: orchestrator/sizing.py)
 TRAINER_MEM_MB_PER_PROC = 1024  # locally (pods: orchestrator/sizing.py)
 POD_WORKDIR = "/workdir"  # where the checkpoint volume is mounted in every pod
 K8S_RETRIES = 3

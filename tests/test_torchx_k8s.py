@@ -20,8 +20,8 @@ import yaml
 
 from core.keys import ACTIVATION_CACHE_BYTES_ENV, ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
 from core.spec import load_spec, spec_from_text
+from orchestrator import sizing
 from orchestrator.components import (
-    CONTROLLER_MEM_MB,
     METRICS_PORT,
     METRICS_PORT_NAME,
     ComponentArgError,
@@ -138,7 +138,7 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
     assert "PIPETRANSFORMER_DB" not in env(c)
     assert spec_from_text(env(c)[SPEC_ENV], "env") == load_spec(spec)
     assert str(spec) not in args and "controller" in args
-    assert c["resources"]["requests"]["memory"] == f"{CONTROLLER_MEM_MB}Mi"
+    assert c["resources"]["requests"]["memory"] == f"{sizing.CONTROLLER_MIB}Mi"
     # its exit status decides: done completes the Volcano job, a user's stop aborts it, a
     # failure a restart cannot fix terminates it (GPUs released); anything else replaces it
     by_code = {p["exitCode"]: p["action"] for p in ctl["policies"] if "exitCode" in p}
