@@ -464,6 +464,7 @@ class Cluster:
         self._save_state()
         _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
+        _allow_bridged(self.bridge, True)
 
     def _save_state(self) -> None:
         state = {
@@ -865,6 +866,21 @@ def _postgres_account() -> pwd.struct_passwd:
     raise RuntimeError("neither a 'postgres' nor a 'nobody' user exists")
 
 
+def _allow_bridged(bridge: str, allow: bool) -> None:
+    """Let the pods on `bridge` reach each other whatever the machine's firewall says. With
+    br_netfilter loaded, bridged frames pass iptables' FORWARD chain, whose policy Docker sets
+    to DROP when its daemon starts: every pod-to-pod packet would be dropped. One ACCEPT rule
+    for this bridge, first in the chain; removed with the bridge."""
+    if shutil.which("iptables") is None:
+        return
+    rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+    if allow:
+        _run("iptables", "-I", *rule, check=False)
+    else:
+        while _run("iptables", "-D", *rule, check=False).returncode == 0:
+            pass
+
+
 def _teardown(bridge: str, netns: list[str], veths: list[str], pg_roots: list[Path | str]) -> None:
     for name in netns:
         for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
@@ -875,6 +891,7 @@ def _teardown(bridge: str, netns: list[str], veths: list[str], pg_roots: list[Pa
     for veth in veths:  # a namespace's deletion removes its pair, but not at once
         _run("ip", "link", "del", veth, check=False)
     _run("ip", "link", "del", bridge, check=False)
+    _allow_bridged(bridge, False)
     for root in pg_roots:
         shutil.rmtree(root, ignore_errors=True)
 

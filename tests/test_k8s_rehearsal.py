@@ -38,7 +38,8 @@ JOB = "rehearsal"
 # two pods, idle), which a busy machine slows down about as much as a pod's start. Measured:
 # the new pod joined at steps 62 to 72 of 276 (load averages 15 to 40); idle, expect ~150.
 MODEL = {"depth": 4, "dim": 128, "heads": 4, "mlp_ratio": 2.0}
-EPOCHS = 20  # 460 steps: a trainer pod lost, one deleted and the controller evicted, in turn
+EPOCHS = 24  # 552 steps: a trainer pod lost, one deleted, the controller evicted, a trainer
+# evicted, in turn
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 RUNTIME = {"nodes": 2, "min_nodes": 1, "lease_ttl_s": 3}
 BUDGET_S = 120  # what the test should take here (printed, not asserted: the machine is shared)
@@ -289,6 +290,26 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             controller = volcano.pod("controller-0")
             mark(f"controller evicted and replaced ({controller.netns})")
 
+            # -- the kubelet evicts a trainer pod (node pressure): it leaves gracefully, its
+            # Failed pod's PodEvicted policy replaces it, and the new pod rejoins
+            before = _running_world(store)
+            assert before is not None
+            evicted = volcano.pod("trainer-0")
+            volcano.evict("trainer-0")
+            rehearsal.wait_for(
+                "the evicted trainer's replacement in the job",
+                lambda: (
+                    (w := _running_world(store))
+                    and w[1] == 2
+                    and w[0] > before[0] + 1
+                    and volcano.pod("trainer-0") is not evicted
+                    and w
+                ),
+                90,
+                cluster.explain,
+            )
+            mark(f"trainer evicted, replaced and back at step {store.get_job(JOB).step}")
+
             code = controller.wait(timeout=150)
             mark(f"controller pod exited {code}")
             assert code == 0, controller.tail()
@@ -300,6 +321,11 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             print("volcano:\n  " + "\n  ".join(volcano.history))
             assert volcano.phase == "Completed", volcano.history
             assert volcano.running() == [], volcano.history
+            for role in ("controller", "trainer"):  # an eviction is a Failed pod, replaced
+                assert any(
+                    h.startswith(role) and h.endswith("PodEvicted -> RestartTask")
+                    for h in volcano.history
+                ), volcano.history
 
             # -- what the store says, read from the root namespace through the bridge
             job = store.get_job(JOB)
