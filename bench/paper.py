@@ -38,7 +38,7 @@ freeze and the fraction of the run spent with at least half of the blocks frozen
     .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 1/4]
         [--keep-trainable 3] [--sweep-keep-trainable 1] [--only NAME ...] [--keep DIR]
         [--upstream-device cuda]
-        [--upstream-epochs 60] [--body DIR | --upstream-only] [--from-json paper.json]
+        [--upstream-epochs 60] [--body DIR | --upstream-only] [--from-json paper.json ...]
 
 One JSON line (also bench/out/paper.json) and figures in bench/out/: paper-throughput.png
 (samples/s over epochs per configuration), paper-ablation.png (speed-up bars), paper-alpha.png
@@ -488,13 +488,20 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", help="run only these configurations (and baseline)")
     parser.add_argument("--keep", type=Path, help="keep the runs under this directory")
     parser.add_argument(
-        "--from-json", type=Path, help="summarise and plot an earlier run's paper.json again"
+        "--from-json",
+        type=Path,
+        nargs="+",
+        help="summarise and plot earlier runs' paper.json again (several: their seeds together, "
+        "the first one's config)",
     )
     args = parser.parse_args()
     if args.alpha not in ALPHAS:
         raise SystemExit(f"--alpha must be one of the sweep's {', '.join(map(str, ALPHAS))}")
     if args.from_json:
-        earlier = json.loads(args.from_json.read_text().strip().splitlines()[-1])
+        runs = [json.loads(f.read_text().strip().splitlines()[-1]) for f in args.from_json]
+        earlier = runs[0]
+        earlier["per_seed"] = [seed for run in runs for seed in run["per_seed"]]
+        earlier["config"]["seeds"] = [s for run in runs for s in run["config"]["seeds"]]
         alpha = Fraction(earlier["config"]["alpha"])
         summary = summarise(earlier["per_seed"], alpha)
         headline = summary["ablation"].get("all", {})
