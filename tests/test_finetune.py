@@ -18,6 +18,7 @@ from core.manifest import CheckpointError, manifest_checksum
 from core.planner import plan_layout
 from core.spec import JobSpec, SpecError, parse_spec
 from orchestrator.controller import Controller
+from orchestrator.exits import EXIT_JOB_FAILED
 from orchestrator.pretrained import resolve_init
 from store import Store, sqlite_url
 from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec
@@ -324,7 +325,10 @@ def test_a_checkpoint_gone_after_submission_fails_the_job_after_one_generation(
         )  # fmt: skip
         assert workers.wait(timeout=120) == 0, (tmp_path / "workers.log").read_text()[-3000:]
         took = time.monotonic() - t0
-        assert ctl.wait(timeout=60) == 1, (tmp_path / "controller.log").read_text()[-3000:]
+        # a failure a restart cannot fix: the status that ends a Volcano job (TerminateJob)
+        assert ctl.wait(timeout=60) == EXIT_JOB_FAILED, (tmp_path / "controller.log").read_text()[
+            -3000:
+        ]
     finally:
         for proc in (ctl, workers):
             if proc is not None:
