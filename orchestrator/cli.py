@@ -651,6 +651,17 @@ def cmd_etcd(args: argparse.Namespace) -> int:
 # -- parser ------------------------------------------------------------------------------------
 
 
+def count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: give 0 or more")
+    return n
+
+
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0..65535 (0: off)."""
     try:
@@ -795,7 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--restart-budget",
-        type=int,
+        type=count,
         default=3,
         metavar="N",
         help="unclean restarts in a row (crashes, kills, giving up on absent workers) after "

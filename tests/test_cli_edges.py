@@ -163,3 +163,15 @@ def test_metrics_port_that_is_not_a_port(capsys, tmp_path: Path, spec: Path, por
         assert exc.value.code == 2
         assert f"'{port}' is not a port: give 0..65535" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("budget", ["-1", "three"])
+def test_a_restart_budget_that_is_no_count_is_refused(
+    budget: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by the argument parser, before anything is created (exit 2, one line)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["controller", "--restart-budget", budget, "--workdir", str(tmp_path / "runs")])
+    assert exc.value.code == 2
+    assert f"'{budget}' is not a count: give 0 or more" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
