@@ -88,6 +88,22 @@ def _running_world(store: Store) -> tuple[int, int] | None:
     return None
 
 
+def _app(spec: Path, job_id: str, **extra: Any) -> Any:
+    """The component in container mode as the rehearsal runs it: two trainer pods of one worker
+    each, etcd's Service without TLS (the rehearsal's etcd has none; TLS and auth are
+    tests/test_etcd_auth.py's)."""
+    return train(
+        spec=str(spec),
+        image="rehearsal",
+        etcd="etcd:2379",
+        nnodes=2,
+        nproc_per_node=1,
+        job_id=job_id,
+        etcd_client_secrets="",
+        **extra,
+    )
+
+
 def _steps_lost_at_end_of(store: Store, generation: int) -> int:
     """Steps the generation trained past the state the next one resumed from: its last
     recorded step minus the newest checkpoint committed by its end (a graceful leave
@@ -177,15 +193,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
         mark("db upgrade Job done")
 
         # -- the job's pods, from the component in container mode
-        app = train(
-            spec=str(spec),
-            image="rehearsal",
-            etcd="etcd:2379",
-            nnodes=2,
-            nproc_per_node=1,
-            job_id=JOB,
-            etcd_client_secrets="",  # the rehearsal's etcd has no TLS (tests/test_etcd_auth.py)
-        )
+        app = _app(spec, JOB)
         # the Volcano Job `torchx run -s kubernetes` would submit: its name (the launch's app
         # id) names the pods, its restart and lifecycle policies decide what happens to a pod
         # that ends
@@ -409,16 +417,7 @@ def test_a_stopped_job_and_a_failed_one_end_their_volcano_jobs_and_release_their
                     training={"epochs": EPOCHS},
                     runtime={**RUNTIME, **runtime},
                 )
-                app = train(
-                    spec=str(spec),
-                    image="rehearsal",
-                    etcd="etcd:2379",
-                    nnodes=2,
-                    nproc_per_node=1,
-                    job_id=job_id,
-                    gpu=1 if runtime else -1,
-                    etcd_client_secrets="",
-                )
+                app = _app(spec, job_id, gpu=1 if runtime else -1)
                 dry_run = rehearsal.volcano_job(app)
                 pods = rehearsal.role_pods(cluster, app, dry_run["metadata"]["name"])
                 volcano = rehearsal.VolcanoJob(cluster, dry_run, pods)
