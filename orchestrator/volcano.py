@@ -23,7 +23,7 @@ restarts Volcano makes and fails the job past it, and the controller keeps its o
 unclean restarts in the store (`cli.cmd_controller`), so a crash loop ends with its reason
 recorded even where Volcano counts differently.
 
-`VolcanoKubernetesScheduler` is torchx's scheduler plus three things: it writes each task's
+`VolcanoKubernetesScheduler` is torchx's scheduler plus two things: it writes each task's
 declared policies and `maxRetry`, and `describe` adds the controller pod's termination message
 (the job's last words) to `torchx status`. It is registered as torchx's `kubernetes` scheduler
 (torchx_plugins/schedulers/pipetransformer_kubernetes.py: a plugin wins a name clash), so
