@@ -749,6 +749,10 @@ class Controller:
                 )
             self.etcd.delete(key)
         for key, value in self.etcd.get_prefix(keys.refusals(self.job_id)):
+            if self.progress.outcome:
+                # the job is ending: a refusal left untaken keeps its pod waiting (roles.py)
+                # rather than failing once more, which would spend Volcano's maxRetry first
+                break
             try:
                 refused = TrainerRefused.model_validate_json(value)
             except ValueError:

@@ -20,6 +20,9 @@ from orchestrator.errors import UsageError
 from orchestrator.launch import torchrun_command, with_job_secret, worker_env
 from orchestrator.procs import call_forwarding_signals
 
+# how long a refusing trainer waits for the controller to count its refusal before it exits
+REFUSAL_ACK_TIMEOUT = 30.0
+
 
 class TrainerPods:
     """The trainer pods of a job, as the controller role sees them through etcd (a `Workers`):
@@ -90,7 +93,14 @@ def serve_node(
         # controller hears it (it fails the job once refusals spend its restart budget)
         host, pid = socket.gethostname(), os.getpid()
         refused = TrainerRefused(reason=problem, host=host, pid=pid)
-        client.put(keys.refusal(job_id, host, pid), refused.model_dump_json())
+        key = keys.refusal(job_id, host, pid)
+        client.put(key, refused.model_dump_json())
+        # exit once the controller has counted it (it takes the key): each pod failure Volcano
+        # counts against maxRetry is then one the controller counted first, so the controller
+        # ends the job with the reason before Volcano's own retry limit can end it without one
+        counted = time.monotonic() + min(join_timeout, REFUSAL_ACK_TIMEOUT)
+        while client.get(key) is not None and time.monotonic() < counted:
+            time.sleep(0.2)
         raise UsageError(problem)
     env = with_job_secret(worker_env(1), workdir, job_id)  # a node joining a local job
     server, name = None, None
