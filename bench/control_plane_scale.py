@@ -3,7 +3,7 @@ real controller, for N in --sizes (default 8, 16, 64, 256).
 
     .venv/bin/python bench/control_plane_scale.py [--sizes 8,16,64,256] [--seconds 20]
         [--hosts 4] [--step-hz 2] [--metrics-from replica|loss-owner] [--store sqlite|postgresql]
-        [--no-fsync] [--join-timeout 240] [--heartbeat-s 1]
+        [--no-fsync] [--join-timeout 240] [--heartbeat-s 1] [--no-rejoin]
 
 What runs, per size (a fresh embedded etcd, store and controller each time):
 
@@ -16,7 +16,7 @@ What runs, per size (a fresh embedded etcd, store and controller each time):
   is ~300 MB and seconds of CPU to start), but the control plane only sees their etcd traffic,
   and that is made by the project's own code:
     agent:  `orchestrator.rendezvous.create_etcd3_handler` with the project's torchrun settings
-            (`orchestrator.launch`: min = max = N nodes, 1 s heartbeats, 3 missed); its
+            (`orchestrator.launch`: N-1:N nodes, 1 s heartbeats, 3 missed); its
             `next_rendezvous()` and torchrun's own worker-rank assignment through the
             rendezvous store (`SimpleElasticAgent._assign_worker_ranks`); then, as torchrun's
             monitor loop does every `--monitor-interval` (0.2 s), `num_nodes_waiting()`; and the
@@ -34,11 +34,23 @@ Measured per size:
     rendezvous_s          first participant calling next_rendezvous() -> the last one back
                           (all in the same round, world N); ranks_assigned_s adds torchrun's
                           rank assignment; join_answer_s: JoinRequest -> Assignment (controller);
-                          rdzv_progress: [s, participants, waiting] read from the state in etcd
-                          while it ran; rendezvous_etcd_txns / _mb_in: what it cost etcd
+                          rdzv_progress: [s, participants, waiting] read from etcd while it ran;
+                          rendezvous_etcd_requests (_per_agent), _txns, _mb_in / _mb_out: what
+                          it cost etcd; rendezvous_backend: the agents' backends' own counts
+                          (requests, bytes, lease refreshes, state writes and the changes
+                          they carried: orchestrator.rendezvous, "Scale")
+    rerendezvous_s        after the steady window the last rank's agent is lost (its
+                          heartbeats stop, as when its node dies) and the N-1 others call
+                          next_rendezvous() at once, as torchrun does when their workers fail:
+                          the loss -> the last survivor back in a new round of N-1 (this
+                          includes noticing the loss: heartbeat interval x missed); the same
+                          rerendezvous_* figures as the rendezvous's
     etcd_requests_per_s   gRPC requests etcd started (its /metrics, grpc_server_started_total)
                           per second over the steady window (--seconds, after --warmup), by
-                          method; etcd_writes_per_s: raft proposals committed per second
+                          method; etcd_writes_per_s: raft proposals committed per second;
+                          etcd_requests_per_agent_s: per participant (agent + worker), which
+                          must stay flat as N grows; steady_backend_requests_per_agent_s: the
+                          rendezvous backend's share (heartbeats, monitor reads)
     store_rows_per_s      rows the controller inserted/updated/deleted per second (SQLAlchemy
                           cursor row counts), with statements and commits per second
     drain_ms              how long one `Controller.drain()` takes (p50/p95/max) and report_age_s,
@@ -56,8 +68,9 @@ Every wait is bounded; a size that fails records where and why, and the run goes
 whose rendezvous fails (`--join-timeout`) is still measured in steady state with ranks handed
 out by the benchmark (`failed_phase: "rendezvous"`; no torchrun heartbeats or monitor polls
 then, so its etcd figures lack the agents' share), so the controller's side at that size is
-known too. `--heartbeat-s 5` runs the rendezvous with torch's default heartbeat instead of the
-project's 1 s (orchestrator/launch.py). Progress lines while it runs; the last line is one
+known too. The rendezvous heartbeat is the project's for N nodes (orchestrator/launch.py: 1 s
+up to 64 nodes, torch's 5 s beyond); `--heartbeat-s S` sets it for every size; `--no-rejoin` skips the re-rendezvous (and runs the
+rendezvous with min = max = N nodes). Progress lines while it runs; the last line is one
 JSON object (`breaks_first` and a sentence saying what broke first); the plot is
 bench/out/control_plane_scale.png (figures vs participants, log x, and the rendezvous's
 progress over time), the JSON also bench/out/control_plane_scale.json.
@@ -65,8 +78,9 @@ progress over time), the JSON also bench/out/control_plane_scale.json.
 How to read it: everything shares 2 slow cores with etcd itself (and with other work), so the
 absolute rates are what this machine sustains, not etcd's ceiling; `cpu_cores` and `achieved`
 say whether the simulators, the controller or etcd ran out first. The load per participant is
-fixed, so requests/s should grow linearly with N; the rendezvous state is one pickled blob of
-O(N) bytes rewritten by compare-and-swap on every join and heartbeat, so its cost grows ~N^2.
+fixed, so requests/s should grow linearly with N (per agent: flat). The rendezvous state is one
+pickled blob of O(N) bytes; heartbeats are leases and joins are combined into few writes of it
+(orchestrator/rendezvous.py, "Scale"), but every node still reads it whole after each change.
 """
 
 from __future__ import annotations
@@ -127,8 +141,13 @@ def run(conf: Config, png: Path | None = None) -> dict[str, Any]:
         "sizes": [r["participants"] for r in rows],
         "ok": col("ok"),
         "rendezvous_s": col("rendezvous_s"),
+        "rerendezvous_s": col("rerendezvous_s"),
+        "rendezvous_etcd_requests_per_agent": col("rendezvous_etcd_requests_per_agent"),
+        "rerendezvous_etcd_requests_per_agent": col("rerendezvous_etcd_requests_per_agent"),
         "join_answer_s": col("join_answer_s"),
         "etcd_requests_per_s": col("etcd_requests_per_s"),
+        "etcd_requests_per_agent_s": col("etcd_requests_per_agent_s"),
+        "steady_backend_requests_per_agent_s": col("steady_backend_requests_per_agent_s"),
         "etcd_writes_per_s": col("etcd_writes_per_s"),
         "store_rows_per_s": col("store_rows_per_s"),
         "drain_ms_p95": col("drain_ms", "p95"),
@@ -167,7 +186,16 @@ def main() -> None:
         "--heartbeat-s",
         type=int,
         default=Config.heartbeat_s,
-        help="rendezvous keep_alive_interval (torch's default is 5)",
+        help="rendezvous keep_alive_interval (default: the project's for N, orchestrator.launch)",
+    )
+    parser.add_argument(
+        "--no-rejoin",
+        action="store_true",
+        help="no re-rendezvous after one agent is lost (and min = max = N nodes)",
+    )
+    parser.add_argument("--rejoin-timeout", type=int, default=Config.rejoin_timeout)
+    parser.add_argument(
+        "--tag", default="", help="bench/out/control_plane_scale-TAG.json/.png (default: none)"
     )
     parser.add_argument(
         "--no-steady-without-rendezvous",
@@ -191,9 +219,12 @@ def main() -> None:
         store=args.store,
         heartbeat_s=args.heartbeat_s,
         steady_without_rendezvous=not args.no_steady_without_rendezvous,
+        rejoin=not args.no_rejoin,
+        rejoin_timeout=args.rejoin_timeout,
     )
-    result = run(conf, out_dir() / "control_plane_scale.png")
-    emit(result, save_as="control_plane_scale.json")
+    name = "control_plane_scale" + (f"-{args.tag}" if args.tag else "")
+    result = run(conf, out_dir() / f"{name}.png")
+    emit(result, save_as=f"{name}.json")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,25 @@ LAST_CALL_S = 2
 # A lost node leaves the rendezvous once it missed this many heartbeats of this interval (torch's
 # default, 5 s x 3, kept the survivors of a node loss waiting 15 s for it).
 HEARTBEAT_S, HEARTBEATS_MISSED = 1, 3
+# ... up to this many nodes. Beyond, torch's 5 s: with N nodes, the chance that some node misses
+# three 1 s heartbeats (a long GC pause, a host busy loading data, a slow etcd) grows with N, and
+# every such miss re-forms the whole job; at cluster size a false loss costs far more than
+# noticing a real one 12 s later. Measured in bench/control_plane_scale.py (k8s/README.md).
+FAST_HEARTBEAT_MAX_NODES = 64
+LARGE_JOB_HEARTBEAT_S = 5
+
+
+def heartbeat_s(max_nodes: int) -> int:
+    """The rendezvous keep-alive interval for a job of at most `max_nodes` torchrun agents."""
+    return HEARTBEAT_S if max_nodes <= FAST_HEARTBEAT_MAX_NODES else LARGE_JOB_HEARTBEAT_S
+
+
+def max_nodes(nnodes: str) -> int:
+    """MAX of torchrun's `--nnodes` (N or MIN:MAX)."""
+    try:
+        return int(str(nnodes).split(":")[-1])
+    except ValueError:
+        raise ValueError(f"nnodes must be N or MIN:MAX, got {nnodes!r}") from None
 
 
 def torchrun_command(
@@ -52,7 +71,7 @@ def torchrun_command(
         "--rdzv-id",
         rdzv_id,
         "--rdzv-conf",
-        f"last_call_timeout={LAST_CALL_S},keep_alive_interval={HEARTBEAT_S},"
+        f"last_call_timeout={LAST_CALL_S},keep_alive_interval={heartbeat_s(max_nodes(nnodes))},"
         f"keep_alive_max_attempt={HEARTBEATS_MISSED},job={job_id}",
         "--max-restarts",
         str(max_restarts),

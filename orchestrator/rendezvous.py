@@ -52,6 +52,47 @@ Re-rendezvous fixes
     (it caches it on nodes that are not rank 0, which would point the survivors of a lost
     rank-0 node at the dead node's store when sharing is on).
 
+Scale (why the state is not simply compare-and-swapped by every node)
+    torch's handler writes the whole state (every node's descriptor and last heartbeat) for
+    each join and each heartbeat, and a writer that loses the race unpickles the winner's
+    state, runs its state machine again and writes again. At N nodes a round costs O(N^2)
+    writes of an O(N) blob: measured at 256 simulated agents, 156,059 etcd requests and 316 MB
+    written in 240 s, and at most 39 of the 256 ever in the round. Bound to its handler
+    (``bind``: torchrun's handler, built by ``create_etcd3_handler``), the backend keeps
+    torch's state machine and semantics but changes what reaches etcd:
+
+    - A heartbeat is a lease. Each node holds ``state.alive/<node>`` under a lease of
+      keep_alive_interval x keep_alive_max_attempt seconds and refreshes it over one
+      keep-alive stream; the state is never rewritten for a heartbeat. The handler sees every
+      node whose lease lives with a heartbeat that never expires (``overlay``), so torch's own
+      ``_sanitize`` removes exactly the nodes whose lease lapsed; that mark is never written
+      (``persisted``).
+    - A read is one range over the state key and the alive keys (which sort right after it)
+      asking only for what changed since the last read; a lapsed lease shows as a key
+      missing from the count, and only then is everything listed again (at most once per
+      heartbeat interval).
+    - A membership change (join, leave, complete, close) is combined. In one transaction a
+      node either takes the combiner lock (a key under its lease) or leaves its change as an
+      intent (``intent/<node>``, under its lease, signed like the state). The lock holder
+      applies its own change and up to ``MAX_BATCH`` pending intents to the current state by
+      replaying torch's own operations (``replay``: a change decided on an older state is
+      taken only where torch's operation would still take it on the newer one, so the result
+      is what the handler would have written after losing the race), writes the state once,
+      deletes the intents it applied (each compared by revision: a withdrawn one is never
+      applied behind its owner's back), and lets the lock go with the write that carries its
+      own change. A waiter polls with a back-off that grows with the queue ahead of it; its
+      intent gone means applied (or refused), and the state it then reads says which. Out of
+      time, it withdraws its intent and the handler runs its state machine again.
+    - A state is unpickled with torch's rendezvous classes only (``decode_state``).
+
+    A round of N joins is then about N/``MAX_BATCH`` state writes plus one small intent per
+    node, and a steady round costs each node one lease refresh per heartbeat interval and a
+    range read that returns nothing new. Unbound (the backend used through torch's
+    ``RendezvousBackend`` interface alone) it is the plain compare-and-swap described under
+    "Rendezvous state", so any torchrun job still works on it; both kinds of writer fence on
+    the state key's revision and can share a run. ``bench/control_plane_scale.py`` measures it
+    (results in ``bench/results/issue26-scale/``).
+
 Options (``--rdzv-conf k=v,...``), besides torch's join_timeout, last_call_timeout,
 close_timeout, heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt:
 
@@ -81,21 +122,35 @@ def _create_etcd3_handler_deferred(params: RendezvousParameters) -> RendezvousHa
 
 
 import binascii
+import collections
 import hashlib
 import hmac
+import io
+import logging
+import math
 import os
+import pickle
+import queue
 import random
 import socket
+import threading
 import time
 from base64 import b64decode, b64encode
-from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import quote, unquote
 
+import grpc
 import torch.distributed as dist
+from pyetcd import utils as etcd_utils
+from pyetcd.etcdrpc import rpc_pb2 as pb
 from torch.distributed import Store
+from torch.distributed.elastic.events import NodeState
+from torch.distributed.elastic.events.handlers import get_logging_handler
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -104,23 +159,42 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
+    RendezvousSettings,
     RendezvousTimeout,
     Token,
+    _Action,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _remove_participant_epilogue,
+    _RendezvousCloseOp,
+    _RendezvousContext,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+    _RendezvousState,
 )
 
 from core import keys
-from core.etcd_client import EtcdClient, EtcdConfigError, EtcdError
+from core.etcd_client import EtcdClient, EtcdConfigError, EtcdError, Lease, LeaseExpired
 from core.protocol import RendezvousRefused
 
 __all__ = [
+    "ALIVE",
     "BACKEND_NAME",
     "EtcdRendezvousBackend",
     "EtcdStore",
+    "alive_prefix",
     "create_backend",
     "create_etcd3_handler",
+    "decode_state",
     "delete_rendezvous",
+    "encode_state",
     "handler_factory",
     "load_secret",
+    "overlay",
+    "persisted",
+    "read_rendezvous",
+    "replay",
     "sign_state",
     "state_key",
     "store_prefix",
@@ -140,6 +214,31 @@ def state_key(run_id: str) -> str:
 def store_prefix(run_id: str) -> str:
     """etcd prefix of the c10d store keys of ``run_id``."""
     return f"{keys.rendezvous(run_id)}/store/"
+
+
+def alive_prefix(run_id: str) -> str:
+    """etcd prefix of the keys a live node holds under its lease (see "Scale"): right after
+    the state key, so that one range read returns both."""
+    return f"{state_key(run_id)}.alive/"
+
+
+def read_rendezvous(
+    client: EtcdClient, run_id: str, secret: bytes | None = None
+) -> tuple[_RendezvousState | None, set[_NodeDesc], int]:
+    """What a monitor sees of a rendezvous (the benchmark; read-only, O(nodes) a call): its
+    stored state (verified, unpickled with torch's classes only), the nodes whose lease is
+    alive, and the stored state's size in bytes."""
+    value = client.get(state_key(run_id))
+    state = None
+    if value is not None:
+        state = decode_state(verify_state(secret, state_key(run_id), value))
+    alive = set()
+    prefix = alive_prefix(run_id)
+    for key, _ in client.get_prefix(prefix):
+        node = parse_node_id(key[len(prefix) :])
+        if node is not None:
+            alive.add(node)
+    return state, alive, 0 if value is None else len(value) * 3 // 4
 
 
 def delete_rendezvous(client: EtcdClient, run_id: str) -> int:
@@ -229,11 +328,398 @@ def verify_state(secret: bytes | None, key: str, value: str) -> bytes:
     return state
 
 
+# -- merging: torch's own state machine, replayed on the current state -----------------------
+
+_TORCH_RDZV = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+# everything a pickled `_RendezvousState` refers to; anything else is not one
+_STATE_CLASSES: dict[tuple[str, str], type] = {
+    (_TORCH_RDZV, "_RendezvousState"): _RendezvousState,
+    (_TORCH_RDZV, "_NodeDesc"): _NodeDesc,
+    ("datetime", "datetime"): datetime,
+    ("datetime", "timezone"): timezone,
+    ("datetime", "timedelta"): timedelta,
+}
+
+# What the backend hands the handler as the last heartbeat of a node whose lease is alive: it
+# never expires in torch's `_sanitize`, and is never written back to etcd (`persisted`).
+ALIVE = datetime.max.replace(tzinfo=UTC)
+
+# The handler's actions that change who is in the round: they go through intents and combining.
+_JOIN_ACTIONS = frozenset(
+    {
+        _Action.ADD_TO_PARTICIPANTS,
+        _Action.ADD_TO_WAIT_LIST,
+        _Action.ADD_TO_REDUNDANCY_LIST,
+        _Action.REMOVE_FROM_REDUNDANCY_LIST,
+        _Action.MARK_RENDEZVOUS_COMPLETE,
+    }
+)
+MEMBERSHIP_ACTIONS = _JOIN_ACTIONS | {
+    _Action.REMOVE_FROM_PARTICIPANTS,
+    _Action.REMOVE_FROM_WAIT_LIST,
+    _Action.MARK_RENDEZVOUS_CLOSED,
+}
+_APPLY: dict[_Action, Callable[[_DistributedRendezvousOpExecutor], None]] = {
+    _Action.ADD_TO_PARTICIPANTS: _DistributedRendezvousOpExecutor._add_to_participants,
+    _Action.ADD_TO_WAIT_LIST: _DistributedRendezvousOpExecutor._add_to_wait_list,
+    _Action.ADD_TO_REDUNDANCY_LIST: _DistributedRendezvousOpExecutor._add_to_redundancy_list,
+    _Action.REMOVE_FROM_PARTICIPANTS: _DistributedRendezvousOpExecutor._remove_from_participants,
+    _Action.REMOVE_FROM_WAIT_LIST: _DistributedRendezvousOpExecutor._remove_from_wait_list,
+    _Action.REMOVE_FROM_REDUNDANCY_LIST: (
+        _DistributedRendezvousOpExecutor._remove_from_redundancy_list
+    ),
+    _Action.MARK_RENDEZVOUS_COMPLETE: _DistributedRendezvousOpExecutor._mark_rendezvous_complete,
+    _Action.MARK_RENDEZVOUS_CLOSED: _DistributedRendezvousOpExecutor._mark_rendezvous_closed,
+}
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _STATE_CLASSES[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not part of a rendezvous state"
+            ) from None
+
+
+def decode_state(data: bytes) -> _RendezvousState:
+    """torch's pickled rendezvous state, unpickled with nothing but its own classes allowed (the
+    backend reads states to merge them; a pickle naming anything else is refused unread)."""
+    try:
+        state = _StateUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise RendezvousStateError(f"The rendezvous state is not torch's: {exc}") from None
+    if not isinstance(state, _RendezvousState):
+        raise RendezvousStateError("The rendezvous state is not torch's.")
+    return state
+
+
+def encode_state(state: _RendezvousState) -> bytes:
+    return pickle.dumps(state)  # as torch's state holder does
+
+
+def copy_state(state: _RendezvousState) -> _RendezvousState:
+    """A copy that shares only immutable parts (node descriptors, datetimes)."""
+    new = _RendezvousState()
+    new.round, new.complete, new.deadline, new.closed = (
+        state.round,
+        state.complete,
+        state.deadline,
+        state.closed,
+    )
+    new.participants = dict(state.participants)
+    new.wait_list = set(state.wait_list)
+    new.redundancy_list = set(state.redundancy_list)
+    new.last_heartbeats = dict(state.last_heartbeats)
+    return new
+
+
+def overlay(
+    stored: _RendezvousState,
+    alive: Iterable[_NodeDesc],
+    me: _NodeDesc | None = None,
+    my_heartbeat: datetime | None = None,
+) -> _RendezvousState:
+    """The state the handler sees: the stored one, with every other node whose lease is alive
+    marked ALIVE, and this node's heartbeat its last lease refresh (the handler decides from it
+    when to send the next, which is what keeps the lease alive)."""
+    view = copy_state(stored)
+    beats = view.last_heartbeats
+    for node in alive:
+        if node in beats and node != me:
+            beats[node] = ALIVE
+    if me is not None and me in beats and my_heartbeat is not None:
+        beats[me] = my_heartbeat
+    return view
+
+
+def persisted(view: _RendezvousState, stored: _RendezvousState | None) -> _RendezvousState:
+    """What is written back: `view` with each ALIVE mark replaced by the stored heartbeat (a
+    lease says a node is alive only while it lasts; written down it would never expire)."""
+    new = copy_state(view)
+    old = stored.last_heartbeats if stored is not None else {}
+    now = datetime.now(UTC)
+    for node, beat in new.last_heartbeats.items():
+        if beat == ALIVE:
+            new.last_heartbeats[node] = old.get(node, now)
+    return new
+
+
+def sanitize(state: _RendezvousState, settings: RendezvousSettings) -> list[_NodeDesc]:
+    """torch's own removal of nodes whose heartbeat expired (what the handler does after every
+    sync); returns the nodes removed."""
+    holder = _BackendRendezvousStateHolder(_NO_BACKEND, settings)
+    holder._state = state
+    holder._sanitize()
+    return list(holder._dead_nodes)
+
+
+def _quiet(*_args: Any, **_kwargs: Any) -> None:
+    pass
+
+
+def action_valid(
+    state: _RendezvousState, node: _NodeDesc, action: _Action, settings: RendezvousSettings
+) -> bool:
+    """Whether `node`'s handler, had it read `state`, would have taken `action`: torch's own
+    operations decide (with no deadline passed). A change decided on an older state is applied
+    to a newer one only then, so the result is what the handler would have written after
+    losing the race and running its state machine again."""
+    ctx = _RendezvousContext(node, state, settings)
+    try:
+        if action in _JOIN_ACTIONS:
+            return _RendezvousJoinOp()(ctx, math.inf) == action
+        if action is _Action.REMOVE_FROM_PARTICIPANTS:  # the exit op, or a join rolled back
+            return _RendezvousExitOp()(ctx, math.inf) == action
+        if action is _Action.REMOVE_FROM_WAIT_LIST:  # only a join rolled back
+            return node in state.wait_list
+        if action is _Action.MARK_RENDEZVOUS_CLOSED:
+            return _RendezvousCloseOp()(ctx, math.inf) == action
+    except RendezvousError:  # closed, or a graceful exit: the handler raises, it writes nothing
+        return False
+    return False
+
+
+def apply_action(
+    state: _RendezvousState, node: _NodeDesc, action: _Action, settings: RendezvousSettings
+) -> None:
+    """`action` of `node` applied to `state` by torch's own executor code."""
+    executor = _DistributedRendezvousOpExecutor(node, _NO_HOLDER, settings)
+    executor._state = state
+    # torch names the caller of every event with inspect.stack(), even when events are
+    # discarded: a millisecond each, per intent applied
+    executor._record = _quiet  # type: ignore[method-assign]
+    _APPLY[action](executor)
+
+
+# torch's join operation takes these only for a node that is not a participant in its view
+_ADDS = frozenset(
+    {_Action.ADD_TO_PARTICIPANTS, _Action.ADD_TO_WAIT_LIST, _Action.ADD_TO_REDUNDANCY_LIST}
+)
+
+
+def forget(state: _RendezvousState, node: _NodeDesc, settings: RendezvousSettings) -> None:
+    """Remove `node` as torch's expiry does (`_sanitize`, with its epilogue)."""
+    state.last_heartbeats.pop(node, None)
+    state.wait_list.discard(node)
+    state.redundancy_list.discard(node)
+    if state.participants.pop(node, None) is not None:
+        _remove_participant_epilogue(state, settings)
+
+
+def replay(
+    state: _RendezvousState,
+    changes: Sequence[tuple[_NodeDesc, _Action]],
+    settings: RendezvousSettings,
+) -> list[bool]:
+    """Apply each (node, action) in order to `state` (changed in place) where it is still valid
+    (`action_valid`), after torch's expiry of dead nodes; which ones were applied.
+
+    A node that asks to join while the state still has it as a participant expired itself in
+    its own view (its heartbeats were late): torch's handler would write that removal with its
+    join, so it is applied first here too (otherwise it stays in a round it has left)."""
+    sanitize(state, settings)
+    applied = []
+    for node, action in changes:
+        if action in _ADDS and node in state.participants:
+            forget(state, node, settings)
+        ok = action in MEMBERSHIP_ACTIONS and action_valid(state, node, action, settings)
+        if ok:
+            apply_action(state, node, action, settings)
+        applied.append(ok)
+    return applied
+
+
+def action_done(state: _RendezvousState, node: _NodeDesc, action: _Action) -> bool:
+    """Whether `state` shows `action` of `node` done (someone else applied a node's intent:
+    the handler only logs this answer, its state machine reads the state itself)."""
+    if action is _Action.ADD_TO_PARTICIPANTS:
+        return node in state.participants
+    if action is _Action.REMOVE_FROM_PARTICIPANTS:
+        return node not in state.participants
+    if action is _Action.ADD_TO_WAIT_LIST:
+        return node in state.wait_list
+    if action is _Action.REMOVE_FROM_WAIT_LIST:
+        return node not in state.wait_list
+    if action is _Action.ADD_TO_REDUNDANCY_LIST:
+        return node in state.redundancy_list
+    if action is _Action.REMOVE_FROM_REDUNDANCY_LIST:
+        return node not in state.redundancy_list
+    if action is _Action.MARK_RENDEZVOUS_COMPLETE:
+        return state.complete
+    if action is _Action.MARK_RENDEZVOUS_CLOSED:
+        return state.closed
+    return False
+
+
+def node_id(node: _NodeDesc) -> str:
+    """A node's name in etcd keys (its address quoted: it may hold ':' or '/')."""
+    return f"{quote(node.addr, safe='')}:{node.pid}:{node.local_id}"
+
+
+def parse_node_id(text: str) -> _NodeDesc | None:
+    addr, _, rest = text.partition(":")
+    pid, _, local_id = rest.partition(":")
+    try:
+        return _NodeDesc(unquote(addr), int(pid), int(local_id))
+    except ValueError:
+        return None
+
+
+# -- etcd transactions ----------------------------------------------------------------------
+
+
+def _b(text: str) -> bytes:
+    return text.encode()
+
+
+def _rng(
+    key: str,
+    end: bytes = b"",
+    *,
+    keys_only: bool = False,
+    count_only: bool = False,
+    min_mod: int = 0,
+    max_create: int = 0,
+    limit: int = 0,
+    oldest_first: bool = False,
+) -> pb.RequestOp:
+    request = pb.RangeRequest(
+        key=_b(key),
+        range_end=end,
+        keys_only=keys_only,
+        count_only=count_only,
+        min_mod_revision=min_mod,
+        max_create_revision=max_create,
+        limit=limit,
+    )
+    if oldest_first:
+        request.sort_target = pb.RangeRequest.CREATE
+        request.sort_order = pb.RangeRequest.ASCEND
+    return pb.RequestOp(request_range=request)
+
+
+def _put(key: str, value: str, lease: int = 0) -> pb.RequestOp:
+    return pb.RequestOp(request_put=pb.PutRequest(key=_b(key), value=_b(value), lease=lease))
+
+
+def _delete(key: str) -> pb.RequestOp:
+    return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=_b(key)))
+
+
+def _nested(
+    compare: Sequence[pb.Compare],
+    success: Sequence[pb.RequestOp],
+    failure: Sequence[pb.RequestOp] = (),
+) -> pb.RequestOp:
+    return pb.RequestOp(
+        request_txn=pb.TxnRequest(compare=compare, success=success, failure=failure)
+    )
+
+
+def _mod_is(key: str, revision: int) -> pb.Compare:
+    """True while `key` was last written at `revision` (0: the key does not exist)."""
+    return pb.Compare(
+        key=_b(key), target=pb.Compare.MOD, result=pb.Compare.EQUAL, mod_revision=revision
+    )
+
+
+def _absent(key: str) -> pb.Compare:
+    return pb.Compare(
+        key=_b(key), target=pb.Compare.CREATE, result=pb.Compare.EQUAL, create_revision=0
+    )
+
+
+def _prefix_end(prefix: str) -> bytes:
+    return bytes(etcd_utils.prefix_range_end(_b(prefix)))
+
+
+_NO_BACKEND: Any = None  # torch's state holder and executor, used here only for their rules
+_NO_HOLDER: Any = None
+
+
+class _LeaseStream:
+    """One lease keep-alive stream kept open between refreshes: pyetcd opens a stream, and a
+    thread to feed it, for every refresh (a millisecond of CPU, every second on every node).
+    It lives `_LIFE_S` at most (a refresh that waits on a hung etcd waits no longer), and
+    whatever goes wrong closes it; the caller then refreshes the ordinary way."""
+
+    _LIFE_S = 30.0
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self._requests: queue.Queue[pb.LeaseKeepAliveRequest | None] | None = None
+        self._replies: Any = None
+
+    def refresh(self, lease_id: int) -> int:
+        """The lease's TTL after the refresh (0: it expired); raises what gRPC raises."""
+        if self._replies is None or self._requests is None:
+            self._open()
+        assert self._requests is not None
+        self._requests.put(pb.LeaseKeepAliveRequest(ID=lease_id))
+        try:
+            return int(next(self._replies).TTL)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        requests: queue.Queue[pb.LeaseKeepAliveRequest | None] = queue.Queue()
+        life = self._LIFE_S
+
+        def feed() -> Iterable[pb.LeaseKeepAliveRequest]:
+            # gRPC's feeding thread waits here; it ends with the stream, or when idle that long
+            while True:
+                try:
+                    item = requests.get(timeout=life)
+                except queue.Empty:
+                    return
+                if item is None:
+                    return
+                yield item
+
+        raw = self._client._client  # pyetcd: its lease stub and the client's sign-in token
+        self._replies = raw.leasestub.LeaseKeepAlive(feed(), life, metadata=raw.metadata)
+        self._requests = requests
+
+    def close(self) -> None:
+        if self._requests is not None:
+            self._requests.put(None)
+        if self._replies is not None:
+            self._replies.cancel()
+        self._requests = self._replies = None
+
+
 # -- backend --------------------------------------------------------------------------------
+
+# Intents applied by one combining transaction: etcd refuses more than --max-txn-ops (128)
+# compares or operations in one, and each intent takes a compare and a delete.
+MAX_BATCH = 100
+
+
+class _Intent:
+    """A pending membership change under ``intent/<node>``: (key, its revision, the node and
+    the action; None for a value that does not verify, which is deleted unapplied)."""
+
+    __slots__ = ("action", "key", "node", "revision")
+
+    def __init__(
+        self, key: str, revision: int, node: _NodeDesc | None, action: _Action | None
+    ) -> None:
+        self.key, self.revision, self.node, self.action = key, revision, node, action
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
-    """Rendezvous state in one etcd key, fenced by its mod revision."""
+    """Rendezvous state in one etcd key, fenced by its mod revision; bound to its handler
+    (`bind`), heartbeats become leases and membership changes are combined (see "Scale")."""
+
+    # A waiting intent's owner looks again (and may take the combine lock) after about as long
+    # as the intents ahead of it take to apply, growing while nothing moves, jittered: waiters
+    # spread out instead of polling etcd in step.
+    _POLL_FIRST = 0.02
+    _POLL_PER_INTENT = 0.0005
+    _POLL_CAP = 1.0
 
     def __init__(
         self,
@@ -251,6 +737,38 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._key = state_key(run_id)
         self._secret = secret
         self._job_id = job_id
+        # requests, bytes, heartbeats, combines ...: what this node cost etcd (the benchmark)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._lock = threading.RLock()
+        prefix = keys.rendezvous(run_id)
+        self._alive_prefix = alive_prefix(run_id)
+        self._intent_prefix = f"{prefix}/intent/"
+        self._lock_key = f"{prefix}/combiner"
+        # bound mode (`bind`): this node, its settings, the action its next write carries
+        self._me: _NodeDesc | None = None
+        self._settings: RendezvousSettings | None = None
+        self._notes: dict[int, _Action] = {}
+        # what this node last read: the stored state (-1: never read, 0: absent) ...
+        self._m_rev = -1
+        self._m_value: str | None = None
+        self._m_state: _RendezvousState | None = None
+        # ... the alive keys (key -> (node or None if it does not verify, create and mod
+        # revision)),
+        # and the store revision all of this is as of (the next read asks what changed since)
+        self._alive_keys: dict[bytes, tuple[_NodeDesc | None, int, int]] = {}
+        self._alive_version = 0
+        self._seen = 0
+        self._span_end = _prefix_end(self._alive_prefix)
+        self._relisted_at = -math.inf
+        # ... the pending intents (oldest first), and what the state handed out last was made
+        # of (stored revision, alive keys' version): unchanged, the holder keeps its own copy
+        self._intents: list[_Intent] = []
+        self._handed: tuple[int, int] | None = None
+        self._lease: Lease | None = None
+        self._lease_stream = _LeaseStream(client)
+        self._header_revision = 0
+        self._lease_at = 0.0
+        self._my_heartbeat: datetime | None = None
 
     @property
     def name(self) -> str:
@@ -260,32 +778,613 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def key(self) -> str:
         return self._key
 
+    # -- binding ----------------------------------------------------------------------------
+
+    def bind(self, node: _NodeDesc, settings: RendezvousSettings) -> None:
+        """Serve the handler of `node` (and only it): from now on heartbeats refresh the node's
+        lease and the actions `note`d before a write are combined (see "Scale")."""
+        with self._lock:
+            self._me, self._settings = node, settings
+            self._my_alive = self._alive_prefix + node_id(node)
+            self._my_intent = self._intent_prefix + node_id(node)
+            window = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+            # a node is dead once it missed keep_alive_max_attempt heartbeats, as in torch
+            self._ttl = max(1, math.ceil(window))
+            self._refresh_s = settings.keep_alive_interval.total_seconds()
+            self._budget = max(10.0, 3.0 * self._ttl)
+
+    @property
+    def bound(self) -> bool:
+        return self._me is not None
+
+    def note(self, action: _Action) -> None:
+        """The action the calling thread's next `set_state` carries (`_NotingExecutor`)."""
+        self._notes[threading.get_ident()] = action
+
+    # -- the RendezvousBackend interface ---------------------------------------------------------
+
     def get_state(self) -> tuple[bytes, Token] | None:
-        """Current state and its token (mod revision), or None if there is none."""
-        value, revision = self._etcd(self._client.get_with_revision, self._key)
-        if value is None:
-            return None
-        return self._decode(value), revision
+        """Current state and its token (the state key's mod revision), or None if there is none."""
+        if self._me is None:
+            with self._lock:
+                self.stats["get_state"] += 1
+                return self._get_plain()
+        state, token = self.read()
+        return None if state is None else (encode_state(state), token)
 
     def set_state(
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        """Write ``state`` if ``token`` is still current (None: only if no state exists)."""
+        """Write ``state`` if ``token`` is still current (None: only if no state exists); bound,
+        as `write`."""
+        if self._me is None:
+            with self._lock:
+                self.stats["set_state"] += 1
+                return self._set_plain(state, token)
+        new, new_token, applied = self.write(decode_state(state), token)
+        return None if new is None else (encode_state(new), new_token, applied)
+
+    # -- bound: the state as objects (`_EtcdStateHolder`) ---------------------------------------
+
+    def read(self, held: _RendezvousState | None = None) -> tuple[_RendezvousState | None, Token]:
+        """The state as this node's handler sees it (`overlay`) and its token; `held` itself
+        when that is what was handed out last and nothing changed since (torch's holder would
+        unpickle and re-check the whole state every second on every node)."""
+        with self._lock:
+            self.stats["get_state"] += 1
+            self._read()
+            return self._view(held), self._m_rev
+
+    def write(
+        self, state: _RendezvousState, token: Token | None
+    ) -> tuple[_RendezvousState | None, Token, bool]:
+        """Write what the handler's noted action did to ``state``: a heartbeat refreshes the
+        node's lease (``state`` itself comes back); a membership change is applied to the
+        current state where torch's own operation would still take it there, and the state
+        after it comes back (see "Scale"); a write with no action noted is a plain
+        compare-and-swap of ``state``. The flag says whether this node's change is in."""
+        with self._lock:
+            self.stats["set_state"] += 1
+            action = self._notes.pop(threading.get_ident(), None)
+            try:
+                if action is _Action.KEEP_ALIVE:
+                    return self._heartbeat(state, token)
+                if action in MEMBERSHIP_ACTIONS:
+                    return self._change(action)
+                return self._write_as_is(state, token)
+            except BaseException:
+                if action is not None:  # the handler writes again after a failed sync
+                    self._notes.setdefault(threading.get_ident(), action)
+                raise
+
+    # -- unbound: one compare-and-swap of the whole state -----------------------------------
+
+    def _get_plain(self) -> tuple[bytes, Token] | None:
+        value, revision = self._etcd(self._client.get_with_revision, self._key)
+        self.stats["requests"] += 1
+        if value is None:
+            return None
+        self.stats["bytes_in"] += len(value)
+        return self._decode(value), revision
+
+    def _set_plain(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
         if token is None:
             revision = 0
         elif isinstance(token, int) and not isinstance(token, bool) and token > 0:
             revision = token
         else:
             # Not a token we ever handed out: it cannot match, report what is there.
-            current = self.get_state()
+            current = self._get_plain()
             return None if current is None else (*current, False)
-        value = _b64(state) if self._secret is None else sign_state(self._secret, self._key, state)
+        value = self._seal(self._key, state)
         applied, value, new_revision = self._etcd(
             self._client.try_put_at_revision, self._key, value, revision
         )
+        self.stats["requests"] += 1
+        self.stats["bytes_out"] += len(self._key) + len(value or "")
+        self.stats["cas_won" if applied else "cas_lost"] += 1
         if value is None:  # lost the race to a delete: no state at all
             return None
+        self.stats["bytes_in"] += len(value)
         return self._decode(value), new_revision, applied
+
+    # -- bound: reads ------------------------------------------------------------------------
+
+    def _read_op(self) -> pb.RequestOp:
+        """What a read needs, as one range (the alive keys sit right after the state key): the
+        state if it changed and the alive keys that appeared since the last read; its count is
+        the number of keys before that filter, so a lapsed lease shows as one key missing."""
+        return _rng(self._key, self._span_end, min_mod=self._seen + 1)
+
+    def _read(self) -> None:
+        # a range, not a transaction: etcd before 3.5.5 crashes when a client gives up on a
+        # read-only transaction it is still running (etcd-io/etcd#14110), and overloaded
+        # etcds are where clients give up
+        request = self._read_op().request_range
+        self._absorb(self._range("read", request), self._header_revision)
+
+    def _absorb(self, answer: pb.RangeResponse, revision: int) -> None:
+        """Take in a `_read_op` answered as of store `revision`."""
+        for kv in answer.kvs:
+            if kv.key == self._key.encode():
+                self._set_stored(kv.value.decode(), int(kv.mod_revision))
+            else:
+                self._see_alive(kv)
+        self._seen = max(self._seen, revision)
+        expected = len(self._alive_keys) + (self._m_value is not None)
+        if answer.count != expected:  # a lease lapsed (or the state was deleted)
+            self._relist()
+
+    def _relist(self) -> None:
+        """Read the state and every alive key again, at most once a heartbeat interval (every
+        node does it when one lease lapses; a death is noticed that much later at worst). Keys
+        only: an alive key already verified at the same revision is not read or checked again,
+        so a relist costs etcd and this node O(nodes) small keys, not O(nodes) signatures."""
+        now = time.monotonic()
+        if now - self._relisted_at < self._refresh_s:
+            return
+        self._relisted_at = now
+        request = _rng(self._key, self._span_end, keys_only=True).request_range
+        answer = self._range("relist", request)
+        old, alive = self._alive_keys, {}
+        stale, state_rev = [], 0
+        for kv in answer.kvs:
+            if kv.key == self._key.encode():
+                state_rev = int(kv.mod_revision)
+                continue
+            known = old.get(kv.key)
+            if known is not None and known[2] == int(kv.mod_revision):
+                alive[kv.key] = known
+            else:
+                stale.append(int(kv.mod_revision))
+        if state_rev and state_rev != self._m_rev:
+            stale.append(state_rev)
+        if stale:
+            # the values of what changed: written at or after the oldest such revision
+            request = _rng(self._key, self._span_end, min_mod=min(stale)).request_range
+            fresh = self._range("relist", request)
+            self._alive_keys = alive
+            for kv in fresh.kvs:
+                if kv.key == self._key.encode():
+                    self._set_stored(kv.value.decode(), int(kv.mod_revision))
+                else:
+                    self._see_alive(kv)
+        else:
+            self._alive_keys = alive
+        if not state_rev:
+            self._set_stored(None, 0)
+        if set(alive) != set(old) or stale:
+            self._alive_version += 1
+        self._seen = self._header_revision
+
+    def _set_stored(self, value: str | None, revision: int) -> None:
+        if revision != self._m_rev or value != self._m_value:
+            self._m_value, self._m_rev, self._m_state = value, revision, None
+
+    def _stored(self) -> _RendezvousState | None:
+        """The stored state, verified and unpickled with torch's classes only (once a revision)."""
+        if self._m_value is None:
+            return None
+        if self._m_state is None:
+            self._m_state = decode_state(self._decode(self._m_value))
+        return self._m_state
+
+    def _see_alive(self, kv: Any) -> None:
+        key = kv.key.decode()
+        node = parse_node_id(key[len(self._alive_prefix) :])
+        if node is not None:  # the value is the lease it was put under, signed with the key
+            try:
+                if int(self._open(key, kv.value.decode()), 16) != int(kv.lease):
+                    node = None
+            except (RendezvousStateError, ValueError, binascii.Error):
+                node = None
+        entry = (node, int(kv.create_revision), int(kv.mod_revision))
+        if self._alive_keys.get(kv.key) != entry:
+            self._alive_keys[kv.key] = entry
+            self._alive_version += 1
+
+    def _alive_nodes(self) -> set[_NodeDesc]:
+        return {node for node, _, _ in self._alive_keys.values() if node is not None}
+
+    def _view(self, held: _RendezvousState | None = None) -> _RendezvousState | None:
+        """The state as this node's handler sees it (`overlay`): `held` when nothing changed
+        since it was handed out, else a fresh one."""
+        stored = self._stored()
+        if stored is None:
+            return None
+        made_of = (self._m_rev, self._alive_version)
+        if held is not None and made_of == self._handed:
+            return held
+        self._handed = made_of
+        return overlay(stored, self._alive_nodes(), self._me, self._my_heartbeat)
+
+    # -- bound: heartbeats -------------------------------------------------------------------
+
+    def _heartbeat(
+        self, state: _RendezvousState, token: Token | None
+    ) -> tuple[_RendezvousState | None, Token, bool]:
+        self.stats["heartbeats"] += 1
+        self._keep_lease(force=True)
+        if token == self._m_rev and self._m_value is not None:
+            return state, token, True  # nothing newer known: the handler's own state stands
+        return self._view(), self._m_rev, True
+
+    def _keep_lease(self, force: bool = False) -> None:
+        """This node's lease (and its alive key): refreshed when `force`d or due, granted again
+        if it lapsed."""
+        now = time.monotonic()
+        if self._lease is not None and not force and now - self._lease_at < self._refresh_s:
+            return
+        if self._lease is not None:
+            self.stats["requests"] += 1
+            self.stats["lease_refreshes"] += 1
+            if self._refresh(self._lease) <= 0:  # dead to the others meanwhile; alive from now
+                self.stats["lease_lapsed"] += 1
+                self._lease = None
+        if self._lease is None:
+            self._lease = self._grant()
+        if self._lease_at:
+            gap_ms = int(1000 * (now - self._lease_at))
+            self.stats["lease_gap_max_ms"] = max(self.stats["lease_gap_max_ms"], gap_ms)
+        self._lease_at = now
+        self._my_heartbeat = datetime.now(UTC)
+
+    def _grant(self) -> Lease:
+        """A new lease and this node's alive key under it (a second time if the lease lapsed
+        before the key reached etcd: a node starved that long is behind in everything)."""
+        for attempt in (1, 2):
+            self.stats["requests"] += 2
+            self.stats["lease_grants"] += 1
+            lease = self._etcd(self._client.lease, self._ttl)
+            value = self._seal(self._my_alive, b"%x" % lease.id)
+            try:
+                self._etcd(self._client.put, self._my_alive, value, lease)
+                return lease
+            except RendezvousConnectionError as exc:
+                if attempt == 2 or "requested lease not found" not in str(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _refresh(self, lease: Lease) -> int:
+        """The lease's TTL after a refresh, 0 if it expired."""
+        try:
+            return self._lease_stream.refresh(lease.id)
+        except (grpc.RpcError, StopIteration):
+            pass  # the stream broke or aged out: once the ordinary way, with its retries
+        try:
+            return int(self._client.refresh_lease(lease.id))
+        except LeaseExpired:
+            return 0
+        except EtcdError as exc:
+            raise RendezvousConnectionError(
+                f"The connection to etcd at {self._client.endpoint} has failed: {exc}"
+            ) from exc
+
+    def _leased_txn(
+        self,
+        what: str,
+        build: Callable[[], tuple[list[pb.Compare], list[pb.RequestOp], list[pb.RequestOp]]],
+    ) -> pb.TxnResponse:
+        """A transaction that puts keys under this node's lease, again under a new lease if
+        the lease lapsed before it reached etcd (which refuses the whole transaction then)."""
+        try:
+            return self._txn(what, *build())
+        except RendezvousConnectionError as exc:
+            if "requested lease not found" not in str(exc):
+                raise
+        self.stats["lease_lapsed"] += 1
+        self._lease = None
+        self._keep_lease()
+        return self._txn(what, *build())
+
+    # -- bound: membership changes -------------------------------------------------------------
+
+    def _intents_op(self) -> pb.RequestOp:
+        end = _prefix_end(self._intent_prefix)
+        return _rng(self._intent_prefix, end, limit=MAX_BATCH, oldest_first=True)
+
+    def _take_intents(self, response: pb.ResponseOp) -> None:
+        intents = []
+        for kv in response.response_range.kvs:
+            key = kv.key.decode()
+            node = parse_node_id(key[len(self._intent_prefix) :])
+            action = None
+            try:
+                action = _Action[self._open(key, kv.value.decode()).decode()]
+            except (RendezvousStateError, ValueError, KeyError, binascii.Error):
+                node = None
+            intents.append(_Intent(key, int(kv.mod_revision), node, action))
+        self._intents = intents
+
+    def _lock_ops(self) -> list[pb.RequestOp]:
+        """Taking the combine lock: the lock itself, then what combining reads."""
+        assert self._lease is not None and self._me is not None
+        return [
+            _put(self._lock_key, node_id(self._me), self._lease.id),
+            self._read_op(),
+            self._intents_op(),
+        ]
+
+    def _lock_is_mine(self, response: pb.ResponseOp) -> bool:
+        # a retried transaction may have taken the lock on its first, unanswered attempt
+        kvs = response.response_range.kvs
+        return bool(kvs) and self._me is not None and kvs[0].value.decode() == node_id(self._me)
+
+    def _change(self, action: _Action) -> tuple[_RendezvousState | None, Token, bool]:
+        """Apply this node's membership `action`: as the combiner (holding the lock), or by
+        leaving an intent that the combiner applies; returns the state after it."""
+        assert self._me is not None and self._settings is not None
+        self.stats["changes"] += 1
+        self._keep_lease()
+        assert self._lease is not None
+        deadline = time.monotonic() + self._budget
+
+        # take the lock, or leave the intent for whoever holds it: one round trip either way
+        def first() -> tuple[list[pb.Compare], list[pb.RequestOp], list[pb.RequestOp]]:
+            assert self._lease is not None
+            intent_value = self._seal(self._my_intent, action.name.encode())
+            return (
+                [_absent(self._lock_key)],
+                self._lock_ops(),
+                [
+                    _put(self._my_intent, intent_value, self._lease.id),
+                    _rng(self._lock_key),
+                    _rng(self._intent_prefix, _prefix_end(self._intent_prefix), count_only=True),
+                ],
+            )
+
+        reply = self._leased_txn("change", first)
+        direct: _Action | None = action
+        intent = 0  # the revision of this node's pending intent (0: none)
+        holding = reply.succeeded
+        ahead = 0
+        if holding:
+            self._absorb(reply.responses[1].response_range, reply.header.revision)
+            self._take_intents(reply.responses[2])
+        else:
+            self.stats["intents"] += 1
+            direct, intent = None, int(reply.header.revision)
+            ahead = max(0, int(reply.responses[2].response_range.count) - 1)
+            if self._lock_is_mine(reply.responses[1]):
+                holding = True
+                self._reread_for_combining()
+        stalled = 0
+        while True:
+            if holding:
+                try:
+                    result = self._combine(direct, action, intent, deadline)
+                except BaseException:
+                    self._unlock_quietly()  # the others would wait out this node's lease
+                    raise
+                if result is not None:
+                    return result
+                holding = False  # the time is up: withdraw below
+            if time.monotonic() > deadline:
+                return self._withdraw(action, intent)
+            wait = (self._POLL_FIRST + ahead * self._POLL_PER_INTENT) * 1.5 ** min(stalled, 8)
+            time.sleep(min(self._POLL_CAP, wait) * random.uniform(0.75, 1.25))
+            self._keep_lease()  # still alive while waiting: the intent lives with the lease
+            self.stats["polls"] += 1
+
+            def poll() -> tuple[list[pb.Compare], list[pb.RequestOp], list[pb.RequestOp]]:
+                end = _prefix_end(self._intent_prefix)
+                return (
+                    [_mod_is(self._my_intent, intent)],
+                    [
+                        _nested(
+                            [_absent(self._lock_key)], self._lock_ops(), [_rng(self._lock_key)]
+                        ),
+                        _rng(self._intent_prefix, end, count_only=True, max_create=intent - 1),
+                    ],
+                    [self._read_op()],
+                )
+
+            reply = self._leased_txn("poll", poll)
+            if not reply.succeeded:  # the intent is gone: applied or refused by a combiner
+                self._absorb(reply.responses[0].response_range, reply.header.revision)
+                return self._result(action)
+            now_ahead = int(reply.responses[1].response_range.count)
+            stalled = stalled + 1 if now_ahead >= ahead else 0
+            ahead = now_ahead
+            inner = reply.responses[0].response_txn
+            if inner.succeeded:
+                holding = True
+                self._absorb(inner.responses[1].response_range, reply.header.revision)
+                self._take_intents(inner.responses[2])
+            elif self._lock_is_mine(inner.responses[0]):
+                holding = True
+                self._reread_for_combining()
+
+    def _reread_for_combining(self) -> None:
+        self._read()
+        answer = self._range("intents", self._intents_op().request_range)
+        self._take_intents(pb.ResponseOp(response_range=answer))
+
+    def _result(self, action: _Action) -> tuple[_RendezvousState | None, Token, bool]:
+        stored = self._stored()
+        done = stored is not None and self._me is not None and action_done(stored, self._me, action)
+        return self._view(), self._m_rev, done
+
+    def _combine(
+        self, direct: _Action | None, action: _Action, intent: int, deadline: float
+    ) -> tuple[_RendezvousState | None, Token, bool] | None:
+        """Holding the lock: apply this node's `direct` action, then the pending intents, to the
+        current state, batch after batch, until this node's own change is in; then release
+        the lock in that same write and return the state. None when the time is up."""
+        assert self._me is not None and self._settings is not None
+        while True:
+            batch = self._intents[:MAX_BATCH]
+            changes: list[tuple[_NodeDesc, _Action]] = []
+            mine: int | None = None
+            if direct is not None:
+                mine = 0
+                changes.append((self._me, direct))
+            for it in batch:
+                valid = it.node is not None and it.action is not None
+                if it.key == self._my_intent and it.revision == intent:
+                    mine = len(changes) if valid else -1
+                if it.node is not None and it.action is not None:
+                    changes.append((it.node, it.action))
+            if mine is None and len(self._intents) < MAX_BATCH:
+                # this node's intent is not pending any more (its lease lapsed meanwhile)
+                self._unlock()
+                return self._result(action)
+            stored = self._stored()
+            base = max(self._m_rev, 0)
+            view = overlay(
+                stored or _RendezvousState(), self._alive_nodes(), self._me, self._my_heartbeat
+            )
+            applied = replay(view, changes, self._settings)
+            written = persisted(view, stored)
+            value = self._seal(self._key, encode_state(written))
+            done = mine is not None
+            late = time.monotonic() > deadline
+            # what changed since the last read, then the write (the only key of the span that
+            # this transaction's revision touches: the read is as of that revision too)
+            success = [self._read_op(), _put(self._key, value)]
+            success += [_delete(it.key) for it in batch]
+            if done or late:
+                success.append(_delete(self._lock_key))
+            success.append(self._intents_op())
+            # each intent compared: one withdrawn meanwhile (or gone with its owner's lease) must
+            # not be applied behind its owner's back
+            reply = self._txn(
+                "combine",
+                [_mod_is(self._key, base), *(_mod_is(it.key, it.revision) for it in batch)],
+                success,
+                [self._read_op(), self._intents_op()],
+            )
+            if reply.succeeded:
+                self.stats["combines"] += 1
+                self.stats["combined"] += len(changes)
+                self._absorb(reply.responses[0].response_range, reply.header.revision)
+                self._set_stored(value, int(reply.header.revision))
+                self._m_state = written
+                self._take_intents(reply.responses[-1])
+                if done:
+                    # the handler's view: the state just written, as replayed (leases ALIVE)
+                    beats = view.last_heartbeats
+                    if self._me in beats and self._my_heartbeat is not None:
+                        beats[self._me] = self._my_heartbeat
+                    self._handed = (self._m_rev, self._alive_version)
+                    return view, self._m_rev, mine is not None and mine >= 0 and applied[mine]
+                if late:
+                    return None
+                continue
+            # an intent went (withdrawn, or with its owner's lease), or someone wrote around the
+            # lock (its holder's lease lapsed): read, and again
+            self.stats["combine_lost"] += 1
+            self._absorb(reply.responses[0].response_range, reply.header.revision)
+            self._take_intents(reply.responses[1])
+            if late:
+                self._unlock()
+                return None
+
+    def _unlock_quietly(self) -> None:
+        try:
+            self._unlock()
+        except RendezvousError:
+            pass
+
+    def _unlock(self) -> None:
+        assert self._me is not None
+        mine = pb.Compare(
+            key=_b(self._lock_key),
+            target=pb.Compare.VALUE,
+            result=pb.Compare.EQUAL,
+            value=_b(node_id(self._me)),
+        )
+        self._txn("unlock", [mine], [_delete(self._lock_key)])
+
+    def _withdraw(
+        self, action: _Action, intent: int
+    ) -> tuple[_RendezvousState | None, Token, bool]:
+        """Out of time: take this node's intent back unless a combiner took it first; the
+        handler then runs its state machine again on the state returned."""
+        self.stats["withdrawn"] += 1
+        reply = self._txn(
+            "withdraw",
+            [_mod_is(self._my_intent, intent)],
+            [_delete(self._my_intent), self._read_op()],
+            [self._read_op()],
+        )
+        self._absorb(reply.responses[-1].response_range, reply.header.revision)
+        state, token, done = self._result(action)
+        return state, token, done and not (reply.succeeded and intent)
+
+    def _write_as_is(
+        self, state: _RendezvousState, token: Token | None
+    ) -> tuple[_RendezvousState | None, Token, bool]:
+        """A write that no action was noted for (not expected from `_NotingExecutor`): the
+        handler's state, as a plain compare-and-swap."""
+        self.stats["writes_as_is"] += 1
+        stored = self._stored()
+        written = persisted(state, stored)
+        base = 0 if token is None else token if isinstance(token, int) and token > 0 else -1
+        value = self._seal(self._key, encode_state(written))
+        reply = self._txn(
+            "write",
+            [_mod_is(self._key, base)],
+            [self._read_op(), _put(self._key, value)],
+            [self._read_op()],
+        )
+        self._absorb(reply.responses[0].response_range, reply.header.revision)
+        if reply.succeeded:
+            self._set_stored(value, int(reply.header.revision))
+            self._m_state = written
+            self._handed = (self._m_rev, self._alive_version)
+            return state, self._m_rev, True
+        return self._view(), self._m_rev, False
+
+    # -- etcd, signing ---------------------------------------------------------------------------
+
+    def _txn(
+        self,
+        what: str,
+        compare: Sequence[pb.Compare],
+        success: Sequence[pb.RequestOp],
+        failure: Sequence[pb.RequestOp] = (),
+    ) -> pb.TxnResponse:
+        """One etcd transaction, under the client's retry policy (core/etcd_client.py offers
+        no keys-only, count-only or nested reads; this is the one place that goes below it)."""
+        request = pb.TxnRequest(compare=compare, success=success, failure=failure)
+        client = self._client
+
+        def call() -> pb.TxnResponse:
+            raw = client._client  # pyetcd; the client's sign-in keeps its token in `metadata`
+            return raw.kvstub.Txn(
+                request, client.timeout, credentials=raw.call_credentials, metadata=raw.metadata
+            )
+
+        reply = self._etcd(client._call, f"rendezvous {what}", call)
+        self.stats["requests"] += 1
+        self.stats["bytes_out"] += request.ByteSize()
+        self.stats["bytes_in"] += reply.ByteSize()
+        return reply
+
+    def _range(self, what: str, request: pb.RangeRequest) -> pb.RangeResponse:
+        """One etcd range read under the client's retry policy; `_header_revision` is the store
+        revision it was answered at."""
+        client = self._client
+
+        def call() -> pb.RangeResponse:
+            raw = client._client
+            return raw.kvstub.Range(
+                request, client.timeout, credentials=raw.call_credentials, metadata=raw.metadata
+            )
+
+        answer = self._etcd(client._call, f"rendezvous {what}", call)
+        self.stats["requests"] += 1
+        self.stats["bytes_out"] += request.ByteSize()
+        self.stats["bytes_in"] += answer.ByteSize()
+        self._header_revision = int(answer.header.revision)
+        return answer
+
+    def _seal(self, key: str, data: bytes) -> str:
+        return _b64(data) if self._secret is None else sign_state(self._secret, key, data)
+
+    def _open(self, key: str, value: str) -> bytes:
+        return verify_state(self._secret, key, value)
 
     def _etcd(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -362,8 +1461,20 @@ class EtcdStore(Store):
 
     def check(self, keys: Sequence[str]) -> bool:
         """True if every key exists now (no waiting)."""
-        values = self._etcd(self._client.get_many, [self._k(k) for k in keys])
-        return all(v is not None for v in values)
+        return all(v is not None for v in self._get_many([self._k(k) for k in keys]))
+
+    def _get_many(self, keys: Sequence[str]) -> list[str | None]:
+        # Range reads, not a transaction: etcd takes at most --max-txn-ops (128) reads in one
+        # (torchrun's rank 0 reads every agent's role at once: 1,024 keys at 1,024), and before
+        # 3.5.5 it crashes when a client gives up on a read-only one (etcd-io/etcd#14110). The
+        # keys of one call share a prefix (torchrun's role_info/0..N-1): one range reads them.
+        if len(keys) == 1:
+            return [self._etcd(self._client.get, keys[0])]
+        common = os.path.commonprefix(list(keys))
+        if not common.startswith(self._prefix):  # not expected; read them one by one
+            return [self._etcd(self._client.get, key) for key in keys]
+        found = dict(self._etcd(self._client.get_prefix, common))
+        return [found.get(key) for key in keys]
 
     def num_keys(self) -> int:
         return int(self._etcd(self._client.count_prefix, self._prefix))
@@ -440,9 +1551,9 @@ class EtcdStore(Store):
         full = [self._k(k) for k in keys]
         delay = self._POLL_MIN
         while True:
-            values = self._etcd(self._client.get_many, full)
+            values = self._get_many(full)
             if all(v is not None for v in values):
-                return values
+                return [v for v in values if v is not None]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = [k for k, v in zip(keys, values, strict=True) if v is None]
@@ -457,12 +1568,129 @@ class EtcdStore(Store):
 # -- handler --------------------------------------------------------------------------------
 
 
-class _EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """``DynamicRendezvousHandler`` that rebuilds MASTER_ADDR/PORT every round.
+def _events_discarded() -> bool:
+    """torch records a rendezvous event per action and sync, and names its caller with
+    inspect.stack() (about a millisecond) before looking whether anyone listens; nobody does
+    unless a 'dynamic_rendezvous' logging handler was configured."""
+    return isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler)
 
-    See "Re-rendezvous fix" in the module docstring; touches two private members of torch's
-    handler, both present since the TCPStore-sharing change (torch 2.4) through 2.13.
+
+class _NotingExecutor(_DistributedRendezvousOpExecutor):
+    """torch's executor, telling the backend which action its next write carries (see "Scale");
+    an action's inner steps (a join's keep-alive, a join that completes the round) are part of
+    it, not actions of their own."""
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        state_holder: Any,
+        settings: RendezvousSettings,
+        backend: EtcdRendezvousBackend,
+    ) -> None:
+        super().__init__(node, state_holder, settings)
+        self._backend = backend
+        self._local = threading.local()
+
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        if not _events_discarded():
+            super()._record(message, node_state)
+
+    def _act(
+        self, action: _Action, step: Callable[[_DistributedRendezvousOpExecutor], None]
+    ) -> None:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            self._backend.note(action)
+        self._local.depth = depth + 1
+        try:
+            step(self)
+        finally:
+            self._local.depth = depth
+
+    def _keep_alive(self) -> None:
+        self._act(_Action.KEEP_ALIVE, _DistributedRendezvousOpExecutor._keep_alive)
+
+    def _add_to_participants(self) -> None:
+        self._act(_Action.ADD_TO_PARTICIPANTS, _APPLY[_Action.ADD_TO_PARTICIPANTS])
+
+    def _add_to_wait_list(self) -> None:
+        self._act(_Action.ADD_TO_WAIT_LIST, _APPLY[_Action.ADD_TO_WAIT_LIST])
+
+    def _add_to_redundancy_list(self) -> None:
+        self._act(_Action.ADD_TO_REDUNDANCY_LIST, _APPLY[_Action.ADD_TO_REDUNDANCY_LIST])
+
+    def _remove_from_participants(self) -> None:
+        self._act(_Action.REMOVE_FROM_PARTICIPANTS, _APPLY[_Action.REMOVE_FROM_PARTICIPANTS])
+
+    def _remove_from_wait_list(self) -> None:
+        self._act(_Action.REMOVE_FROM_WAIT_LIST, _APPLY[_Action.REMOVE_FROM_WAIT_LIST])
+
+    def _remove_from_redundancy_list(self) -> None:
+        action = _Action.REMOVE_FROM_REDUNDANCY_LIST
+        self._act(action, _APPLY[action])
+
+    def _mark_rendezvous_complete(self) -> None:
+        self._act(_Action.MARK_RENDEZVOUS_COMPLETE, _APPLY[_Action.MARK_RENDEZVOUS_COMPLETE])
+
+    def _mark_rendezvous_closed(self) -> None:
+        self._act(_Action.MARK_RENDEZVOUS_CLOSED, _APPLY[_Action.MARK_RENDEZVOUS_CLOSED])
+
+
+class _EtcdStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder over a bound `EtcdRendezvousBackend`, the state passed as objects:
+    an unchanged state is not reloaded and a heartbeat is not pickled (torch's holder pickles,
+    unpickles and re-checks the whole O(nodes) state for each, every second on every node;
+    simulating 1,024 of them on two cores spent most of its time there). Otherwise it is
+    torch's `sync`: the same cache window, the same sanitizing, the same answers."""
+
+    _backend: EtcdRendezvousBackend
+
+    def sync(self) -> bool | None:
+        has_set: bool | None
+        if self._dirty:
+            state, token, has_set = self._backend.write(self._state, self._token)
+        else:
+            if self._cache_duration > 0 and self._last_sync_time >= max(
+                time.monotonic() - self._cache_duration, 0
+            ):
+                return None
+            state, token = self._backend.read(self._state)
+            has_set = None
+        self._state = state if state is not None else _RendezvousState()
+        self._token = token
+        self._dirty = False
+        self._last_sync_time = time.monotonic()
+        self._sanitize()
+        return has_set
+
+
+class _EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """``DynamicRendezvousHandler`` that rebuilds MASTER_ADDR/PORT every round, and binds its
+    etcd backend to itself (see "Re-rendezvous fixes" and "Scale" in the module docstring);
+    touches private members of torch's handler, present from torch 2.4 through 2.13.
     """
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        backend_name: str,
+        store: Store,
+        state_holder: Any,
+    ) -> None:
+        backend = getattr(state_holder, "_backend", None)
+        if isinstance(backend, EtcdRendezvousBackend):
+            backend.bind(node, settings)
+            state_holder = _EtcdStateHolder(backend, settings)
+        super().__init__(node, settings, backend_name, store, state_holder)
+        if isinstance(backend, EtcdRendezvousBackend):
+            self._op_executor = _NotingExecutor(node, state_holder, settings, backend)
+
+    def _record(
+        self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None
+    ) -> None:
+        if not _events_discarded():
+            super()._record(message, node_state, rank)
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._bootstrap_store_info = None

@@ -405,3 +405,247 @@ def test_two_torchrun_agents_rendezvous_through_etcd(
     # The rendezvous really went through etcd: its state (signed) and store keys are there.
     assert verify_state(SECRET, state_key(rid), etcd.get(state_key(rid)))
     assert etcd.count_prefix(store_prefix(rid)) > 0
+
+
+# -- scale: merging, leases, combining (orchestrator/rendezvous.py, "Scale") ----------------
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
+    RendezvousSettings,
+    RendezvousTimeout,
+    _Action,
+    _NodeDesc,
+    _RendezvousState,
+)
+
+from orchestrator.rendezvous import (  # noqa: E402
+    ALIVE,
+    MEMBERSHIP_ACTIONS,
+    action_valid,
+    alive_prefix,
+    decode_state,
+    encode_state,
+    overlay,
+    persisted,
+    read_rendezvous,
+    replay,
+    sanitize,
+)
+
+A = _Action
+
+
+def settings(min_nodes: int = 2, max_nodes: int = 3) -> RendezvousSettings:
+    return RendezvousSettings(
+        "run", min_nodes, max_nodes, RendezvousTimeout(), timedelta(seconds=1), 3
+    )
+
+
+def node(i: int) -> _NodeDesc:
+    return _NodeDesc("10.0.0.1", 100 + i // 10, i)
+
+
+def test_a_state_is_unpickled_with_torchs_classes_only(tmp_path: Path) -> None:
+    import pickle
+
+    state = _RendezvousState()
+    state.participants = {node(1): 0, node(2): 1}
+    back = decode_state(encode_state(state))
+    assert back.participants == state.participants and isinstance(back, _RendezvousState)
+    marker = tmp_path / "pwned"
+    for bad in (pickle.dumps(_Payload(marker)), pickle.dumps({"a": 1}), b"not a pickle"):
+        with pytest.raises(RendezvousStateError):
+            decode_state(bad)
+    assert not marker.exists()
+
+
+def test_the_view_marks_live_leases_alive_and_only_they_survive_torchs_expiry() -> None:
+    from datetime import UTC, datetime
+
+    old = datetime.now(UTC) - timedelta(minutes=5)  # stored long ago: heartbeats are leases now
+    stored = _RendezvousState()
+    for i in (1, 2, 3):
+        stored.participants[node(i)] = 0
+        stored.last_heartbeats[node(i)] = old
+    mine = datetime.now(UTC)
+    view = overlay(stored, alive={node(1), node(2), node(9)}, me=node(1), my_heartbeat=mine)
+    # this node's own heartbeat is real (the handler times its keep-alives by it); others ALIVE
+    assert view.last_heartbeats == {node(1): mine, node(2): ALIVE, node(3): old}
+    assert node(9) not in view.last_heartbeats  # a lease alone does not make a participant
+    assert stored.last_heartbeats[node(2)] == old  # the stored state is left as it was
+    assert sanitize(view, settings()) == [node(3)]  # torch's own expiry: the lapsed lease only
+    assert set(view.participants) == {node(1), node(2)}
+    # nothing ALIVE is ever written back: it would never expire once the lease lapses
+    written = persisted(view, stored)
+    assert ALIVE not in written.last_heartbeats.values()
+    assert written.last_heartbeats[node(2)] == old and written.last_heartbeats[node(1)] == mine
+
+
+def test_replayed_joins_fill_the_round_complete_it_and_are_refused_after() -> None:
+    s = settings(min_nodes=2, max_nodes=3)
+    state = _RendezvousState()
+    changes = [(node(i), A.ADD_TO_PARTICIPANTS) for i in (5, 1, 3, 4)] + [
+        (node(4), A.ADD_TO_WAIT_LIST),  # torch: a full round makes the 4th redundant ...
+        (node(4), A.ADD_TO_REDUNDANCY_LIST),  # ... not a waiter
+        (node(3), A.MARK_RENDEZVOUS_COMPLETE),  # decided before the round filled: done already
+    ]
+    assert replay(state, changes, s) == [True, True, True, False, False, True, False]
+    # complete at max_nodes with torch's ranks (sorted nodes); the 4th is redundant
+    assert state.complete and state.deadline is None
+    assert state.participants == {node(1): 0, node(3): 1, node(5): 2}
+    assert state.redundancy_list == {node(4)} and not state.wait_list
+
+
+def test_replay_takes_an_action_only_where_torchs_operation_would() -> None:
+    s = settings(min_nodes=1, max_nodes=2)
+    state = _RendezvousState()
+    replay(state, [(node(1), A.ADD_TO_PARTICIPANTS), (node(2), A.ADD_TO_PARTICIPANTS)], s)
+    assert state.complete and state.round == 0
+    # a stale join or completion decided on an older state is refused on the complete round
+    assert not action_valid(state, node(3), A.ADD_TO_PARTICIPANTS, s)
+    assert not action_valid(state, node(1), A.MARK_RENDEZVOUS_COMPLETE, s)
+    assert action_valid(state, node(3), A.ADD_TO_REDUNDANCY_LIST, s)  # full: redundant
+    # leaving: each participant removes itself; the last one out opens the next round
+    assert replay(state, [(node(1), A.REMOVE_FROM_PARTICIPANTS)], s) == [True]
+    assert state.complete and state.round == 0  # a complete round is not reopened by one exit
+    assert replay(state, [(node(1), A.REMOVE_FROM_PARTICIPANTS)], s) == [False]  # not twice
+    assert replay(state, [(node(2), A.REMOVE_FROM_PARTICIPANTS)], s) == [True]
+    assert not state.complete and state.round == 1 and not state.participants
+    # once closed, nothing joins again
+    assert replay(state, [(node(1), A.MARK_RENDEZVOUS_CLOSED)], s) == [True]
+    assert replay(state, [(node(3), A.ADD_TO_PARTICIPANTS)], s) == [False]
+    assert state.closed and not state.participants
+
+
+def test_random_interleavings_never_lose_duplicate_or_reopen() -> None:
+    import random
+
+    rng = random.Random(26)
+    actions = sorted(MEMBERSHIP_ACTIONS, key=lambda a: a.value)
+    for _trial in range(300):
+        s = settings(min_nodes=rng.randint(1, 4), max_nodes=rng.randint(4, 6))
+        state = _RendezvousState()
+        for _batch in range(rng.randint(1, 6)):
+            before = decode_state(encode_state(state))
+            changes = [(node(rng.randint(1, 8)), rng.choice(actions)) for _ in range(12)]
+            applied = replay(state, changes, s)
+            # every applied change shows in the state; nothing is both waiting and in the round
+            assert len(applied) == len(changes)
+            assert not set(state.participants) & state.wait_list
+            assert len(state.participants) <= s.max_nodes
+            assert set(state.participants) <= set(state.last_heartbeats)
+            if before.closed:
+                assert state.closed  # never reopened
+            if before.complete and state.round == before.round:
+                assert state.complete  # a complete round stays complete until a new one
+            if state.complete:  # torch's ranks, one each (a node leaving later leaves a gap)
+                ranks = list(state.participants.values())
+                assert len(set(ranks)) == len(ranks)
+            assert state.round >= before.round
+
+
+def _bound(etcd_server: EmbeddedEtcd, rid: str, i: int, **conf: Any) -> Any:
+    """A handler (and its backend) as torchrun builds them: bound, heartbeats as leases."""
+    return create_etcd3_handler(params(etcd_server.endpoint, rid, **conf))
+
+
+def test_heartbeats_refresh_a_lease_and_never_rewrite_the_state(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(keys.RDZV_SECRET_ENV, SECRET.decode())
+    rid = run_id()
+    conf = {"join_timeout": 30, "last_call_timeout": 1, "keep_alive_interval": 1}
+    handlers = [_bound(etcd_server, rid, i, min_nodes=3, max_nodes=3, **conf) for i in range(3)]
+    try:
+        infos = _rendezvous_all(handlers)
+        assert sorted(i.rank for i in infos) == [0, 1, 2]
+        _, revision = etcd.get_with_revision(state_key(rid))
+        backend = handlers[0]._state_holder._backend
+        refreshed = backend.stats["lease_refreshes"]
+        time.sleep(1.1)
+        for h in handlers:
+            h._keep_alive()  # what torch's heartbeat timer calls
+        assert backend.stats["lease_refreshes"] > refreshed
+        assert etcd.get_with_revision(state_key(rid))[1] == revision  # the state untouched
+        # what a monitor sees: signed state, every participant's lease alive, no ALIVE stored
+        state, alive, _ = read_rendezvous(etcd, rid, SECRET)
+        assert set(state.participants) == alive and len(alive) == 3
+        assert ALIVE not in state.last_heartbeats.values()
+        assert etcd.get(state_key(rid)).startswith("v1:")
+        assert all(v.startswith("v1:") for _, v in etcd.get_prefix(alive_prefix(rid)))
+        # an unchanged state is handed back as the very object the handler holds (no reload)
+        holder = handlers[1]._state_holder
+        assert holder._backend.read(holder.state)[0] is holder.state
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_joins_are_combined_into_few_state_writes(etcd_server: EmbeddedEtcd) -> None:
+    rid = run_id()
+    n = 12
+    conf = {"join_timeout": 60, "last_call_timeout": 1, "keep_alive_interval": 1}
+    handlers = [_bound(etcd_server, rid, i, min_nodes=n, max_nodes=n, **conf) for i in range(n)]
+    try:
+        infos = _rendezvous_all(handlers)
+        assert sorted(i.rank for i in infos) == list(range(n))
+        assert {i.world_size for i in infos} == {n}
+        stats = [h._state_holder._backend.stats for h in handlers]
+        changes = sum(s["changes"] for s in stats)
+        combined = sum(s["combined"] for s in stats)
+        writes = sum(s["combines"] for s in stats)
+        assert changes == combined >= n  # every join applied exactly once, by someone
+        assert writes <= combined  # a write carries one change or more, never none
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_a_forged_intent_is_dropped_unapplied_and_a_stuck_change_is_withdrawn(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.rendezvous import node_id
+
+    monkeypatch.setenv(keys.RDZV_SECRET_ENV, SECRET.decode())
+    rid = run_id()
+    prefix = keys.rendezvous(rid)
+    intruder = node(7)
+    # without the secret: an intent and a lease-less alive key for a node that is not there
+    etcd.put(f"{prefix}/intent/{node_id(intruder)}", b64encode(b"ADD_TO_PARTICIPANTS").decode())
+    etcd.put(f"{alive_prefix(rid)}{node_id(intruder)}", b64encode(b"1").decode())
+    h = _bound(etcd_server, rid, 0, min_nodes=1, max_nodes=2, join_timeout=20, last_call_timeout=1)
+    try:
+        h.next_rendezvous()
+        state, alive, _ = read_rendezvous(etcd, rid, SECRET)
+        assert intruder not in state.participants and intruder not in state.wait_list
+        assert etcd.get_prefix(f"{prefix}/intent/") == []  # deleted by the combiner
+        backend = h._state_holder._backend
+        assert intruder not in backend._alive_nodes()  # an alive key that does not verify
+        # someone holds the combine lock and never combines: the change is taken back in time
+        lease = etcd.lease(30)
+        etcd.put(f"{prefix}/combiner", "someone-else", lease)
+        backend._budget = 0.5
+        backend.note(A.MARK_RENDEZVOUS_CLOSED)
+        after, _, applied = backend.write(h._state_holder.state, None)
+        assert not applied and not after.closed
+        assert etcd.get_prefix(f"{prefix}/intent/") == []  # withdrawn, not left behind
+        lease.revoke()
+    finally:
+        h._stop_heartbeats()
+
+
+def test_a_node_that_expired_itself_leaves_the_round_it_asks_to_wait_after() -> None:
+    # torch: a node whose own heartbeats were late expires itself in its view and joins the
+    # wait list; its write carries that removal. Replayed on a state where the others still
+    # count it, the removal comes first (else it stays in a round it left, and the round never
+    # opens again for the others).
+    s = settings(min_nodes=1, max_nodes=2)
+    state = _RendezvousState()
+    replay(state, [(node(i), A.ADD_TO_PARTICIPANTS) for i in (1, 2)], s)
+    assert state.complete and set(state.participants) == {node(1), node(2)}
+    assert replay(state, [(node(1), A.ADD_TO_WAIT_LIST)], s) == [True]
+    assert set(state.participants) == {node(2)} and state.wait_list == {node(1)}
+    # the last one out opens the next round, which the waiter then joins
+    assert replay(state, [(node(2), A.REMOVE_FROM_PARTICIPANTS)], s) == [True]
+    assert not state.complete and state.round == 1
+    assert replay(state, [(node(1), A.ADD_TO_PARTICIPANTS)], s) == [True]
+    assert set(state.participants) == {node(1)} and not state.wait_list

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.spec import JobSpec
-from orchestrator.launch import HEARTBEAT_S
+from orchestrator.launch import heartbeat_s
 
 JOB = "cps"
 MONITOR_S = 0.2  # torchrun --monitor-interval in orchestrator.launch.torchrun_command
@@ -32,10 +32,22 @@ class Config:
     phase_timeout: float = 90.0  # join answer, steady start, stop
     fsync: bool = True  # etcd fsyncs its WAL (as `pipetransformer run`'s embedded etcd)
     store: str = "sqlite"  # or "postgresql" (a throwaway server from tests/fixtures_postgres)
-    heartbeat_s: int = HEARTBEAT_S  # rendezvous keep_alive_interval (orchestrator.launch)
+    # rendezvous keep_alive_interval; None: the project's for N nodes (orchestrator.launch)
+    heartbeat_s: int | None = None
     # a rendezvous that fails: measure the steady state anyway, ranks handed out by the benchmark
     # (no torchrun heartbeats or monitor polls then), so the controller's side is still seen
     steady_without_rendezvous: bool = True
+    # after the steady window, one agent is lost (its heartbeats stop) and the others meet again
+    # without it (torchrun --nnodes N-1:N, so the round can complete with one node less)
+    rejoin: bool = True
+    rejoin_timeout: int = 120  # the survivors' next_rendezvous() (s)
+
+    def heartbeat(self, n: int) -> int:
+        """The keep-alive interval of a job of `n` agents: as set, or as the project runs it."""
+        return self.heartbeat_s if self.heartbeat_s is not None else heartbeat_s(n)
+
+    def min_nodes(self, n: int) -> int:
+        return n - 1 if self.rejoin and n > 2 else n
 
 
 def job_spec(world: int, lease_ttl_s: int) -> JobSpec:

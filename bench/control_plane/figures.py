@@ -39,13 +39,14 @@ def _expected_calls(
     return {
         "abort_poll": n * span / ABORT_POLL_S,
         "monitor": n * span / MONITOR_S if agents else 0.0,
-        "heartbeat": n * span / conf.heartbeat_s if agents else 0.0,
+        "heartbeat": n * span / conf.heartbeat(n) if agents else 0.0,
         "report": reporters * span * conf.step_hz,
     }
 
 
 def _rendezvous_figures(
     row: dict[str, Any],
+    prefix: str,
     parts: list[dict[str, Any]],
     n: int,
     m0: dict[str, float],
@@ -53,33 +54,62 @@ def _rendezvous_figures(
     client: EtcdClient,
     run_id: str,
 ) -> None:
+    """A rendezvous phase's figures under `prefix` ("rendezvous", "rerendezvous"): `n` nodes
+    expected back, each part's t0 (start) and t_rdzv / t_assigned (back, ranks assigned)."""
     from orchestrator.rendezvous import state_key
 
     start = min(p["t0"] for p in parts)
     done = [p for p in parts if "t_rdzv" in p]
     assigned = [p for p in parts if "t_assigned" in p]
     complete = len(done) == n
-    row["rendezvous_completed"] = complete and len(assigned) == n
-    row["rendezvous_s"] = round(max(p["t_rdzv"] for p in done) - start, 3) if complete else None
-    row["ranks_assigned_s"] = (
+    row[f"{prefix}_completed"] = complete and len(assigned) == n
+    row[f"{prefix}_s"] = round(max(p["t_rdzv"] for p in done) - start, 3) if complete else None
+    ranks_key = "ranks_assigned_s" if prefix == "rendezvous" else f"{prefix}_ranks_assigned_s"
+    row[ranks_key] = (
         round(max(p["t_assigned"] for p in assigned) - start, 3) if len(assigned) == n else None
     )
-    row["rendezvous_participant_s"] = _dist([p["t_rdzv"] - p["t0"] for p in done], 1.0, 3)
-    row["rendezvous_rounds"] = sorted({p["round"] for p in done})
-    row["rendezvous_joined"] = len(done)
+    row[f"{prefix}_participant_s"] = _dist([p["t_rdzv"] - p["t0"] for p in done], 1.0, 3)
+    row[f"{prefix}_rounds"] = sorted({p["round"] for p in done})
+    row[f"{prefix}_joined"] = len(done)
     txn0 = _by(m0, "grpc_server_started_total", "grpc_method").get("Txn", 0.0)
     txn1 = _by(m1, "grpc_server_started_total", "grpc_method").get("Txn", 0.0)
-    row["rendezvous_etcd_requests"] = int(
+    requests = int(
         _total(m1, "grpc_server_started_total") - _total(m0, "grpc_server_started_total")
     )
-    row["rendezvous_etcd_txns"] = int(txn1 - txn0)
+    row[f"{prefix}_etcd_requests"] = requests
+    row[f"{prefix}_etcd_requests_per_agent"] = round(requests / max(n, 1), 1)
+    row[f"{prefix}_etcd_txns"] = int(txn1 - txn0)
     received = "etcd_network_client_grpc_received_bytes_total"
-    row["rendezvous_etcd_mb_in"] = round((_total(m1, received) - _total(m0, received)) / 1e6, 2)
+    sent = "etcd_network_client_grpc_sent_bytes_total"
+    row[f"{prefix}_etcd_mb_in"] = round((_total(m1, received) - _total(m0, received)) / 1e6, 2)
+    row[f"{prefix}_etcd_mb_out"] = round((_total(m1, sent) - _total(m0, sent)) / 1e6, 2)
     try:
         blob = client.get(state_key(run_id))
-        row["rendezvous_state_bytes"] = None if blob is None else len(blob) * 3 // 4
+        row[f"{prefix}_state_bytes"] = None if blob is None else len(blob) * 3 // 4
     except Exception:
-        row["rendezvous_state_bytes"] = None
+        row[f"{prefix}_state_bytes"] = None
+
+
+def _backend_figures(
+    row: dict[str, Any],
+    prefix: str,
+    counts: list[dict[str, int]],
+    n: int,
+    seconds: float | None = None,
+) -> None:
+    """The agents' rendezvous backends' own counts for a phase (requests, bytes, heartbeats,
+    state writes and the changes they carried ...), summed, and per agent (per second)."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + int(v)
+    row[f"{prefix}_backend"] = dict(sorted(total.items()))
+    per = float(max(n, 1)) * (seconds if seconds else 1.0)
+    suffix = "_per_agent_s" if seconds else "_per_agent"
+    row[f"{prefix}_backend_requests{suffix}"] = round(total.get("requests", 0) / per, 3)
+    row[f"{prefix}_backend_kb{suffix}"] = round(
+        (total.get("bytes_in", 0) + total.get("bytes_out", 0)) / 1e3 / per, 2
+    )
 
 
 def _client_figures(

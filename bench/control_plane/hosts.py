@@ -1,8 +1,9 @@
 """The host processes, each running many simulated participants as threads. `host_main` is what
 one runs: the spawn target, so it stays importable as `control_plane.hosts.host_main`. It is
-driven phase by phase over its command queue (go, join, steady, stop, quit) and answers on the
-shared result queue (ready, rdzv, joined, steady, stats, or error). `Hosts` is the benchmark's
-side: it starts them, sends commands and collects one answer from each within a deadline."""
+driven phase by phase over its command queue (go, join, steady, stop, rejoin, quit) and answers
+on the shared result queue (ready, rdzv, joined, steady, stats, rejoined, or error). `Hosts` is
+the benchmark's side: it starts them, sends commands and collects one answer from each within a
+deadline."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ from orchestrator.launch import HEARTBEATS_MISSED, LAST_CALL_S
 from .config import JOB, JOIN_POLL_S, Config, PhaseFailed
 from .simulate import (
     _agent_loop,
+    _backend_stats,
     _Participant,
     _rendezvous,
+    _rendezvous_all,
     _summarise,
     _time_heartbeats,
     _WarningCounter,
@@ -101,7 +104,7 @@ def _host(
     rdzv_conf = {
         "join_timeout": conf.join_timeout,
         "last_call_timeout": LAST_CALL_S,
-        "keep_alive_interval": conf.heartbeat_s,
+        "keep_alive_interval": conf.heartbeat(world),
         "keep_alive_max_attempt": HEARTBEATS_MISSED,
         "read_timeout": conf.join_timeout,
     }
@@ -109,7 +112,7 @@ def _host(
         backend="etcd3",
         endpoint=endpoint,
         run_id=run_id,
-        min_nodes=world,
+        min_nodes=conf.min_nodes(world),
         max_nodes=world,
         local_addr="127.0.0.1",
         **rdzv_conf,
@@ -129,16 +132,10 @@ def _host(
 
     # rendezvous: all participants at once, as agents started together
     _expect(cmd_q, "go", conf.startup_timeout + conf.phase_timeout)
-    threads = [threading.Thread(target=_rendezvous, args=(p,), daemon=True) for p in parts]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + conf.join_timeout + 30
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    for p in parts:
-        if "t_rdzv" not in p.result and "error" not in p.result:
-            p.result["error"] = "next_rendezvous() did not return in time"
-    res_q.put(("rdzv", index, [dict(p.result, pid=os.getpid()) for p in parts]))
+    before = _backend_stats(parts)
+    _rendezvous_all(parts, _rendezvous, conf.join_timeout + 30)
+    results = [dict(p.result, pid=os.getpid()) for p in parts]
+    res_q.put(("rdzv", index, {"parts": results, "backend": _backend_stats(parts) - before}))
 
     # the round's rank 0 asks the controller for a generation (trainer.process.join)
     msg = _expect(cmd_q, "join", conf.join_timeout + conf.phase_timeout)
@@ -179,6 +176,7 @@ def _host(
     msg = _expect(cmd_q, "steady", conf.phase_timeout * 2)
     generation, layout = msg[1], Layout.model_validate_json(msg[2])
     steady = time.time()
+    steady_backend = _backend_stats(parts)
     stop = threading.Event()
     ready = threading.Barrier(count + 1)
     for p in parts:
@@ -203,6 +201,9 @@ def _host(
             t.join(timeout=5.0)
     summary = _summarise(parts, t0, t1)
     summary["threads"] = threading.active_count()
+    # what the agents' rendezvous backends cost while steady (heartbeats, monitor reads)
+    summary["backend"] = dict(_backend_stats(parts) - steady_backend)
+    summary["backend_s"] = time.time() - steady
     inside = [c for c in cpu if t0 <= c[0] <= t1]
     summary["cpu_s"] = inside[-1][1] - inside[0][1] if len(inside) > 1 else None
     summary["cpu_window_s"] = inside[-1][0] - inside[0][0] if len(inside) > 1 else None
@@ -220,17 +221,37 @@ def _host(
                     keepalive.stop(revoke=True)
                 except Exception:
                     pass
-        p.handler._stop_heartbeats()
     # while steady (what the rendezvous logged before is in its own figures)
     seen = [w for w in warnings.seen if w[0] >= steady]
     summary["warnings"] = dict(Counter(kind for _, kind, _ in seen))
     summary["warnings_in_window"] = dict(Counter(k for when, k, _ in seen if t0 <= when < t1))
     summary["warning_samples"] = [m for _, _, m in seen[:3]]
     res_q.put(("stats", index, summary))
+
+    # one agent is lost (its heartbeats stop, as when its node dies); the others meet again, as
+    # torchrun does when its workers fail with the lost node's (they all notice within seconds)
+    msg = cmd_q.get(timeout=conf.phase_timeout * 3)  # the controller's end is awaited first
+    if msg[0] == "rejoin":
+        victim = msg[1]
+        lost = [p for p in parts if p.result.get("rank") == victim]
+        for p in lost:
+            p.handler._stop_heartbeats()
+        survivors = [p for p in parts if p not in lost]
+        for p in survivors:
+            p.result = {"node": p.node}
+        before = _backend_stats(parts)
+        _rendezvous_all(survivors, _rendezvous, conf.rejoin_timeout)
+        results = [dict(p.result, pid=os.getpid()) for p in survivors]
+        res_q.put(
+            ("rejoined", index, {"parts": results, "backend": _backend_stats(parts) - before})
+        )
+        msg = cmd_q.get(timeout=conf.phase_timeout)
     for p in parts:
+        p.handler._stop_heartbeats()
         p.wc.close()
         p.agent_etcd.close()
-    _expect(cmd_q, "quit", conf.phase_timeout)
+    if msg[0] != "quit":
+        raise RuntimeError(f"expected 'quit', got '{msg[0]}'")
 
 
 class Hosts:

@@ -70,6 +70,26 @@ def _client_problems(row: dict[str, Any], stats: dict[int, dict[str, Any]]) -> N
         problem("rdzv_new_round", len(rounds) - 1, f"rounds seen while steady: {rounds}")
 
 
+def _round_problem(parts: list[dict[str, Any]], n: int, joined_max: int) -> str | None:
+    """Why a rendezvous phase's participants did not all meet in one round of `n`, or None."""
+    failed = [p for p in parts if "error" in p]
+    if failed:
+        return (
+            f"{len(failed)}/{n} participants failed: {failed[0]['error']} (at most "
+            f"{joined_max}/{n} nodes were ever in the round)"
+        )
+    ranks = sorted(p.get("rank", -1) for p in parts)
+    rounds = {p.get("round") for p in parts}
+    worlds = Counter(p.get("world") for p in parts if "world" in p)
+    if ranks != list(range(n)) or len(rounds) != 1 or set(worlds) != {n}:
+        seen = ", ".join(f"{c} saw {w}" for w, c in sorted(worlds.items()))
+        return (
+            f"inconsistent result: world sizes ({seen}), rounds {sorted(rounds)}, "
+            f"ranks {'0..' + str(n - 1) if ranks == list(range(n)) else ranks}"
+        )
+    return None
+
+
 def _judge(row: dict[str, Any], conf: Config) -> None:
     """What degraded (the size still ran): late polls, stale reports, a saturated controller."""
     slow = {op: r for op, r in row.get("achieved", {}).items() if r < 0.9}

@@ -1,7 +1,7 @@
 """One size, phase by phase: a fresh embedded etcd, store and controller, the host processes
 started, the rendezvous, the join answered, the steady window measured (etcd, store, controller,
-clients, CPU) and the end. `measure_size` returns the size's row and never raises for a failed
-phase: the row says where and why."""
+clients, CPU), the end, and a re-rendezvous after one agent is lost. `measure_size` returns the
+size's row and never raises for a failed phase: the row says where and why."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from store import Store, sqlite_url
 from .config import JOB, Config, PhaseFailed, job_spec
 from .controller_loop import ControllerLoop
 from .etcd_metrics import _etcd_window, scrape
-from .figures import _client_figures, _rendezvous_figures
+from .figures import _backend_figures, _client_figures, _rendezvous_figures
 from .hosts import Hosts
-from .judge import _client_problems, _judge
+from .judge import _client_problems, _judge, _round_problem
 from .rdzv_watch import RdzvWatch
 from .sql_store import StoreCounter, _Postgres
 
@@ -96,10 +96,12 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                     )
 
             hosts.send(("go",))
-            rdzv = hosts.collect("rdzv", conf.join_timeout + 60, watch=rdzv_progress)
+            got = hosts.collect("rdzv", conf.join_timeout + 60, watch=rdzv_progress)
             m1 = scrape(etcd.client_url)
+            rdzv = {h: got[h]["parts"] for h in got}
             parts = [r for host in sorted(rdzv) for r in rdzv[host]]
-            _rendezvous_figures(row, parts, n, m0, m1, client, run_id)
+            _rendezvous_figures(row, "rendezvous", parts, n, m0, m1, client, run_id)
+            _backend_figures(row, "rendezvous", [got[h]["backend"] for h in got], n)
             row["rdzv_progress"] = rdzv_watch.progression(go, time.time())
             row["rdzv_joined_max"] = max((p[1] for p in row["rdzv_progress"]), default=0)
             sizes = [smp[5] for smp in rdzv_watch.samples]
@@ -110,23 +112,9 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                 f"{row.get('rendezvous_state_bytes')} B, {row.get('rendezvous_etcd_requests')} "
                 f"etcd requests, {row['rendezvous_etcd_mb_in']} MB into etcd)"
             )
-            failed = [p for p in parts if "error" in p]
-            ranks = sorted(p.get("rank", -1) for p in parts)
-            rounds = {p.get("round") for p in parts}
             worlds = Counter(p.get("world") for p in parts if "world" in p)
             row["rendezvous_worlds"] = {str(w): c for w, c in sorted(worlds.items())}
-            why = None
-            if failed:
-                why = (
-                    f"{len(failed)}/{n} participants failed: {failed[0]['error']} (at most "
-                    f"{row['rdzv_joined_max']}/{n} nodes were ever in the round)"
-                )
-            elif ranks != list(range(n)) or len(rounds) != 1 or set(worlds) != {n}:
-                seen = ", ".join(f"{c} saw {w}" for w, c in sorted(worlds.items()))
-                why = (
-                    f"inconsistent result: world sizes ({seen}), rounds {sorted(rounds)}, "
-                    f"ranks {'0..' + str(n - 1) if ranks == list(range(n)) else ranks}"
-                )
+            why = _round_problem(parts, n, row["rdzv_joined_max"])
             host_ranks: list[list[int] | None] = [None] * len(hosts.procs)
             if why is not None:
                 row["rendezvous_completed"] = False
@@ -205,15 +193,17 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                     {
                         "kind": "rdzv_nodes_dropped",
                         "count": dropped,
-                        "detail": f"the round lost {dropped} live node(s): their heartbeat was "
-                        f"older than {conf.heartbeat_s * HEARTBEATS_MISSED}s (oldest seen "
-                        f"{row['rdzv_heartbeat_age_s']['max']}s); {row['rdzv_participants_end']}"
-                        f"/{n} participants left in the state",
+                        "detail": f"the round lost {dropped} live node(s): no heartbeat for "
+                        f"{conf.heartbeat(n) * HEARTBEATS_MISSED}s (at most "
+                        f"{row.get('rdzv_unleased_max')} participants without a live lease "
+                        f"seen); {row['rdzv_participants_end']}/{n} participants left",
                     }
                 )
             span = t1 - t0
             row["window_s"] = round(span, 2)
             row.update(_etcd_window(e0, e1, span))
+            # per participant (one agent and its worker): flat as N grows is what scales
+            row["etcd_requests_per_agent_s"] = round(row["etcd_requests_per_s"] / n, 3)
             row["store_rows_per_s"] = round((s1[0] - s0[0]) / span, 1)
             row["store_statements_per_s"] = round((s1[1] - s0[1]) / span, 1)
             row["store_commits_per_s"] = round((s1[2] - s0[2]) / span, 1)
@@ -234,6 +224,9 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
             stats = hosts.collect("stats", conf.phase_timeout, watch=watch)
             _client_figures(row, stats, n, layout, conf, span, cpu)
             _client_problems(row, stats)
+            if row["rendezvous_completed"]:  # the agents' backends while steady, per agent
+                seconds = max(s["backend_s"] for s in stats.values())
+                _backend_figures(row, "steady", [s["backend"] for s in stats.values()], n, seconds)
             row["cpu_cores"] = cpu
             # the end as the controller sees it: rank 0 reported done before the leases went
             deadline = time.monotonic() + conf.phase_timeout
@@ -242,6 +235,9 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                 time.sleep(0.1)
             row["ok"] = row["failed_phase"] is None
             row["steady_measured"] = True
+            if conf.rejoin and row["rendezvous_completed"] and n > 2:
+                _rejoin(row, n, conf, hosts, etcd, client, run_id)
+                row["ok"] = row["ok"] and bool(row.get("rerendezvous_completed"))
         except PhaseFailed as exc:
             row["failed_phase"], row["error"] = exc.phase, str(exc)[:2000]
             progress(f"N={n}: FAILED in {exc.phase}: {str(exc).splitlines()[0][:300]}")
@@ -273,6 +269,63 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                 )
             store.close()
             client.close()
+            if not etcd.is_running():  # it died under the load: say how
+                row["problems"].append(
+                    {"kind": "etcd_died", "count": 1, "detail": _log_tail(etcd.log_path)}
+                )
             etcd.stop()
     _judge(row, conf)
     return row
+
+
+def _rejoin(
+    row: dict[str, Any],
+    n: int,
+    conf: Config,
+    hosts: Hosts,
+    etcd: EmbeddedEtcd,
+    client: EtcdClient,
+    run_id: str,
+) -> None:
+    """The last rank's agent is lost (its heartbeats stop); the other N-1 call next_rendezvous()
+    at once and must meet in a new round of N-1 without it (torchrun --nnodes N-1:N)."""
+    progress(f"N={n}: losing the agent of rank {n - 1}; {n - 1} survivors meet again...")
+    watch = RdzvWatch(etcd.endpoint, run_id).start()
+    m0 = scrape(etcd.client_url)
+    lost = time.time()
+    hosts.send(("rejoin", n - 1))
+    try:
+        got = hosts.collect("rejoined", conf.rejoin_timeout + 60)
+    except PhaseFailed as exc:
+        row["rerendezvous_completed"] = False
+        row["problems"].append({"kind": "rerendezvous_failed", "count": 1, "detail": str(exc)})
+        watch.stop()
+        return
+    m1 = scrape(etcd.client_url)
+    watch.stop()
+    parts = [r for h in sorted(got) for r in got[h]["parts"]]
+    for p in parts:
+        p["t0"] = lost  # from the loss, not from each survivor's call
+    _rendezvous_figures(row, "rerendezvous", parts, n - 1, m0, m1, client, run_id)
+    _backend_figures(row, "rerendezvous", [got[h]["backend"] for h in got], n - 1)
+    row["rerdzv_progress"] = watch.progression(lost, time.time())
+    joined = max((p[1] for p in row["rerdzv_progress"]), default=0)
+    why = _round_problem(parts, n - 1, joined)
+    row["rerendezvous_completed"] = why is None and bool(row.get("rerendezvous_completed"))
+    if why is not None:
+        row["problems"].append({"kind": "rerendezvous_failed", "count": 1, "detail": why})
+    progress(
+        f"N={n}: re-rendezvous of {n - 1} {row.get('rerendezvous_s')}s after the loss "
+        f"({row.get('rerendezvous_etcd_requests')} etcd requests, "
+        f"{row.get('rerendezvous_etcd_mb_in')} MB into etcd){'' if why is None else ': ' + why}"
+    )
+
+
+def _log_tail(path: Path, size: int = 1500) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"

@@ -1,6 +1,6 @@
-"""The PNG: the rows' figures against participants (log x) in six panels (rendezvous, its
-progress over time, etcd load, controller -> store, latency, CPU), with red dotted lines at the
-sizes that had problems."""
+"""The PNG: the rows' figures against participants (log x) in eight panels (rendezvous and
+re-rendezvous, their progress over time, etcd load, etcd per agent, controller -> store,
+latency, CPU, rendezvous traffic), with red dotted lines at the sizes that had problems."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, conf: Config) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(21, 8.5))
     sizes = [r["participants"] for r in rows]
 
     def get(*path: str) -> Any:
@@ -41,6 +41,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, conf: Config) -> None:
     ax = axes[0][0]
     line(ax, get("rendezvous_s"), "rendezvous (all N in one round)")
     line(ax, get("ranks_assigned_s"), "+ torchrun rank assignment")
+    line(ax, get("rerendezvous_s"), "re-rendezvous of N-1 after a loss")
     line(ax, get("join_answer_s"), "join request -> assignment")
     failed = [r for r in rows if r.get("rendezvous_completed") is False]
     if failed:
@@ -58,12 +59,20 @@ def _plot(rows: list[dict[str, Any]], path: Path, conf: Config) -> None:
     for r in rows:
         prog = r.get("rdzv_progress") or []
         if prog:
-            ax.plot(
+            drawn = ax.plot(
                 [p[0] for p in prog],
                 [p[1] / r["participants"] for p in prog],
                 label=f"N={r['participants']}",
             )
-    ax.set_xlabel("seconds since the participants started")
+            again = r.get("rerdzv_progress") or []
+            if again:
+                ax.plot(
+                    [p[0] for p in again],
+                    [p[1] / r["participants"] for p in again],
+                    linestyle="--",
+                    color=drawn[0].get_color(),
+                )
+    ax.set_xlabel("seconds since the participants started (dashed: since the loss)")
     ax.set_ylabel("participants in the round / N")
     ax.set_title("Rendezvous progress (etcd state, sampled)")
     ax.grid(alpha=0.3)
@@ -76,6 +85,22 @@ def _plot(rows: list[dict[str, Any]], path: Path, conf: Config) -> None:
     line(ax, get("reports_per_s"), "worker reports/s")
     ax.set_ylabel("per second")
     ax.set_title("etcd load (steady window)")
+
+    ax = axes[0][3]
+    line(ax, get("etcd_requests_per_agent_s"), "steady: etcd requests/s per agent + worker")
+    line(ax, get("steady_backend_requests_per_agent_s"), "steady: rendezvous backend's share")
+    line(ax, get("rendezvous_etcd_requests_per_agent"), "rendezvous: requests per agent")
+    line(ax, get("rerendezvous_etcd_requests_per_agent"), "re-rendezvous: requests per agent")
+    ax.set_ylabel("requests (per agent)")
+    ax.set_title("etcd per agent (flat = scales)")
+
+    ax = axes[1][3]
+    line(ax, get("rendezvous_etcd_mb_in"), "rendezvous: MB into etcd")
+    line(ax, get("rendezvous_etcd_mb_out"), "rendezvous: MB out of etcd")
+    line(ax, get("rerendezvous_etcd_mb_in"), "re-rendezvous: MB into etcd", linestyle="--")
+    line(ax, get("rerendezvous_etcd_mb_out"), "re-rendezvous: MB out of etcd", linestyle="--")
+    ax.set_ylabel("MB")
+    ax.set_title("Rendezvous traffic")
 
     ax = axes[1][0]
     line(ax, get("store_rows_per_s"), "store rows written/s")

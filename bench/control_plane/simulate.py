@@ -117,6 +117,29 @@ def _rendezvous(p: _Participant) -> None:
         p.result["error"] = f"{type(exc).__name__}: {exc}".rstrip(": ")[:500]
 
 
+def _rendezvous_all(parts: list[_Participant], target: Any, timeout: float) -> None:
+    """`target(p)` for every participant at once (agents started together), within `timeout`."""
+    threads = [threading.Thread(target=target, args=(p,), daemon=True) for p in parts]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for p in parts:
+        if "t_rdzv" not in p.result and "error" not in p.result:
+            p.result["error"] = "next_rendezvous() did not return in time"
+
+
+def _backend_stats(parts: list[_Participant]) -> Counter[str]:
+    """The agents' rendezvous backends' own counts (requests, bytes, heartbeats, combines ...;
+    orchestrator.rendezvous.EtcdRendezvousBackend.stats), summed; maxima are left out."""
+    total: Counter[str] = Counter()
+    for p in parts:
+        stats = getattr(p.handler._state_holder._backend, "stats", None) or {}
+        total.update({k: v for k, v in stats.items() if not k.endswith("_max_ms")})
+    return total
+
+
 def _periodic(stop: threading.Event, tasks: list[list[Any]]) -> None:
     """Run each [next_due, period, fn] at its period (late calls run once, no catch-up burst)."""
     while not stop.is_set():
