@@ -649,3 +649,23 @@ def test_a_node_that_expired_itself_leaves_the_round_it_asks_to_wait_after() -> 
     assert not state.complete and state.round == 1
     assert replay(state, [(node(1), A.ADD_TO_PARTICIPANTS)], s) == [True]
     assert set(state.participants) == {node(1)} and not state.wait_list
+
+
+def test_large_jobs_heartbeat_at_torchs_interval_small_ones_every_second() -> None:
+    """torchrun's rendezvous conf from `torchrun_command`: 1 s heartbeats up to 64 nodes (a lost
+    node is noticed in 3 s), torch's 5 s beyond (a false loss re-forms the whole job, and its
+    chance grows with the node count)."""
+    from orchestrator.launch import torchrun_command
+
+    def conf(nnodes: str) -> dict[str, str]:
+        cmd = torchrun_command("127.0.0.1:2379", "job", "rdzv", 1, nnodes=nnodes)
+        raw = cmd[cmd.index("--rdzv-conf") + 1]
+        return dict(item.split("=", 1) for item in raw.split(","))
+
+    assert conf("1")["keep_alive_interval"] == "1"
+    assert conf("63:64")["keep_alive_interval"] == "1"
+    assert conf("64:65")["keep_alive_interval"] == "5"
+    assert conf("1024")["keep_alive_interval"] == "5"
+    assert conf("4")["keep_alive_max_attempt"] == "3" and conf("4")["job"] == "job"
+    with pytest.raises(ValueError, match="nnodes"):
+        torchrun_command("127.0.0.1:2379", "job", "rdzv", 1, nnodes="many")
