@@ -13,8 +13,16 @@ echo "[test] ruff"
 .venv/bin/ruff format --check .
 echo "[test] import rules (lint-imports; contracts in pyproject.toml [tool.importlinter])"
 .venv/bin/lint-imports pyproject.toml --no-cache --no-logo
-echo "[test] pytest"
-.venv/bin/python -m pytest -q "$@"
+# The whole suite runs in two test processes (pytest-xdist, a file's tests in one process: their
+# fixtures are per module): the multi-process tests wait on leases and subprocesses about a
+# third of the time, so two fill the 2 cores of a CI machine. PYTEST_WORKERS=0 runs them all in
+# this process; a targeted run (arguments given) does too.
+XDIST=()
+if [ $# -eq 0 ] && [ "${PYTEST_WORKERS:-2}" != 0 ]; then
+  XDIST=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
+fi
+echo "[test] pytest ${XDIST[*]}"
+.venv/bin/python -m pytest -q "${XDIST[@]}" "$@"
 
 # Float results depend on the batch shape, the thread count and the kernels the CPU's instruction
 # set selects (an AMD EPYC runs MKL's AVX2 path, a recent Intel its AVX-512 one; they differ in
@@ -31,7 +39,10 @@ if [ $# -eq 0 ] && [ "${NUMERICS_MATRIX:-1}" != 0 ]; then
   while read -r name marks settings; do
     marks="${marks//_/ }"  # one word in the table below
     echo "[test] numerics under $name (-m '$marks'): $settings"
-    env $settings .venv/bin/python -m pytest -q -m "$marks" -p no:cacheprovider
+    # one thread per test: two test processes; two threads: one
+    workers=1 && [[ $settings == *OMP_NUM_THREADS=1* ]] && workers=${PYTEST_WORKERS:-2}
+    [ "$workers" -gt 1 ] && par=(-n "$workers" --dist loadfile) || par=()
+    env $settings .venv/bin/python -m pytest -q -m "$marks" -p no:cacheprovider "${par[@]}"
   done <<'MATRIX'
 avx2-1thread numerics MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1
 baseline-2threads numerics_and_not_slow MKL_ENABLE_INSTRUCTIONS=SSE4_2 ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 OMP_NUM_THREADS=2
