@@ -1348,11 +1348,22 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """One etcd transaction, under the client's retry policy (core/etcd_client.py offers
         no keys-only, count-only or nested reads; this is the one place that goes below it)."""
         request = pb.TxnRequest(compare=compare, success=success, failure=failure)
+        return self._rpc("Txn", what, request)
+
+    def _range(self, what: str, request: pb.RangeRequest) -> pb.RangeResponse:
+        """One etcd range read under the client's retry policy; `_header_revision` is the store
+        revision it was answered at."""
+        answer = self._rpc("Range", what, request)
+        self._header_revision = int(answer.header.revision)
+        return answer
+
+    def _rpc(self, method: str, what: str, request: Any) -> Any:
+        """`request` to etcd's KV service `method`, retried as the client retries, counted."""
         client = self._client
 
-        def call() -> pb.TxnResponse:
+        def call() -> Any:
             raw = client._client  # pyetcd; the client's sign-in keeps its token in `metadata`
-            return raw.kvstub.Txn(
+            return getattr(raw.kvstub, method)(
                 request, client.timeout, credentials=raw.call_credentials, metadata=raw.metadata
             )
 
@@ -1361,24 +1372,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.stats["bytes_out"] += request.ByteSize()
         self.stats["bytes_in"] += reply.ByteSize()
         return reply
-
-    def _range(self, what: str, request: pb.RangeRequest) -> pb.RangeResponse:
-        """One etcd range read under the client's retry policy; `_header_revision` is the store
-        revision it was answered at."""
-        client = self._client
-
-        def call() -> pb.RangeResponse:
-            raw = client._client
-            return raw.kvstub.Range(
-                request, client.timeout, credentials=raw.call_credentials, metadata=raw.metadata
-            )
-
-        answer = self._etcd(client._call, f"rendezvous {what}", call)
-        self.stats["requests"] += 1
-        self.stats["bytes_out"] += request.ByteSize()
-        self.stats["bytes_in"] += answer.ByteSize()
-        self._header_revision = int(answer.header.revision)
-        return answer
 
     def _seal(self, key: str, data: bytes) -> str:
         return _b64(data) if self._secret is None else sign_state(self._secret, key, data)
