@@ -635,6 +635,11 @@ def _prefix_end(prefix: str) -> bytes:
     return bytes(etcd_utils.prefix_range_end(_b(prefix)))
 
 
+def _lease_gone(exc: Exception) -> bool:
+    """Whether etcd refused a write because the lease it was put under had expired."""
+    return "requested lease not found" in str(exc)
+
+
 _NO_BACKEND: Any = None  # torch's state holder and executor, used here only for their rules
 _NO_HOLDER: Any = None
 
@@ -752,9 +757,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._m_rev = -1
         self._m_value: str | None = None
         self._m_state: _RendezvousState | None = None
-        # ... the alive keys (key -> (node or None if it does not verify, create and mod
-        # revision)),
-        # and the store revision all of this is as of (the next read asks what changed since)
+        # ... the alive keys (key -> (node or None if it does not verify, create revision, mod
+        # revision)), and the store revision all of this is as of (the next read asks what
+        # changed since)
         self._alive_keys: dict[bytes, tuple[_NodeDesc | None, int, int]] = {}
         self._alive_version = 0
         self._seen = 0
@@ -939,18 +944,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 stale.append(int(kv.mod_revision))
         if state_rev and state_rev != self._m_rev:
             stale.append(state_rev)
+        self._alive_keys = alive
         if stale:
             # the values of what changed: written at or after the oldest such revision
             request = _rng(self._key, self._span_end, min_mod=min(stale)).request_range
-            fresh = self._range("relist", request)
-            self._alive_keys = alive
-            for kv in fresh.kvs:
+            for kv in self._range("relist", request).kvs:
                 if kv.key == self._key.encode():
                     self._set_stored(kv.value.decode(), int(kv.mod_revision))
                 else:
                     self._see_alive(kv)
-        else:
-            self._alive_keys = alive
         if not state_rev:
             self._set_stored(None, 0)
         if set(alive) != set(old) or stale:
@@ -1041,7 +1043,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 self._etcd(self._client.put, self._my_alive, value, lease)
                 return lease
             except RendezvousConnectionError as exc:
-                if attempt == 2 or "requested lease not found" not in str(exc):
+                if attempt == 2 or not _lease_gone(exc):
                     raise
         raise AssertionError("unreachable")
 
@@ -1070,7 +1072,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         try:
             return self._txn(what, *build())
         except RendezvousConnectionError as exc:
-            if "requested lease not found" not in str(exc):
+            if not _lease_gone(exc):
                 raise
         self.stats["lease_lapsed"] += 1
         self._lease = None
@@ -1220,11 +1222,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 mine = 0
                 changes.append((self._me, direct))
             for it in batch:
-                valid = it.node is not None and it.action is not None
-                if it.key == self._my_intent and it.revision == intent:
-                    mine = len(changes) if valid else -1
-                if it.node is not None and it.action is not None:
-                    changes.append((it.node, it.action))
+                own = it.key == self._my_intent and it.revision == intent
+                if it.node is None or it.action is None:  # did not verify: deleted unapplied
+                    mine = -1 if own else mine
+                    continue
+                if own:
+                    mine = len(changes)
+                changes.append((it.node, it.action))
             if mine is None and len(self._intents) < MAX_BATCH:
                 # this node's intent is not pending any more (its lease lapsed meanwhile)
                 self._unlock()
