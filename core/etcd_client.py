@@ -32,12 +32,13 @@ import collections
 import functools
 import logging
 import os
+import queue
 import random
 import re
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec, TypeVar
@@ -420,6 +421,94 @@ class Lease:
         return f"Lease(id={self.id:#x}, ttl={self.ttl})"
 
 
+class _KeepAliveStream:
+    """One lease keep-alive stream per client, shared by every lease refreshed through it (as
+    etcd's own Go client multiplexes its leases): pyetcd opens a stream, and a thread to feed
+    it, for every refresh (a millisecond of CPU, every second, for every lease), and streams
+    opened per refresh on one connection serialise on its channel. A reader thread hands each
+    answer to the refresh waiting for that lease. A stream lives `_LIFE_S` at most (a refresh
+    waiting on a hung etcd waits no longer); whatever goes wrong ends it and fails the
+    refreshes waiting on it, which then refresh the ordinary way (`EtcdClient.refresh_lease`)."""
+
+    _LIFE_S = 30.0
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._requests: queue.Queue[rpc_pb2.LeaseKeepAliveRequest | None] | None = None
+        self._replies: Any = None
+        self._pid = 0  # the process that opened the stream (a forked child opens its own)
+        # lease id -> the refreshes waiting for its answer, oldest first: (done, [TTL or None])
+        self._waiting: dict[int, list[tuple[threading.Event, list[int | None]]]] = {}
+
+    def refresh(self, lease_id: int) -> int | None:
+        """The lease's TTL after the refresh (0: it is gone); None when the stream gave no
+        answer in time (or could not open)."""
+        waiter: tuple[threading.Event, list[int | None]] = (threading.Event(), [None])
+        with self._lock:
+            try:
+                if self._requests is None or self._pid != os.getpid():
+                    self._open()
+            except grpc.RpcError:
+                return None
+            assert self._requests is not None
+            self._waiting.setdefault(lease_id, []).append(waiter)
+            self._requests.put(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id))
+        if waiter[0].wait(self._client.timeout) and waiter[1][0] is not None:
+            return waiter[1][0]
+        with self._lock:
+            waiters = self._waiting.get(lease_id, [])
+            if waiter in waiters:  # no answer in time: a stream that hangs is not used again
+                waiters.remove(waiter)
+                if self._replies is not None:
+                    self._replies.cancel()
+        return None
+
+    def _open(self) -> None:
+        requests: queue.Queue[rpc_pb2.LeaseKeepAliveRequest | None] = queue.Queue()
+        life = self._LIFE_S
+
+        def feed() -> Iterable[rpc_pb2.LeaseKeepAliveRequest]:
+            # gRPC's feeding thread waits here; it ends with the stream, or when idle that long
+            while True:
+                try:
+                    item = requests.get(timeout=life)
+                except queue.Empty:
+                    return
+                if item is None:
+                    return
+                yield item
+
+        raw = self._client._client  # pyetcd: its lease stub and the client's sign-in token
+        replies = raw.leasestub.LeaseKeepAlive(feed(), life, metadata=raw.metadata)
+        self._requests, self._replies, self._pid = requests, replies, os.getpid()
+        threading.Thread(
+            target=self._read, args=(requests, replies), name="etcd-keepalive-stream", daemon=True
+        ).start()
+
+    def _read(self, requests: queue.Queue[Any], replies: Any) -> None:
+        try:
+            for reply in replies:
+                with self._lock:
+                    waiters = self._waiting.get(int(reply.ID))
+                    if waiters:
+                        done, answer = waiters.pop(0)
+                        answer[0] = int(reply.TTL)
+                        done.set()
+        except grpc.RpcError:
+            pass  # its life ran out, or etcd went: the waiting refreshes go the ordinary way
+        finally:
+            with self._lock:
+                if self._requests is requests:
+                    self._requests = self._replies = None
+                for waiters in self._waiting.values():
+                    for done, _answer in waiters:
+                        done.set()
+                self._waiting.clear()
+            requests.put(None)
+            replies.cancel()
+
+
 class KeepAlive:
     """Background thread refreshing a lease every ``interval`` (default ttl/3) seconds.
 
@@ -523,6 +612,7 @@ class EtcdClient:
             target, port, secure=creds is not None, creds=creds, time_retry=0.0, opts=_GRPC_OPTIONS
         )
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=[ep], timeout=timeout)
+        self._keepalive_stream = _KeepAliveStream(self)
 
     @property
     def identity(self) -> str:
@@ -799,8 +889,10 @@ class EtcdClient:
     @_retrying
     def refresh_lease(self, lease_id: int) -> int:
         """Send one keep-alive; returns the new TTL or raises :class:`LeaseExpired`."""
-        responses = list(self._client.refresh_lease(lease_id))
-        ttl = int(responses[0].TTL) if responses else 0
+        ttl = self._keepalive_stream.refresh(lease_id)
+        if ttl is None:  # the shared stream could not answer: one stream of its own
+            responses = list(self._client.refresh_lease(lease_id))
+            ttl = int(responses[0].TTL) if responses else 0
         if ttl <= 0:  # etcd answers TTL 0 (not an error) for an unknown lease
             raise LeaseExpired(f"etcd lease {lease_id:#x} has expired or was revoked")
         return ttl

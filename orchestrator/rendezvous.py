@@ -130,7 +130,6 @@ import logging
 import math
 import os
 import pickle
-import queue
 import random
 import socket
 import threading
@@ -141,7 +140,6 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import quote, unquote
 
-import grpc
 import torch.distributed as dist
 from pyetcd import utils as etcd_utils
 from pyetcd.etcdrpc import rpc_pb2 as pb
@@ -644,58 +642,6 @@ _NO_BACKEND: Any = None  # torch's state holder and executor, used here only for
 _NO_HOLDER: Any = None
 
 
-class _LeaseStream:
-    """One lease keep-alive stream kept open between refreshes: pyetcd opens a stream, and a
-    thread to feed it, for every refresh (a millisecond of CPU, every second on every node).
-    It lives `_LIFE_S` at most (a refresh that waits on a hung etcd waits no longer), and
-    whatever goes wrong closes it; the caller then refreshes the ordinary way."""
-
-    _LIFE_S = 30.0
-
-    def __init__(self, client: EtcdClient) -> None:
-        self._client = client
-        self._requests: queue.Queue[pb.LeaseKeepAliveRequest | None] | None = None
-        self._replies: Any = None
-
-    def refresh(self, lease_id: int) -> int:
-        """The lease's TTL after the refresh (0: it expired); raises what gRPC raises."""
-        if self._replies is None or self._requests is None:
-            self._open()
-        assert self._requests is not None
-        self._requests.put(pb.LeaseKeepAliveRequest(ID=lease_id))
-        try:
-            return int(next(self._replies).TTL)
-        except BaseException:
-            self.close()
-            raise
-
-    def _open(self) -> None:
-        requests: queue.Queue[pb.LeaseKeepAliveRequest | None] = queue.Queue()
-        life = self._LIFE_S
-
-        def feed() -> Iterable[pb.LeaseKeepAliveRequest]:
-            # gRPC's feeding thread waits here; it ends with the stream, or when idle that long
-            while True:
-                try:
-                    item = requests.get(timeout=life)
-                except queue.Empty:
-                    return
-                if item is None:
-                    return
-                yield item
-
-        raw = self._client._client  # pyetcd: its lease stub and the client's sign-in token
-        self._replies = raw.leasestub.LeaseKeepAlive(feed(), life, metadata=raw.metadata)
-        self._requests = requests
-
-    def close(self) -> None:
-        if self._requests is not None:
-            self._requests.put(None)
-        if self._replies is not None:
-            self._replies.cancel()
-        self._requests = self._replies = None
-
-
 # -- backend --------------------------------------------------------------------------------
 
 # Intents applied by one combining transaction: etcd refuses more than --max-txn-ops (128)
@@ -770,7 +716,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._intents: list[_Intent] = []
         self._handed: tuple[int, int] | None = None
         self._lease: Lease | None = None
-        self._lease_stream = _LeaseStream(client)
         self._header_revision = 0
         self._lease_at = 0.0
         self._my_heartbeat: datetime | None = None
@@ -1049,10 +994,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def _refresh(self, lease: Lease) -> int:
         """The lease's TTL after a refresh, 0 if it expired."""
-        try:
-            return self._lease_stream.refresh(lease.id)
-        except (grpc.RpcError, StopIteration):
-            pass  # the stream broke or aged out: once the ordinary way, with its retries
         try:
             return int(self._client.refresh_lease(lease.id))
         except LeaseExpired:
@@ -1711,29 +1652,36 @@ def _positive(params: RendezvousParameters, key: str, default: float) -> float:
     return value
 
 
-def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:
-    """Build the etcd client, state backend and c10d store for ``params``."""
+def create_backend(
+    params: RendezvousParameters, client: EtcdClient | None = None
+) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+    """Build the etcd client, state backend and c10d store for ``params``; `client`: an etcd
+    client to use instead (several handlers of one process sharing one connection, as the
+    benchmark's simulated agents do; its own timeouts apply then)."""
     if not params.endpoint:
         raise ValueError("The etcd3 rendezvous needs --rdzv-endpoint HOST:PORT of etcd.")
     read_timeout = _positive(params, "read_timeout", DEFAULT_READ_TIMEOUT)
     rpc_timeout = _positive(params, "rpc_timeout", DEFAULT_RPC_TIMEOUT)
-    try:  # TLS and identity from the environment, as every client here (core/etcd_client.py)
-        client = EtcdClient(params.endpoint, timeout=rpc_timeout, retry_timeout=read_timeout)
-    except EtcdConfigError as exc:
-        raise RendezvousConnectionError(f"The etcd3 rendezvous cannot use etcd: {exc}") from None
+    own = client is None
+    if client is None:
+        try:  # TLS and identity from the environment, as every client here (core/etcd_client.py)
+            client = EtcdClient(params.endpoint, timeout=rpc_timeout, retry_timeout=read_timeout)
+        except EtcdConfigError as exc:
+            raise RendezvousConnectionError(
+                f"The etcd3 rendezvous cannot use etcd: {exc}"
+            ) from None
     try:
         # Fail fast and clearly on a wrong endpoint instead of deep inside the join loop.
         client.wait_ready(timeout=read_timeout)
-    except EtcdError as exc:
-        client.close()
+        secret = load_secret()
+    except (EtcdError, ValueError) as exc:
+        if own:
+            client.close()
+        if isinstance(exc, ValueError):
+            raise RendezvousStateError(str(exc)) from None
         raise RendezvousConnectionError(
             f"The etcd3 rendezvous cannot reach etcd at {params.endpoint}: {exc}"
         ) from exc
-    try:
-        secret = load_secret()
-    except ValueError as exc:
-        client.close()
-        raise RendezvousStateError(str(exc)) from None
     job = params.get("job") or None
     backend = EtcdRendezvousBackend(client, params.run_id, secret, job)
     store = EtcdStore(client, store_prefix(params.run_id), timedelta(seconds=read_timeout))
@@ -1745,8 +1693,10 @@ def _timeout(params: RendezvousParameters, name: str) -> timedelta | None:
     return None if seconds is None else timedelta(seconds=seconds)
 
 
-def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun handler creator for ``--rdzv-backend etcd3``."""
+def create_etcd3_handler(
+    params: RendezvousParameters, client: EtcdClient | None = None
+) -> RendezvousHandler:
+    """torchrun handler creator for ``--rdzv-backend etcd3`` (`client`: see `create_backend`)."""
     # Workers get a fresh TCPStore per round, hosted by their rank 0, not the agent's (torch's
     # documented opt-out; it also turns off `use_agent_store`). With the agent's store, workers
     # namespace their keys by the *agent's* restart count, and those diverge between nodes: a
@@ -1765,7 +1715,7 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
         _timeout(params, "close"),
         _timeout(params, "heartbeat"),
     )
-    backend, store = create_backend(params)
+    backend, store = create_backend(params, client)
     return _EtcdRendezvousHandler.from_backend(
         params.run_id,
         store,

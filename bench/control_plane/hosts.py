@@ -117,7 +117,14 @@ def _host(
         local_addr="127.0.0.1",
         **rdzv_conf,
     )
-    parts = [_Participant(create_etcd3_handler(params), EtcdClient(endpoint)) for _ in range(count)]
+    # The host's simulated agents share one etcd connection, and its workers another: etcd
+    # sees every request a real node makes, over 2 connections per host rather than 2 per node
+    # (a gRPC channel and its threads per simulated node starve 2 cores at 1,024 nodes).
+    agents_etcd = EtcdClient(endpoint, retry_timeout=conf.join_timeout)
+    workers_etcd = EtcdClient(endpoint)
+    parts = [
+        _Participant(create_etcd3_handler(params, agents_etcd), workers_etcd) for _ in range(count)
+    ]
     for p in parts:
         _time_heartbeats(p)
     cpu: list[tuple[float, float]] = []
