@@ -220,6 +220,12 @@ def alive_prefix(run_id: str) -> str:
     return f"{state_key(run_id)}.alive/"
 
 
+def delta_prefix(run_id: str) -> str:
+    """etcd prefix of the state's deltas (see "Scale"): after the alive keys, so that one range
+    read returns both, and the state key itself is not in it."""
+    return f"{state_key(run_id)}.delta/"
+
+
 def read_rendezvous(
     client: EtcdClient, run_id: str, secret: bytes | None = None
 ) -> tuple[_RendezvousState | None, set[_NodeDesc], int]:
@@ -411,6 +417,87 @@ def copy_state(state: _RendezvousState) -> _RendezvousState:
     new.redundancy_list = set(state.redundancy_list)
     new.last_heartbeats = dict(state.last_heartbeats)
     return new
+
+
+# A state's delta: (round, complete, deadline, closed, participants set, participants removed,
+# wait list added, removed, redundancy list added, removed, heartbeats set, removed)
+StateDiff = tuple[
+    int,
+    bool,
+    datetime | None,
+    bool,
+    dict[_NodeDesc, int],
+    list[_NodeDesc],
+    set[_NodeDesc],
+    set[_NodeDesc],
+    set[_NodeDesc],
+    set[_NodeDesc],
+    dict[_NodeDesc, datetime],
+    list[_NodeDesc],
+]
+_GONE = object()
+
+
+def state_diff(old: _RendezvousState, new: _RendezvousState) -> StateDiff:
+    """What turns `old` into `new` (`apply_diff`): O(what changed), not O(nodes), except when a
+    round completes and every participant gets its rank."""
+    op, ob = old.participants, old.last_heartbeats
+    return (
+        new.round,
+        new.complete,
+        new.deadline,
+        new.closed,
+        {n: r for n, r in new.participants.items() if op.get(n, _GONE) != r},
+        [n for n in op if n not in new.participants],
+        new.wait_list - old.wait_list,
+        old.wait_list - new.wait_list,
+        new.redundancy_list - old.redundancy_list,
+        old.redundancy_list - new.redundancy_list,
+        {n: b for n, b in new.last_heartbeats.items() if ob.get(n, _GONE) != b},
+        [n for n in ob if n not in new.last_heartbeats],
+    )
+
+
+def apply_diff(old: _RendezvousState, diff: StateDiff) -> _RendezvousState:
+    """`old` (unchanged) with `diff` applied: equal to the state the diff was taken to, its
+    dicts in the same order."""
+    new = copy_state(old)
+    (new.round, new.complete, new.deadline, new.closed) = diff[:4]
+    p_set, p_del, w_add, w_del, r_add, r_del, b_set, b_del = diff[4:]
+    for node in p_del:
+        new.participants.pop(node, None)
+    new.participants.update(p_set)
+    new.wait_list = (new.wait_list - w_del) | w_add
+    new.redundancy_list = (new.redundancy_list - r_del) | r_add
+    for node in b_del:
+        new.last_heartbeats.pop(node, None)
+    new.last_heartbeats.update(b_set)
+    return new
+
+
+# A delta as stored: (the state's mod revision it applies to, the state's version after it,
+# the diff); a state written whole by a writer that keeps no deltas leaves `RELOAD`.
+RELOAD = b"reload"
+
+
+def encode_delta(base: int, version: int, diff: StateDiff) -> bytes:
+    return pickle.dumps((base, version, diff))
+
+
+def decode_delta(data: bytes) -> tuple[int, int, StateDiff] | None:
+    """A stored delta (unpickled with torch's rendezvous classes only), None for `RELOAD` or
+    anything that is not a delta: the reader then reads the whole state."""
+    if data == RELOAD:
+        return None
+    try:
+        base, version, diff = _StateUnpickler(io.BytesIO(data)).load()
+    except Exception:
+        return None
+    if not (isinstance(base, int) and isinstance(version, int) and isinstance(diff, tuple)):
+        return None
+    if len(diff) != 12:
+        return None
+    return base, version, diff
 
 
 def overlay(
@@ -647,6 +734,9 @@ _NO_HOLDER: Any = None
 # Intents applied by one combining transaction: etcd refuses more than --max-txn-ops (128)
 # compares or operations in one, and each intent takes a compare and a delete.
 MAX_BATCH = 100
+# The ring of the state's last deltas (see "Scale"): a node that fell further behind than this
+# many writes reads the state whole.
+DELTA_SLOTS = 64
 
 
 class _Intent:
@@ -701,15 +791,21 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._notes: dict[int, _Action] = {}
         # what this node last read: the stored state (-1: never read, 0: absent) ...
         self._m_rev = -1
-        self._m_value: str | None = None
+        self._m_present = False
+        self._m_value: str | None = None  # as read whole (None: made from deltas, or absent)
         self._m_state: _RendezvousState | None = None
+        self._m_version = 0  # the state key's version (etcd counts its writes): a delta's slot
         # ... the alive keys (key -> (node or None if it does not verify, create revision, mod
         # revision)), and the store revision all of this is as of (the next read asks what
         # changed since)
         self._alive_keys: dict[bytes, tuple[_NodeDesc | None, int, int]] = {}
         self._alive_version = 0
         self._seen = 0
-        self._span_end = _prefix_end(self._alive_prefix)
+        # a read spans the alive keys and the deltas, not the state key (see "Scale")
+        self._delta_prefix = delta_prefix(run_id)
+        self._span_start = self._key + "."
+        self._span_end = _prefix_end(self._delta_prefix)
+        self._delta_keys: dict[bytes, int] = {}  # delta slot -> mod revision (for the count)
         self._relisted_at = -math.inf
         # ... the pending intents (oldest first), and what the state handed out last was made
         # of (stored revision, alive keys' version): unchanged, the holder keeps its own copy
@@ -827,24 +923,28 @@ class EtcdRendezvousBackend(RendezvousBackend):
             current = self._get_plain()
             return None if current is None else (*current, False)
         value = self._seal(self._key, state)
-        applied, value, new_revision = self._etcd(
-            self._client.try_put_at_revision, self._key, value, revision
+        # a node that follows the deltas reads a state written without one whole (`RELOAD`)
+        plain = f"{self._delta_prefix}plain"
+        reply = self._txn(
+            "write",
+            [_mod_is(self._key, revision)],
+            [_put(self._key, value), _put(plain, self._seal(plain, RELOAD)), _rng(self._key)],
+            [_rng(self._key)],
         )
-        self.stats["requests"] += 1
-        self.stats["bytes_out"] += len(self._key) + len(value or "")
+        applied = bool(reply.succeeded)
         self.stats["cas_won" if applied else "cas_lost"] += 1
-        if value is None:  # lost the race to a delete: no state at all
+        kvs = reply.responses[-1].response_range.kvs
+        if not kvs:  # lost the race to a delete: no state at all
             return None
-        self.stats["bytes_in"] += len(value)
-        return self._decode(value), new_revision, applied
+        return self._decode(kvs[0].value.decode()), int(kvs[0].mod_revision), applied
 
     # -- bound: reads ------------------------------------------------------------------------
 
     def _read_op(self) -> pb.RequestOp:
-        """What a read needs, as one range (the alive keys sit right after the state key): the
-        state if it changed and the alive keys that appeared since the last read; its count is
-        the number of keys before that filter, so a lapsed lease shows as one key missing."""
-        return _rng(self._key, self._span_end, min_mod=self._seen + 1)
+        """What a read needs, as one range over the alive keys and the deltas (right after the
+        state key, which it leaves out): what was written there since the last read; its count
+        is the number of keys before that filter, so a lapsed lease shows as one key missing."""
+        return _rng(self._span_start, self._span_end, min_mod=self._seen + 1)
 
     def _read(self) -> None:
         # a range, not a transaction: etcd before 3.5.5 crashes when a client gives up on a
@@ -854,65 +954,107 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._absorb(self._range("read", request), self._header_revision)
 
     def _absorb(self, answer: pb.RangeResponse, revision: int) -> None:
-        """Take in a `_read_op` answered as of store `revision`."""
+        """Take in a `_read_op` answered as of store `revision`: the alive keys, and the state
+        moved along the deltas written since (read whole when they do not lead on from the
+        revision held: never read yet, a slot overwritten before it was read, a writer that
+        keeps no deltas)."""
+        deltas = []
         for kv in answer.kvs:
-            if kv.key == self._key.encode():
-                self._set_stored(kv.value.decode(), int(kv.mod_revision))
+            if kv.key.startswith(self._delta_prefix.encode()):
+                self._delta_keys[kv.key] = int(kv.mod_revision)
+                deltas.append(kv)
             else:
                 self._see_alive(kv)
         self._seen = max(self._seen, revision)
-        expected = len(self._alive_keys) + (self._m_value is not None)
-        if answer.count != expected:  # a lease lapsed (or the state was deleted)
-            self._relist()
+        whole = self._m_rev < 0
+        for kv in sorted(deltas, key=lambda kv: int(kv.mod_revision)):
+            if whole or int(kv.mod_revision) <= self._m_rev:
+                continue
+            if not self._follow(kv):
+                whole = True
+        if whole:
+            self._read_state()
+        if answer.count != len(self._alive_keys) + len(self._delta_keys):
+            self._relist()  # a lease lapsed (or the rendezvous was deleted)
+
+    def _follow(self, kv: Any) -> bool:
+        """Apply the delta `kv` to the state held; False if it does not lead on from it."""
+        try:
+            delta = decode_delta(self._open(kv.key.decode(), kv.value.decode()))
+        except (RendezvousStateError, ValueError, binascii.Error):
+            delta = None
+        if delta is None or delta[0] != self._m_rev or not self._m_present:
+            return False
+        held = self._stored()
+        assert held is not None
+        try:
+            state = apply_diff(held, delta[2])
+        except (TypeError, ValueError, AttributeError):
+            return False
+        self._m_value, self._m_state = None, state
+        self._m_rev, self._m_version = int(kv.mod_revision), delta[1]
+        self.stats["deltas"] += 1
+        return True
+
+    def _read_state(self) -> None:
+        """The state key, whole."""
+        self.stats["state_reads"] += 1
+        answer = self._range("state", _rng(self._key).request_range)
+        kv = answer.kvs[0] if answer.kvs else None
+        if kv is None:
+            self._set_stored(None, 0)
+        else:
+            self._set_stored(kv.value.decode(), int(kv.mod_revision), int(kv.version))
 
     def _relist(self) -> None:
-        """Read the state and every alive key again, at most once a heartbeat interval (every
-        node does it when one lease lapses; a death is noticed that much later at worst). Keys
-        only: an alive key already verified at the same revision is not read or checked again,
-        so a relist costs etcd and this node O(nodes) small keys, not O(nodes) signatures."""
+        """List the state, the alive keys and the deltas again, at most once a heartbeat
+        interval (every node does it when one lease lapses; a death is noticed that much later
+        at worst). Keys only: an alive key already verified at the same revision is not read or
+        checked again, so a relist costs etcd and this node O(nodes) small keys, not O(nodes)
+        signatures."""
         now = time.monotonic()
         if now - self._relisted_at < self._refresh_s:
             return
         self._relisted_at = now
         request = _rng(self._key, self._span_end, keys_only=True).request_range
         answer = self._range("relist", request)
-        old, alive = self._alive_keys, {}
+        old, alive, deltas = self._alive_keys, {}, {}
         stale, state_rev = [], 0
         for kv in answer.kvs:
             if kv.key == self._key.encode():
                 state_rev = int(kv.mod_revision)
-                continue
-            known = old.get(kv.key)
-            if known is not None and known[2] == int(kv.mod_revision):
+            elif kv.key.startswith(self._delta_prefix.encode()):
+                deltas[kv.key] = int(kv.mod_revision)
+            elif (known := old.get(kv.key)) is not None and known[2] == int(kv.mod_revision):
                 alive[kv.key] = known
             else:
                 stale.append(int(kv.mod_revision))
-        if state_rev and state_rev != self._m_rev:
-            stale.append(state_rev)
-        self._alive_keys = alive
+        self._alive_keys, self._delta_keys = alive, deltas
         if stale:
-            # the values of what changed: written at or after the oldest such revision
-            request = _rng(self._key, self._span_end, min_mod=min(stale)).request_range
+            # the values of the alive keys that changed: written at or after the oldest of them
+            end = _prefix_end(self._alive_prefix)
+            request = _rng(self._alive_prefix, end, min_mod=min(stale)).request_range
             for kv in self._range("relist", request).kvs:
-                if kv.key == self._key.encode():
-                    self._set_stored(kv.value.decode(), int(kv.mod_revision))
-                else:
-                    self._see_alive(kv)
-        if not state_rev:
-            self._set_stored(None, 0)
+                self._see_alive(kv)
+        if state_rev != max(self._m_rev, 0):
+            self._read_state()
         if set(alive) != set(old) or stale:
             self._alive_version += 1
         self._seen = self._header_revision
 
-    def _set_stored(self, value: str | None, revision: int) -> None:
-        if revision != self._m_rev or value != self._m_value:
+    def _set_stored(self, value: str | None, revision: int, version: int = 0) -> None:
+        """The state as read (or written) whole: `value` at `revision` (None, 0: absent)."""
+        if revision != self._m_rev or value != self._m_value or not self._m_present:
             self._m_value, self._m_rev, self._m_state = value, revision, None
+        self._m_present = value is not None
+        self._m_version = version if value is not None else 0
 
     def _stored(self) -> _RendezvousState | None:
         """The stored state, verified and unpickled with torch's classes only (once a revision)."""
-        if self._m_value is None:
+        if not self._m_present:
             return None
         if self._m_state is None:
+            assert self._m_value is not None
             self._m_state = decode_state(self._decode(self._m_value))
         return self._m_state
 
@@ -952,7 +1094,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     ) -> tuple[_RendezvousState | None, Token, bool]:
         self.stats["heartbeats"] += 1
         self._keep_lease(force=True)
-        if token == self._m_rev and self._m_value is not None:
+        if token == self._m_rev and self._m_present:
             return state, token, True  # nothing newer known: the handler's own state stands
         return self._view(), self._m_rev, True
 
@@ -1181,12 +1323,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
             )
             applied = replay(view, changes, self._settings)
             written = persisted(view, stored)
-            value = self._seal(self._key, encode_state(written))
+            value, writes, after = self._writes(written, stored, base)
             done = mine is not None
             late = time.monotonic() > deadline
-            # what changed since the last read, then the write (the only key of the span that
-            # this transaction's revision touches: the read is as of that revision too)
-            success = [self._read_op(), _put(self._key, value)]
+            # what changed since the last read, then the write (the read is as of the revision
+            # before it)
+            success = [self._read_op(), *writes]
             success += [_delete(it.key) for it in batch]
             if done or late:
                 success.append(_delete(self._lock_key))
@@ -1203,8 +1345,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 self.stats["combines"] += 1
                 self.stats["combined"] += len(changes)
                 self._absorb(reply.responses[0].response_range, reply.header.revision)
-                self._set_stored(value, int(reply.header.revision))
-                self._m_state = written
+                self._wrote(value, written, after, int(reply.header.revision))
                 self._take_intents(reply.responses[-1])
                 if done:
                     # the handler's view: the state just written, as replayed (leases ALIVE)
@@ -1265,21 +1406,40 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.stats["writes_as_is"] += 1
         stored = self._stored()
         written = persisted(state, stored)
-        base = 0 if token is None else token if isinstance(token, int) and token > 0 else -1
-        value = self._seal(self._key, encode_state(written))
+        # None or 0: no state yet (mod revision 0); anything else not handed out cannot match
+        base = 0 if token is None else token if isinstance(token, int) and token >= 0 else -1
+        value, writes, after = self._writes(written, stored, base)
         reply = self._txn(
-            "write",
-            [_mod_is(self._key, base)],
-            [self._read_op(), _put(self._key, value)],
-            [self._read_op()],
+            "write", [_mod_is(self._key, base)], [self._read_op(), *writes], [self._read_op()]
         )
         self._absorb(reply.responses[0].response_range, reply.header.revision)
         if reply.succeeded:
-            self._set_stored(value, int(reply.header.revision))
-            self._m_state = written
+            self._wrote(value, written, after, int(reply.header.revision))
             self._handed = (self._m_rev, self._alive_version)
             return state, self._m_rev, True
         return self._view(), self._m_rev, False
+
+    def _writes(
+        self, written: _RendezvousState, stored: _RendezvousState | None, base: int
+    ) -> tuple[str, list[pb.RequestOp], tuple[int, bytes]]:
+        """Writing `written` over `stored` (at mod revision `base`): the state whole, for
+        torch's format and whoever reads it whole, and its delta in the ring of
+        `DELTA_SLOTS` for the nodes that hold `stored`; (the value, the puts, (the state's
+        version after, the delta's key))."""
+        value = self._seal(self._key, encode_state(written))
+        version = self._m_version + 1 if self._m_present else 1
+        slot = f"{self._delta_prefix}{version % DELTA_SLOTS:02d}"
+        diff = state_diff(stored or _RendezvousState(), written)
+        delta = self._seal(slot, encode_delta(base, version, diff))
+        return value, [_put(self._key, value), _put(slot, delta)], (version, slot.encode())
+
+    def _wrote(
+        self, value: str, written: _RendezvousState, after: tuple[int, bytes], revision: int
+    ) -> None:
+        """Hold what `_writes` wrote at `revision` as the state read."""
+        self._set_stored(value, revision, after[0])
+        self._m_state = written
+        self._delta_keys[after[1]] = revision
 
     # -- etcd, signing ---------------------------------------------------------------------------
 

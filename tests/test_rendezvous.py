@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ import time
 import uuid
 from base64 import b64encode
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -419,16 +420,23 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 
 from orchestrator.rendezvous import (  # noqa: E402
     ALIVE,
+    DELTA_SLOTS,
     MEMBERSHIP_ACTIONS,
+    RELOAD,
     action_valid,
     alive_prefix,
+    apply_diff,
+    decode_delta,
     decode_state,
+    delta_prefix,
+    encode_delta,
     encode_state,
     overlay,
     persisted,
     read_rendezvous,
     replay,
     sanitize,
+    state_diff,
 )
 
 A = _Action
@@ -541,6 +549,100 @@ def test_random_interleavings_never_lose_duplicate_or_reopen() -> None:
                 ranks = list(state.participants.values())
                 assert len(set(ranks)) == len(ranks)
             assert state.round >= before.round
+
+
+def _same(a: _RendezvousState, b: _RendezvousState) -> bool:
+    """Equal in every field, the dicts in the same order (what torch would pickle alike)."""
+    fields = ("round", "complete", "deadline", "closed", "wait_list", "redundancy_list")
+    return all(getattr(a, f) == getattr(b, f) for f in fields) and all(
+        list(getattr(a, f).items()) == list(getattr(b, f).items())
+        for f in ("participants", "last_heartbeats")
+    )
+
+
+def test_a_delta_turns_the_state_before_into_the_state_after() -> None:
+    import random
+
+    rng = random.Random(7)
+    actions = sorted(MEMBERSHIP_ACTIONS, key=lambda a: a.value)
+    for _trial in range(200):
+        s = settings(min_nodes=rng.randint(1, 4), max_nodes=rng.randint(4, 6))
+        state = _RendezvousState()
+        for _batch in range(rng.randint(1, 6)):
+            before = decode_state(encode_state(state))
+            replay(state, [(node(rng.randint(1, 8)), rng.choice(actions)) for _ in range(8)], s)
+            stored = decode_delta(encode_delta(17, 3, state_diff(before, state)))
+            assert stored is not None and stored[:2] == (17, 3)
+            after = apply_diff(before, stored[2])
+            assert _same(after, state)
+            assert _same(before, decode_state(encode_state(before)))  # the old one untouched
+    # a delta is O(what changed): one join into a round of 200 carries that node only
+    big = _RendezvousState()
+    for i in range(200):
+        big.participants[node(i)] = 0
+        big.last_heartbeats[node(i)] = datetime.now(UTC)
+    grown = decode_state(encode_state(big))
+    replay(grown, [(node(200), A.ADD_TO_PARTICIPANTS)], settings(1, 300))
+    assert len(encode_delta(1, 2, state_diff(big, grown))) < len(encode_state(grown)) // 50
+    # what is not a delta is read as "read the whole state", never unpickled beyond torch's
+    assert decode_delta(RELOAD) is None
+    assert decode_delta(b"not a pickle") is None
+    assert decode_delta(pickle.dumps(("x", 1, ()))) is None
+
+
+def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every state write leaves its delta in a ring of slots; a node that holds the state the
+    delta starts from applies it instead of reading the whole state, and gets what a whole
+    read gets. A node further behind than the ring, or after a write without a delta (an
+    unbound writer's), reads the whole state."""
+    monkeypatch.setenv(keys.RDZV_SECRET_ENV, SECRET.decode())
+    rid = run_id()
+    # heartbeats that do not expire while the test runs (torch's expiry is not the point here)
+    s = RendezvousSettings("run", 1, 2 * DELTA_SLOTS, RendezvousTimeout(), timedelta(hours=1), 3)
+    writer, follower, laggard = (EtcdRendezvousBackend(etcd, rid, SECRET) for _ in range(3))
+    for i, b in enumerate((writer, follower, laggard)):
+        b.bind(node(1000 + i), s)
+    writer.read()
+    follower.read()
+    laggard.read()
+    joined = 0
+
+    def join(count: int, reader: Any) -> None:
+        nonlocal joined
+        for _ in range(count):
+            state, token = writer.read()
+            state = state or _RendezvousState()
+            replay(state, [(node(joined), A.ADD_TO_PARTICIPANTS)], s)
+            joined += 1
+            assert writer._write_as_is(state, token)[2]
+            if reader is not None:
+                reader.read()
+
+    whole = follower.stats["state_reads"]
+    join(10, follower)
+    assert follower.stats["deltas"] >= 9 and follower.stats["state_reads"] - whole <= 1
+    stored = decode_state(verify_state(SECRET, state_key(rid), etcd.get(state_key(rid))))
+    assert _same(follower._stored(), stored)
+    assert len(follower._stored().participants) == 10
+    # the ring is bounded: DELTA_SLOTS keys at most, whatever the number of writes
+    join(DELTA_SLOTS + 5, None)
+    assert etcd.count_prefix(delta_prefix(rid)) == DELTA_SLOTS
+    laggard_whole = laggard.stats["state_reads"]
+    laggard.read()  # more writes behind than the ring holds: the whole state
+    assert laggard.stats["state_reads"] == laggard_whole + 1
+    stored = decode_state(verify_state(SECRET, state_key(rid), etcd.get(state_key(rid))))
+    assert _same(laggard._stored(), stored)
+    assert len(stored.participants) == 10 + DELTA_SLOTS + 5
+    # an unbound writer (torch's interface) leaves no delta: the others read the whole state
+    plain = EtcdRendezvousBackend(etcd, rid, SECRET)
+    raw, token = plain.get_state()
+    state = decode_state(raw)
+    replay(state, [(node(999), A.ADD_TO_PARTICIPANTS)], s)
+    assert plain.set_state(encode_state(state), token)[2]
+    follower.read()
+    assert node(999) in follower._stored().participants
 
 
 def _bound(etcd_server: EmbeddedEtcd, rid: str, i: int, **conf: Any) -> Any:
