@@ -799,7 +799,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
         # revision)), and the store revision all of this is as of (the next read asks what
         # changed since)
         self._alive_keys: dict[bytes, tuple[_NodeDesc | None, int, int]] = {}
+        self._alive_set: set[_NodeDesc] = set()  # the nodes of those that verify
         self._alive_version = 0
+        # the heartbeats of the handler's view (`overlay`), kept up to date by the nodes whose
+        # beat or lease changed (None: build again), so that following a delta or a new lease
+        # costs O(what changed), not O(nodes), per node
+        self._vb: dict[_NodeDesc, datetime] | None = None
+        self._vb_dirty: set[_NodeDesc] = set()
         self._seen = 0
         # a read spans the alive keys and the deltas, not the state key (see "Scale")
         self._delta_prefix = delta_prefix(run_id)
@@ -993,6 +999,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return False
         self._m_value, self._m_state = None, state
         self._m_rev, self._m_version = int(kv.mod_revision), delta[1]
+        self._vb_dirty.update(delta[2][10])
+        self._vb_dirty.update(delta[2][11])
         self.stats["deltas"] += 1
         return True
 
@@ -1030,6 +1038,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             else:
                 stale.append(int(kv.mod_revision))
         self._alive_keys, self._delta_keys = alive, deltas
+        self._alive_set = {node for node, _, _ in alive.values() if node is not None}
+        self._vb = None
         if stale:
             # the values of the alive keys that changed: written at or after the oldest of them
             end = _prefix_end(self._alive_prefix)
@@ -1046,6 +1056,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """The state as read (or written) whole: `value` at `revision` (None, 0: absent)."""
         if revision != self._m_rev or value != self._m_value or not self._m_present:
             self._m_value, self._m_rev, self._m_state = value, revision, None
+            self._vb = None
         self._m_present = value is not None
         self._m_version = version if value is not None else 0
 
@@ -1068,12 +1079,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
             except (RendezvousStateError, ValueError, binascii.Error):
                 node = None
         entry = (node, int(kv.create_revision), int(kv.mod_revision))
-        if self._alive_keys.get(kv.key) != entry:
+        old = self._alive_keys.get(kv.key)
+        if old != entry:
             self._alive_keys[kv.key] = entry
             self._alive_version += 1
+            if old is not None and old[0] is not None:
+                self._alive_set.discard(old[0])
+                self._vb_dirty.add(old[0])
+            if node is not None:
+                self._alive_set.add(node)
+                self._vb_dirty.add(node)
 
     def _alive_nodes(self) -> set[_NodeDesc]:
-        return {node for node, _, _ in self._alive_keys.values() if node is not None}
+        return self._alive_set
 
     def _view(self, held: _RendezvousState | None = None) -> _RendezvousState | None:
         """The state as this node's handler sees it (`overlay`): `held` when nothing changed
@@ -1085,7 +1103,27 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if held is not None and made_of == self._handed:
             return held
         self._handed = made_of
-        return overlay(stored, self._alive_nodes(), self._me, self._my_heartbeat)
+        return self._overlaid(stored)
+
+    def _overlaid(self, stored: _RendezvousState) -> _RendezvousState:
+        """`overlay(stored, alive nodes, this node, its heartbeat)`, from the view's heartbeats
+        kept up to date (`_vb`)."""
+        beats, alive, me = stored.last_heartbeats, self._alive_set, self._me
+        if self._vb is None:
+            self._vb = {n: ALIVE if n in alive and n != me else b for n, b in beats.items()}
+        else:
+            for n in self._vb_dirty:
+                beat = beats.get(n)
+                if beat is None:
+                    self._vb.pop(n, None)
+                else:
+                    self._vb[n] = ALIVE if n in alive and n != me else beat
+        self._vb_dirty.clear()
+        view = copy_state(stored)
+        view.last_heartbeats = dict(self._vb)
+        if me is not None and me in view.last_heartbeats and self._my_heartbeat is not None:
+            view.last_heartbeats[me] = self._my_heartbeat
+        return view
 
     # -- bound: heartbeats -------------------------------------------------------------------
 
@@ -1439,6 +1477,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """Hold what `_writes` wrote at `revision` as the state read."""
         self._set_stored(value, revision, after[0])
         self._m_state = written
+        self._vb = None
         self._delta_keys[after[1]] = revision
 
     # -- etcd, signing ---------------------------------------------------------------------------

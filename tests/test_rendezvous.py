@@ -431,6 +431,7 @@ from orchestrator.rendezvous import (  # noqa: E402
     delta_prefix,
     encode_delta,
     encode_state,
+    node_id,
     overlay,
     persisted,
     read_rendezvous,
@@ -551,12 +552,12 @@ def test_random_interleavings_never_lose_duplicate_or_reopen() -> None:
             assert state.round >= before.round
 
 
-def _same(a: _RendezvousState, b: _RendezvousState) -> bool:
-    """Equal in every field, the dicts in the same order (what torch would pickle alike)."""
+def _same(a: _RendezvousState, b: _RendezvousState, ordered: bool = True) -> bool:
+    """Equal in every field, the dicts in the same order unless not `ordered`."""
     fields = ("round", "complete", "deadline", "closed", "wait_list", "redundancy_list")
+    as_is = (lambda d: list(d.items())) if ordered else dict
     return all(getattr(a, f) == getattr(b, f) for f in fields) and all(
-        list(getattr(a, f).items()) == list(getattr(b, f).items())
-        for f in ("participants", "last_heartbeats")
+        as_is(getattr(a, f)) == as_is(getattr(b, f)) for f in ("participants", "last_heartbeats")
     )
 
 
@@ -643,6 +644,56 @@ def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind
     assert plain.set_state(encode_state(state), token)[2]
     follower.read()
     assert node(999) in follower._stored().participants
+
+
+def test_the_view_kept_up_to_date_is_the_overlay_built_whole() -> None:
+    """A node's view follows deltas and new leases by what changed (`_vb`); it must be what
+    `overlay` builds from the whole state and the alive nodes, at every step."""
+    import random
+
+    from pyetcd.etcdrpc import kv_pb2
+
+    rng = random.Random(3)
+    s = RendezvousSettings("run", 1, 12, RendezvousTimeout(), timedelta(hours=1), 3)
+    b = EtcdRendezvousBackend(None, "run", SECRET)  # fed by hand: it never calls etcd here
+    me = node(0)
+    b.bind(me, s)
+    b._my_heartbeat = datetime.now(UTC)
+    state = _RendezvousState()
+    b._set_stored(sign_state(SECRET, b.key, encode_state(state)), 1, 1)
+    revision, lease = 1, 100
+    actions = [A.ADD_TO_PARTICIPANTS, A.ADD_TO_WAIT_LIST, A.REMOVE_FROM_PARTICIPANTS]
+    for _step in range(300):
+        revision += 1
+        if rng.random() < 0.5:  # a state write, followed by its delta
+            before = decode_state(encode_state(state))
+            replay(state, [(node(rng.randint(0, 11)), rng.choice(actions))], s)
+            slot = f"{delta_prefix('run')}00"
+            delta = encode_delta(b._m_rev, b._m_version + 1, state_diff(before, state))
+            kv = kv_pb2.KeyValue(
+                key=slot.encode(),
+                value=sign_state(SECRET, slot, delta).encode(),
+                mod_revision=revision,
+            )
+            assert b._follow(kv)
+        else:  # a node's lease, new or granted again
+            lease += 1
+            key = alive_prefix("run") + node_id(node(rng.randint(0, 11)))
+            value = sign_state(SECRET, key, b"%x" % lease)
+            b._see_alive(
+                kv_pb2.KeyValue(
+                    key=key.encode(),
+                    value=value.encode(),
+                    lease=lease,
+                    create_revision=revision,
+                    mod_revision=revision,
+                )
+            )
+        if rng.random() < 0.3:
+            kept = b._overlaid(b._stored())
+            whole = overlay(b._stored(), b._alive_nodes(), me, b._my_heartbeat)
+            assert _same(kept, whole, ordered=False)
+            assert kept.last_heartbeats == whole.last_heartbeats
 
 
 def _bound(etcd_server: EmbeddedEtcd, rid: str, i: int, **conf: Any) -> Any:

@@ -15,6 +15,9 @@ ABORT_POLL_S = 0.2  # trainer.process.AbortWatch's default
 JOIN_POLL_S = 0.05  # trainer.process.join's assignment poll
 AGENT_LEASE_S = 10  # `pipetransformer workers` launcher presence (orchestrator.cli.cmd_workers)
 CONTROLLER_TICK_S = 0.1  # Controller.supervise's default interval
+# threads per host process that run its simulated nodes' polls and reports (bench/control_plane
+# /simulate.py run_periodic): enough that a call waiting on etcd delays few others
+SCHEDULING_THREADS = 16
 DEFAULT_SIZES = (8, 16, 64, 256)
 
 

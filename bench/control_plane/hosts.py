@@ -16,6 +16,7 @@ import time
 import traceback
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from core import keys
@@ -24,9 +25,9 @@ from core.protocol import Assignment, JoinRequest
 from core.state import Layout
 from orchestrator.launch import HEARTBEATS_MISSED, LAST_CALL_S
 
-from .config import JOB, JOIN_POLL_S, Config, PhaseFailed
+from .config import JOB, JOIN_POLL_S, SCHEDULING_THREADS, Config, PhaseFailed
 from .simulate import (
-    _agent_loop,
+    _agent_tasks,
     _backend_stats,
     _Participant,
     _rendezvous,
@@ -34,7 +35,8 @@ from .simulate import (
     _summarise,
     _time_heartbeats,
     _WarningCounter,
-    _worker_loop,
+    _worker_tasks,
+    run_periodic,
 )
 
 
@@ -185,27 +187,22 @@ def _host(
     steady = time.time()
     steady_backend = _backend_stats(parts)
     stop = threading.Event()
-    ready = threading.Barrier(count + 1)
-    for p in parts:
-        for target, args in (
-            (_agent_loop, (p, stop, JOB)),
-            (_worker_loop, (p, stop, ready, JOB, generation, layout, conf)),
-        ):
-            t = threading.Thread(target=target, args=args, daemon=True)
-            p.threads.append(t)
-            t.start()
-    try:
-        ready.wait(timeout=conf.phase_timeout)
-    except threading.BrokenBarrierError:
-        pass
+
+    def start(p: _Participant) -> list[list[Any]]:
+        return _agent_tasks(p, JOB) + _worker_tasks(p, JOB, generation, layout, conf)
+
+    # every participant's agent and worker start at once (a pool, as the nodes start in
+    # parallel), then a few threads run all their periodic polls and reports
+    with ThreadPoolExecutor(max_workers=min(64, count)) as pool:
+        tasks = [t for ts in pool.map(start, parts) for t in ts]
+    loops = run_periodic(stop, tasks, SCHEDULING_THREADS)
     res_q.put(("steady", index, {"threads": threading.active_count()}))
 
     msg = _expect(cmd_q, "stop", 1e6)  # the benchmark bounds the steady phase
     t0, t1 = msg[1], msg[2]
     stop.set()
-    for p in parts:
-        for t in p.threads:
-            t.join(timeout=5.0)
+    for t in loops:
+        t.join(timeout=5.0)
     summary = _summarise(parts, t0, t1)
     summary["threads"] = threading.active_count()
     # what the agents' rendezvous backends cost while steady (heartbeats, monitor reads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -61,7 +62,6 @@ class _Participant:
         self.aborted_at: float | None = None
         self.reporter: Any = None
         self.rendezvoused = True  # False: its rendezvous failed, no agent polls to simulate
-        self.threads: list[threading.Thread] = []
 
     @property
     def agent_etcd(self) -> EtcdClient:
@@ -152,7 +152,24 @@ def _periodic(stop: threading.Event, tasks: list[list[Any]]) -> None:
         task[0] = max(task[0] + task[1], time.monotonic())
 
 
-def _agent_loop(p: _Participant, stop: threading.Event, job: str) -> None:
+def run_periodic(
+    stop: threading.Event, tasks: list[list[Any]], threads: int
+) -> list[threading.Thread]:
+    """Run `tasks` ([next_due, period, fn] each) on `threads` threads, each taking every
+    threads-th task: a host's simulated nodes share a few scheduling threads instead of two
+    each (1,024 nodes' threads on 2 cores starve each other, which real nodes do not)."""
+    started = []
+    for i in range(max(1, min(threads, len(tasks)))):
+        share = tasks[i::threads]
+        t = threading.Thread(target=_periodic, args=(stop, share), daemon=True)
+        t.start()
+        started.append(t)
+    return started
+
+
+def _agent_tasks(p: _Participant, job: str) -> list[list[Any]]:
+    """What a torchrun agent does while its workers run: the launcher's presence key, and the
+    monitor loop's poll (as periodic tasks)."""
     lease = p.call("agent_lease", p.agent_etcd.lease, AGENT_LEASE_S)
     if lease is not None:
         key = f"{keys.agents(job)}{p.node.replace(':', '-')}"
@@ -160,7 +177,7 @@ def _agent_loop(p: _Participant, stop: threading.Event, job: str) -> None:
         p.agent_keepalive = p.agent_etcd.keep_alive(lease)
 
     if not p.rendezvoused:
-        return
+        return []
 
     def monitor() -> None:  # torchrun's monitor loop asks whether nodes wait to join
         waiting = p.call("monitor", p.handler.num_nodes_waiting)
@@ -168,44 +185,32 @@ def _agent_loop(p: _Participant, stop: threading.Event, job: str) -> None:
         if waiting is not None:
             p.views.append((time.time(), waiting, len(state.participants), state.round))
 
-    _periodic(stop, [[time.monotonic(), MONITOR_S, monitor]])
+    return [[time.monotonic() + random.uniform(0, MONITOR_S), MONITOR_S, monitor]]
 
 
-def _worker_loop(
-    p: _Participant,
-    stop: threading.Event,
-    ready: threading.Barrier,
-    job: str,
-    generation: int,
-    layout: Layout,
-    conf: Config,
-) -> None:
+def _worker_tasks(
+    p: _Participant, job: str, generation: int, layout: Layout, conf: Config
+) -> list[list[Any]]:
+    """A worker's start (presence lease, `Started`), then what it does while it trains: abort
+    polls and, where it reports, `Metrics` (as periodic tasks)."""
     from trainer.process import Reporter, hold_presence
 
     rank = p.result["rank"]
     pipe = layout.pipeline_ranks
-    try:
-        p.presence = p.call(
-            "presence", hold_presence, p.wc, job, rank, generation, conf.lease_ttl_s
-        )
-        p.reporter = Reporter(p.wc, job, generation, rank)
-        stages = [s.index for s in layout.stages if rank in s.ranks]
-        p.call(
-            "report",
-            p.reporter.emit,
-            Started,
-            stages=stages,
-            replica=rank // pipe,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            node=p.node,
-            total_steps=10**6,
-        )
-    finally:
-        try:
-            ready.wait(timeout=conf.phase_timeout)
-        except threading.BrokenBarrierError:
-            pass
+    p.presence = p.call("presence", hold_presence, p.wc, job, rank, generation, conf.lease_ttl_s)
+    p.reporter = Reporter(p.wc, job, generation, rank)
+    stages = [s.index for s in layout.stages if rank in s.ranks]
+    p.call(
+        "report",
+        p.reporter.emit,
+        Started,
+        stages=stages,
+        replica=rank // pipe,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        node=p.node,
+        total_steps=10**6,
+    )
     abort_key = keys.abort(job)
 
     def abort_watch() -> None:
@@ -213,7 +218,7 @@ def _worker_loop(
         if value == str(generation) and p.aborted_at is None:
             p.aborted_at = time.time()
 
-    tasks = [[time.monotonic(), ABORT_POLL_S, abort_watch]]
+    tasks = [[time.monotonic() + random.uniform(0, ABORT_POLL_S), ABORT_POLL_S, abort_watch]]
     reports = rank % pipe == pipe - 1 and (conf.metrics_from == "replica" or rank < pipe)
     if reports and conf.step_hz > 0:
         step = [0]
@@ -237,8 +242,9 @@ def _worker_loop(
                 grad_norms=norms,
             )
 
-        tasks.append([time.monotonic() + 1.0 / conf.step_hz, 1.0 / conf.step_hz, train_step])
-    _periodic(stop, tasks)
+        period = 1.0 / conf.step_hz
+        tasks.append([time.monotonic() + random.uniform(0, period), period, train_step])
+    return tasks
 
 
 def _summarise(parts: list[_Participant], t0: float, t1: float) -> dict[str, Any]:
