@@ -25,7 +25,8 @@ The store (why an etcd-backed c10d ``Store``)
     :class:`EtcdStore` implements set/get/add/compare_set/wait/check/multi_get/multi_set/
     num_keys/delete_key with c10d's semantics (blocking reads wait up to the store timeout and
     raise ``DistStoreError``); keys live under ``keys.rendezvous(run_id) + "/store/"``.
-    Blocking reads poll with capped backoff (10 ms to 200 ms) rather than watch: the agents'
+    Blocking reads poll with capped backoff (10 ms to 200 ms; to 1 s beyond 64 nodes, where
+    every agent waits on torchrun's rank assignment at once) rather than watch: the agents'
     operations are few, and polling is immune to lost watch events across etcd restarts.
 
     The *workers'* store is not this one either: each round's rank-0 worker hosts a fresh
@@ -1563,11 +1564,18 @@ class EtcdStore(Store):
     """A c10d ``Store`` whose keys live in etcd under ``prefix`` (values base64 encoded)."""
 
     _POLL_MIN = 0.01
-    _POLL_MAX = 0.2
 
-    def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta | None = None) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        timeout: timedelta | None = None,
+        poll_max: float = 0.2,
+    ) -> None:
+        """`poll_max`: the longest pause between two reads of a blocking wait."""
         super().__init__()  # required by the pybind trampoline
         self._client = client
+        self._poll_max = poll_max
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
         if timeout is not None:
             self.set_timeout(timeout)
@@ -1698,8 +1706,8 @@ class EtcdStore(Store):
                     f"etcd store: timed out after {budget:.1f}s waiting for keys {missing} "
                     f"under {self._prefix}"
                 )
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, self._POLL_MAX)
+            time.sleep(min(delay * random.uniform(0.75, 1.25), remaining))
+            delay = min(delay * 2, self._poll_max)
 
 
 # -- handler --------------------------------------------------------------------------------
@@ -1883,7 +1891,11 @@ def create_backend(
         ) from exc
     job = params.get("job") or None
     backend = EtcdRendezvousBackend(client, params.run_id, secret, job)
-    store = EtcdStore(client, store_prefix(params.run_id), timedelta(seconds=read_timeout))
+    # a large job's agents all wait on torchrun's rank assignment at once: poll less often
+    poll_max = 0.2 if params.max_nodes <= 64 else 1.0
+    store = EtcdStore(
+        client, store_prefix(params.run_id), timedelta(seconds=read_timeout), poll_max
+    )
     return backend, store
 
 

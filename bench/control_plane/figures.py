@@ -98,11 +98,13 @@ def _backend_figures(
     seconds: float | None = None,
 ) -> None:
     """The agents' rendezvous backends' own counts for a phase (requests, bytes, heartbeats,
-    state writes and the changes they carried ...), summed, and per agent (per second)."""
+    state writes and the changes they carried ...), summed, and per agent (per second); a
+    maximum (`..._max_ms`, since the host started) is the largest of the hosts'."""
     total: dict[str, int] = {}
     for c in counts:
         for k, v in c.items():
-            total[k] = total.get(k, 0) + int(v)
+            merge = max if k.endswith("_max_ms") else int.__add__
+            total[k] = merge(total.get(k, 0), int(v))
     row[f"{prefix}_backend"] = dict(sorted(total.items()))
     per = float(max(n, 1)) * (seconds if seconds else 1.0)
     suffix = "_per_agent_s" if seconds else "_per_agent"

@@ -28,6 +28,7 @@ from orchestrator.launch import HEARTBEATS_MISSED, LAST_CALL_S
 from .config import JOB, JOIN_POLL_S, SCHEDULING_THREADS, Config, PhaseFailed
 from .simulate import (
     _agent_tasks,
+    _backend_maxima,
     _backend_stats,
     _Participant,
     _rendezvous,
@@ -144,7 +145,8 @@ def _host(
     before = _backend_stats(parts)
     _rendezvous_all(parts, _rendezvous, conf.join_timeout + 30)
     results = [dict(p.result, pid=os.getpid()) for p in parts]
-    res_q.put(("rdzv", index, {"parts": results, "backend": _backend_stats(parts) - before}))
+    backend = {**(_backend_stats(parts) - before), **_backend_maxima(parts)}
+    res_q.put(("rdzv", index, {"parts": results, "backend": backend}))
 
     # the round's rank 0 asks the controller for a generation (trainer.process.join)
     msg = _expect(cmd_q, "join", conf.join_timeout + conf.phase_timeout)
@@ -247,7 +249,14 @@ def _host(
         _rendezvous_all(survivors, _rendezvous, conf.rejoin_timeout)
         results = [dict(p.result, pid=os.getpid()) for p in survivors]
         res_q.put(
-            ("rejoined", index, {"parts": results, "backend": _backend_stats(parts) - before})
+            (
+                "rejoined",
+                index,
+                {
+                    "parts": results,
+                    "backend": {**(_backend_stats(parts) - before), **_backend_maxima(parts)},
+                },
+            )
         )
         msg = cmd_q.get(timeout=conf.phase_timeout)
     for p in parts:

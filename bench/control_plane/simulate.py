@@ -140,6 +140,18 @@ def _backend_stats(parts: list[_Participant]) -> Counter[str]:
     return total
 
 
+def _backend_maxima(parts: list[_Participant]) -> dict[str, int]:
+    """The largest of each of the backends' maxima (the longest gap between two refreshes
+    of a node's lease ...)."""
+    top: dict[str, int] = {}
+    for p in parts:
+        stats = getattr(p.handler._state_holder._backend, "stats", None) or {}
+        for k, v in stats.items():
+            if k.endswith("_max_ms"):
+                top[k] = max(top.get(k, 0), v)
+    return top
+
+
 def _periodic(stop: threading.Event, tasks: list[list[Any]]) -> None:
     """Run each [next_due, period, fn] at its period (late calls run once, no catch-up burst)."""
     while not stop.is_set():
