@@ -670,6 +670,7 @@ def _rng(
     max_create: int = 0,
     limit: int = 0,
     oldest_first: bool = False,
+    revision: int = 0,
 ) -> pb.RequestOp:
     request = pb.RangeRequest(
         key=_b(key),
@@ -679,6 +680,7 @@ def _rng(
         min_mod_revision=min_mod,
         max_create_revision=max_create,
         limit=limit,
+        revision=revision,
     )
     if oldest_first:
         request.sort_target = pb.RangeRequest.CREATE
@@ -738,6 +740,8 @@ MAX_BATCH = 100
 # The ring of the state's last deltas (see "Scale"): a node that fell further behind than this
 # many writes reads the state whole.
 DELTA_SLOTS = 64
+# Lapsed leases a node looks for by counting (`_find_gone`) before it lists every alive key.
+_FIND_GONE_MAX = 4
 
 
 class _Intent:
@@ -981,8 +985,44 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 whole = True
         if whole:
             self._read_state()
-        if answer.count != len(self._alive_keys) + len(self._delta_keys):
-            self._relist()  # a lease lapsed (or the rendezvous was deleted)
+        gone = len(self._alive_keys) + len(self._delta_keys) - int(answer.count)
+        if gone and not (0 < gone <= _FIND_GONE_MAX and self._find_gone(revision, gone)):
+            self._relist()  # leases lapsed (or the rendezvous was deleted)
+
+    def _find_gone(self, revision: int, gone: int) -> bool:
+        """Find the `gone` alive keys that lapsed by store `revision` by counting halves of
+        the keys known (about gone x log2(nodes) count-only reads of a few bytes, where a
+        relist reads every key: every node does this when one lease lapses); False if they
+        are not all alive keys (then relist)."""
+        known = sorted(self._alive_keys)
+        if gone > len(known):
+            return False
+        todo, found = [(0, len(known), gone)], []
+        try:
+            while todo:
+                lo, hi, missing = todo.pop()
+                if missing == hi - lo:
+                    found.extend(known[lo:hi])
+                    continue
+                mid = (lo + hi) // 2
+                end = known[mid - 1] + b"\0"
+                op = _rng(known[lo].decode(), end, count_only=True, revision=revision)
+                left = (mid - lo) - int(self._range("find gone", op.request_range).count)
+                for part in ((lo, mid, left), (mid, hi, missing - left)):
+                    if part[2] < 0 or part[2] > part[1] - part[0]:
+                        return False  # keys this node does not know of: relist
+                    if part[2]:
+                        todo.append(part)
+        except RendezvousConnectionError:
+            return False  # e.g. that revision was compacted away: relist
+        for key in found:
+            node = self._alive_keys.pop(key)[0]
+            if node is not None:
+                self._alive_set.discard(node)
+                self._vb_dirty.add(node)
+        self._alive_version += 1
+        self.stats["found_gone"] += len(found)
+        return True
 
     def _follow(self, kv: Any) -> bool:
         """Apply the delta `kv` to the state held; False if it does not lead on from it."""
@@ -1025,6 +1065,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if now - self._relisted_at < self._refresh_s:
             return
         self._relisted_at = now
+        self.stats["relists"] += 1
         request = _rng(self._key, self._span_end, keys_only=True).request_range
         answer = self._range("relist", request)
         old, alive, deltas = self._alive_keys, {}, {}

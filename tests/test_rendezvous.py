@@ -696,6 +696,33 @@ def test_the_view_kept_up_to_date_is_the_overlay_built_whole() -> None:
             assert kept.last_heartbeats == whole.last_heartbeats
 
 
+def test_a_lapsed_lease_is_found_by_counting_and_many_by_listing(etcd: EtcdClient) -> None:
+    """When leases lapse a node finds which by count-only reads of halves of the keys it knows
+    (a relist reads every alive key, and every node does it for each lapse); past a few at
+    once it lists them all again. Either way it ends up with exactly the leases alive."""
+    rid = run_id()
+    s = RendezvousSettings("run", 1, 16, RendezvousTimeout(), timedelta(seconds=1), 3)
+    nodes = [EtcdRendezvousBackend(etcd, rid) for _ in range(12)]
+    for i, b in enumerate(nodes):
+        b.bind(node(i), s)
+        b._keep_lease()
+    reader = nodes[0]
+    reader.read()
+    assert reader._alive_nodes() == {node(i) for i in range(12)}
+    for b in nodes[3:5]:
+        b._lease.revoke()
+    reader.read()
+    assert reader.stats["found_gone"] == 2 and reader.stats["relists"] == 0
+    assert reader._alive_nodes() == {node(i) for i in range(12)} - {node(3), node(4)}
+    for b in nodes[5:11]:
+        b._lease.revoke()
+    reader.read()
+    assert reader.stats["relists"] == 1 and reader.stats["found_gone"] == 2
+    assert reader._alive_nodes() == {node(i) for i in (0, 1, 2, 11)}
+    reader.read()  # the count agrees again: nothing more to look for
+    assert reader.stats["relists"] == 1 and reader.stats["found_gone"] == 2
+
+
 def _bound(etcd_server: EmbeddedEtcd, rid: str, i: int, **conf: Any) -> Any:
     """A handler (and its backend) as torchrun builds them: bound, heartbeats as leases."""
     return create_etcd3_handler(params(etcd_server.endpoint, rid, **conf))
