@@ -825,6 +825,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._lease: Lease | None = None
         self._header_revision = 0
         self._lease_at = 0.0
+        self._refresher: threading.Event | None = None  # set: the refresher stops
         self._my_heartbeat: datetime | None = None
 
     @property
@@ -1192,11 +1193,46 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 self._lease = None
         if self._lease is None:
             self._lease = self._grant()
+            self._start_refresher()
         if self._lease_at:
             gap_ms = int(1000 * (now - self._lease_at))
             self.stats["lease_gap_max_ms"] = max(self.stats["lease_gap_max_ms"], gap_ms)
         self._lease_at = now
         self._my_heartbeat = datetime.now(UTC)
+
+    def _start_refresher(self) -> None:
+        """Keep the lease alive from a thread of its own as well: the handler refreshes it
+        from its loop (a heartbeat, a wait for a change), and a loop that stalls (a slow etcd
+        call, a starved process) must not let the node be taken for dead, which re-forms the
+        whole job. Nothing here takes the backend's lock; a lease that lapsed is left to the
+        handler's next refresh, which grants a new one."""
+        if self._refresher is not None:
+            return
+        stop = self._refresher = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(self._refresh_s / 2):
+                lease = self._lease
+                if lease is None or time.monotonic() - self._lease_at < self._refresh_s:
+                    continue
+                try:
+                    self._client.refresh_lease(lease.id)
+                except EtcdError:  # gone (LeaseExpired) or etcd away: the handler's turn
+                    continue
+                if lease is self._lease:
+                    now = time.monotonic()
+                    gap_ms = int(1000 * (now - self._lease_at))
+                    self.stats["lease_gap_max_ms"] = max(self.stats["lease_gap_max_ms"], gap_ms)
+                    self._lease_at = now
+                    self.stats["lease_refreshes_timer"] += 1
+
+        threading.Thread(target=run, name="rdzv-lease", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop refreshing the lease (it lapses unless the handler refreshes it)."""
+        if self._refresher is not None:
+            self._refresher.set()
+            self._refresher = None
 
     def _grant(self) -> Lease:
         """A new lease and this node's alive key under it (a second time if the lease lapsed
@@ -1881,6 +1917,14 @@ class _EtcdRendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         self._bootstrap_store_info = None
         return super().next_rendezvous()
+
+    def shutdown(self) -> bool:
+        try:
+            return super().shutdown()
+        finally:
+            backend = getattr(self._state_holder, "_backend", None)
+            if isinstance(backend, EtcdRendezvousBackend):
+                backend.close()
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
         server = self._shared_tcp_store_server

@@ -296,6 +296,12 @@ def _rendezvous_all(handlers: list[DynamicRendezvousHandler]) -> list[Rendezvous
         return list(pool.map(lambda h: h.next_rendezvous(), handlers))
 
 
+def _die(handler: Any) -> None:
+    """What a node's death stops: torch's heartbeats and the backend's lease refresher."""
+    handler._stop_heartbeats()
+    handler._state_holder._backend.close()
+
+
 def test_survivors_follow_the_new_rank0_after_rank0_is_lost(etcd_server: EmbeddedEtcd) -> None:
     rid = run_id()
     conf = {
@@ -314,8 +320,8 @@ def test_survivors_follow_the_new_rank0_after_rank0_is_lost(etcd_server: Embedde
         old_master = first[0].bootstrap_store_info.master_port
         assert all(i.bootstrap_store_info.master_port == old_master for i in first)
 
-        # Node a dies: no more heartbeats; b and c re-rendezvous without it.
-        a._stop_heartbeats()
+        # Node a dies: no more heartbeats (nor lease refreshes); b and c re-rendezvous without it.
+        _die(a)
         second = _rendezvous_all([b, c])
         assert [(i.rank, i.world_size) for i in second] == [(0, 2), (1, 2)]
         new_master = second[0].bootstrap_store_info.master_port
@@ -334,7 +340,7 @@ def test_survivors_follow_the_new_rank0_after_rank0_is_lost(etcd_server: Embedde
     finally:
         for h in (b, c):
             h.shutdown()
-        a._stop_heartbeats()
+        _die(a)
 
 
 # -- two real torchrun agents ---------------------------------------------------------------
@@ -810,7 +816,7 @@ def test_a_forged_intent_is_dropped_unapplied_and_a_stuck_change_is_withdrawn(
         assert etcd.get_prefix(f"{prefix}/intent/") == []  # withdrawn, not left behind
         lease.revoke()
     finally:
-        h._stop_heartbeats()
+        _die(h)
 
 
 def test_a_node_that_expired_itself_leaves_the_round_it_asks_to_wait_after() -> None:

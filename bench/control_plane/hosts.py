@@ -86,6 +86,12 @@ def host_main(
     os._exit(code)  # threads blocked in etcd calls must not keep a failed host alive
 
 
+def _die(p: _Participant) -> None:
+    """A simulated node stops: torch's heartbeats and its backend's lease refresher."""
+    p.handler._stop_heartbeats()
+    p.handler._state_holder._backend.close()
+
+
 def _host(
     index: int,
     count: int,
@@ -154,7 +160,7 @@ def _host(
         for p, rank in zip(parts, msg[3], strict=True):
             p.result["rank"] = rank
             p.rendezvoused = False
-            p.handler._stop_heartbeats()  # those that did return: no agents in this steady state
+            _die(p)  # those that did return: no agents in this steady state
     if msg[1] is not None:
         nodes, pids = msg[1], msg[2]
         rank0 = next(p for p in parts if p.result.get("rank") == 0)
@@ -241,7 +247,7 @@ def _host(
         victim = msg[1]
         lost = [p for p in parts if p.result.get("rank") == victim]
         for p in lost:
-            p.handler._stop_heartbeats()
+            _die(p)
         survivors = [p for p in parts if p not in lost]
         for p in survivors:
             p.result = {"node": p.node}
@@ -260,7 +266,7 @@ def _host(
         )
         msg = cmd_q.get(timeout=conf.phase_timeout)
     for p in parts:
-        p.handler._stop_heartbeats()
+        _die(p)
         p.wc.close()
         p.agent_etcd.close()
     if msg[0] != "quit":
