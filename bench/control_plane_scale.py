@@ -28,6 +28,11 @@ What runs, per size (a fresh embedded etcd, store and controller each time):
             (`--metrics-from replica`; `loss-owner`: only replica 0's, as the real worker does)
             reports `Metrics` at `--step-hz` steps/s.
   What is not simulated: the workers' gloo/TCPStore traffic (never touches etcd) and training.
+  What is shared: a host's simulated agents use one etcd connection and its workers another
+  (etcd sees every request a real node makes, over 2 connections per host instead of 2 per
+  node), and 16 threads per host run every node's polls and reports: 1,024 nodes' gRPC
+  channels and threads on 2 cores starve one another, which real nodes, each with its own
+  CPU, do not.
 
 Measured per size:
 

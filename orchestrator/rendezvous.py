@@ -63,15 +63,28 @@ Scale (why the state is not simply compare-and-swapped by every node)
     torch's state machine and semantics but changes what reaches etcd:
 
     - A heartbeat is a lease. Each node holds ``state.alive/<node>`` under a lease of
-      keep_alive_interval x keep_alive_max_attempt seconds and refreshes it over one
-      keep-alive stream; the state is never rewritten for a heartbeat. The handler sees every
-      node whose lease lives with a heartbeat that never expires (``overlay``), so torch's own
-      ``_sanitize`` removes exactly the nodes whose lease lapsed; that mark is never written
+      keep_alive_interval x keep_alive_max_attempt seconds and refreshes it over its etcd
+      client's one keep-alive stream, from the handler's heartbeats and waits and from a
+      thread of its own (a stalled handler loop must not make a live node dead: that re-forms
+      the whole job); the state is never rewritten for a heartbeat. The handler sees every
+      node whose lease lives with a heartbeat that never expires (``overlay``, kept up to date
+      by what changed rather than rebuilt for all nodes), so torch's own ``_sanitize``
+      removes exactly the nodes whose lease lapsed; that mark is never written
       (``persisted``).
-    - A read is one range over the state key and the alive keys (which sort right after it)
-      asking only for what changed since the last read; a lapsed lease shows as a key
-      missing from the count, and only then is everything listed again (at most once per
-      heartbeat interval).
+    - A node follows the state by its deltas. Every state write also writes what changed
+      (``state_diff``: O(what changed), except the ranks handed out when a round completes)
+      into a ring of ``DELTA_SLOTS`` keys ``state.delta/<version mod 64>``, signed like the
+      state, in the same transaction. A read is one range over the alive keys and the deltas
+      (which sort right after the state key, and leave it out) asking only for what changed
+      since the last read; a delta that leads on from the revision held is applied
+      (``apply_diff``), and the state is read whole only when the node never read it, fell
+      further behind than the ring, or finds a write without a delta (an unbound writer
+      leaves ``RELOAD``). Without deltas every node read the whole O(N) state after each
+      change: 148 MB for one rendezvous at 512 nodes.
+    - A lapsed lease shows as a key missing from the read's count. A node finds up to four
+      of them by count-only reads of halves of the keys it knows (``_find_gone``: about
+      log2(N) reads of a few bytes each), and lists every alive key again only past that
+      (at most once per heartbeat interval): every node looks when one lease lapses.
     - A membership change (join, leave, complete, close) is combined. In one transaction a
       node either takes the combiner lock (a key under its lease) or leaves its change as an
       intent (``intent/<node>``, under its lease, signed like the state). The lock holder
@@ -87,8 +100,8 @@ Scale (why the state is not simply compare-and-swapped by every node)
     - A state is unpickled with torch's rendezvous classes only (``decode_state``).
 
     A round of N joins is then about N/``MAX_BATCH`` state writes plus one small intent per
-    node, and a steady round costs each node one lease refresh per heartbeat interval and a
-    range read that returns nothing new. Unbound (the backend used through torch's
+    node, each node reads each write's delta once, and a steady round costs each node one
+    lease refresh per heartbeat interval and a range read that returns nothing new. Unbound (the backend used through torch's
     ``RendezvousBackend`` interface alone) it is the plain compare-and-swap described under
     "Rendezvous state", so any torchrun job still works on it; both kinds of writer fence on
     the state key's revision and can share a run. ``bench/control_plane_scale.py`` measures it
