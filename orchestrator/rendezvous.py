@@ -839,6 +839,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._header_revision = 0
         self._lease_at = 0.0
         self._refresher: threading.Event | None = None  # set: the refresher stops
+        self._combining = False  # holding the combine lock: the refresher leaves the lease be
         self._my_heartbeat: datetime | None = None
 
     @property
@@ -1217,8 +1218,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """Keep the lease alive from a thread of its own as well: the handler refreshes it
         from its loop (a heartbeat, a wait for a change), and a loop that stalls (a slow etcd
         call, a starved process) must not let the node be taken for dead, which re-forms the
-        whole job. Nothing here takes the backend's lock; a lease that lapsed is left to the
-        handler's next refresh, which grants a new one."""
+        whole job. Not while the node holds the combine lock (under the same lease): a
+        combiner that hangs must let the lock go. Nothing here takes the backend's lock; a
+        lease that lapsed is left to the handler's next refresh, which grants a new one."""
         if self._refresher is not None:
             return
         stop = self._refresher = threading.Event()
@@ -1226,7 +1228,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
         def run() -> None:
             while not stop.wait(self._refresh_s / 2):
                 lease = self._lease
-                if lease is None or time.monotonic() - self._lease_at < self._refresh_s:
+                if lease is None or self._combining:
+                    continue
+                if time.monotonic() - self._lease_at < self._refresh_s:
                     continue
                 try:
                     self._client.refresh_lease(lease.id)
@@ -1365,11 +1369,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
         stalled = 0
         while True:
             if holding:
+                # the lock lives with this node's lease, which only the combining itself keeps
+                # alive meanwhile: a combiner that hangs lets the lock go after one lease
+                self._combining = True
                 try:
                     result = self._combine(direct, action, intent, deadline)
                 except BaseException:
                     self._unlock_quietly()  # the others would wait out this node's lease
                     raise
+                finally:
+                    self._combining = False
                 if result is not None:
                     return result
                 holding = False  # the time is up: withdraw below
@@ -1427,6 +1436,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         the lock in that same write and return the state. None when the time is up."""
         assert self._me is not None and self._settings is not None
         while True:
+            self._keep_lease()  # each batch is progress: the lease (and the lock) live on
             batch = self._intents[:MAX_BATCH]
             changes: list[tuple[_NodeDesc, _Action]] = []
             mine: int | None = None

@@ -729,6 +729,29 @@ def test_a_lapsed_lease_is_found_by_counting_and_many_by_listing(etcd: EtcdClien
     assert reader.stats["relists"] == 1 and reader.stats["found_gone"] == 2
 
 
+def test_a_live_node_keeps_its_lease_while_its_handler_stalls_but_a_hung_combiner_does_not(
+    etcd: EtcdClient,
+) -> None:
+    """The lease is refreshed from a thread of its own, so a handler that makes no call for
+    longer than the lease (a slow etcd, a starved process) is not taken for dead; while the
+    node holds the combine lock only the combining keeps it, so a combiner that hangs lets
+    the lock (and its lease) go after one lease."""
+    rid = run_id()
+    s = RendezvousSettings("run", 1, 4, RendezvousTimeout(), timedelta(seconds=1), 2)
+    b = EtcdRendezvousBackend(etcd, rid)
+    b.bind(node(1), s)
+    try:
+        b._keep_lease()
+        lease = b._lease
+        time.sleep(3 * b._ttl)  # no handler call at all for three leases
+        assert lease.remaining() > 0 and b.stats["lease_refreshes_timer"] >= 2
+        b._combining = True  # as if it hung holding the lock
+        time.sleep(2 * b._ttl + 1)
+        assert lease.remaining() <= 0
+    finally:
+        b.close()
+
+
 def _bound(etcd_server: EmbeddedEtcd, rid: str, i: int, **conf: Any) -> Any:
     """A handler (and its backend) as torchrun builds them: bound, heartbeats as leases."""
     return create_etcd3_handler(params(etcd_server.endpoint, rid, **conf))
