@@ -1158,6 +1158,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return None
         made_of = (self._m_rev, self._alive_version)
         if held is not None and made_of == self._handed:
+            # this node's own heartbeat is its lease's last refresh, whoever refreshed it
+            me, beat = self._me, self._my_heartbeat
+            if me is not None and beat is not None and me in held.last_heartbeats:
+                held.last_heartbeats[me] = beat
             return held
         self._handed = made_of
         return self._overlaid(stored)
@@ -1241,6 +1245,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     gap_ms = int(1000 * (now - self._lease_at))
                     self.stats["lease_gap_max_ms"] = max(self.stats["lease_gap_max_ms"], gap_ms)
                     self._lease_at = now
+                    self._my_heartbeat = datetime.now(UTC)
                     self.stats["lease_refreshes_timer"] += 1
 
         threading.Thread(target=run, name="rdzv-lease", daemon=True).start()
