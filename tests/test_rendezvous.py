@@ -531,31 +531,38 @@ def test_replay_takes_an_action_only_where_torchs_operation_would() -> None:
     assert state.closed and not state.participants
 
 
-def test_random_interleavings_never_lose_duplicate_or_reopen() -> None:
+def _random_replays(seed: int, trials: int, per_batch: int) -> Any:
+    """(settings, state before, state after, changes, applied) of random batches of changes
+    replayed on states that start empty, a few batches each."""
     import random
 
-    rng = random.Random(26)
+    rng = random.Random(seed)
     actions = sorted(MEMBERSHIP_ACTIONS, key=lambda a: a.value)
-    for _trial in range(300):
+    for _trial in range(trials):
         s = settings(min_nodes=rng.randint(1, 4), max_nodes=rng.randint(4, 6))
         state = _RendezvousState()
         for _batch in range(rng.randint(1, 6)):
             before = decode_state(encode_state(state))
-            changes = [(node(rng.randint(1, 8)), rng.choice(actions)) for _ in range(12)]
+            changes = [(node(rng.randint(1, 8)), rng.choice(actions)) for _ in range(per_batch)]
             applied = replay(state, changes, s)
-            # every applied change shows in the state; nothing is both waiting and in the round
-            assert len(applied) == len(changes)
-            assert not set(state.participants) & state.wait_list
-            assert len(state.participants) <= s.max_nodes
-            assert set(state.participants) <= set(state.last_heartbeats)
-            if before.closed:
-                assert state.closed  # never reopened
-            if before.complete and state.round == before.round:
-                assert state.complete  # a complete round stays complete until a new one
-            if state.complete:  # torch's ranks, one each (a node leaving later leaves a gap)
-                ranks = list(state.participants.values())
-                assert len(set(ranks)) == len(ranks)
-            assert state.round >= before.round
+            yield s, before, state, changes, applied
+
+
+def test_random_interleavings_never_lose_duplicate_or_reopen() -> None:
+    for s, before, state, changes, applied in _random_replays(26, 300, 12):
+        # every applied change shows in the state; nothing is both waiting and in the round
+        assert len(applied) == len(changes)
+        assert not set(state.participants) & state.wait_list
+        assert len(state.participants) <= s.max_nodes
+        assert set(state.participants) <= set(state.last_heartbeats)
+        if before.closed:
+            assert state.closed  # never reopened
+        if before.complete and state.round == before.round:
+            assert state.complete  # a complete round stays complete until a new one
+        if state.complete:  # torch's ranks, one each (a node leaving later leaves a gap)
+            ranks = list(state.participants.values())
+            assert len(set(ranks)) == len(ranks)
+        assert state.round >= before.round
 
 
 def _same(a: _RendezvousState, b: _RendezvousState, ordered: bool = True) -> bool:
@@ -568,21 +575,12 @@ def _same(a: _RendezvousState, b: _RendezvousState, ordered: bool = True) -> boo
 
 
 def test_a_delta_turns_the_state_before_into_the_state_after() -> None:
-    import random
-
-    rng = random.Random(7)
-    actions = sorted(MEMBERSHIP_ACTIONS, key=lambda a: a.value)
-    for _trial in range(200):
-        s = settings(min_nodes=rng.randint(1, 4), max_nodes=rng.randint(4, 6))
-        state = _RendezvousState()
-        for _batch in range(rng.randint(1, 6)):
-            before = decode_state(encode_state(state))
-            replay(state, [(node(rng.randint(1, 8)), rng.choice(actions)) for _ in range(8)], s)
-            stored = decode_delta(encode_delta(17, 3, state_diff(before, state)))
-            assert stored is not None and stored[:2] == (17, 3)
-            after = apply_diff(before, stored[2])
-            assert _same(after, state)
-            assert _same(before, decode_state(encode_state(before)))  # the old one untouched
+    for _s, before, state, _changes, _applied in _random_replays(7, 200, 8):
+        stored = decode_delta(encode_delta(17, 3, state_diff(before, state)))
+        assert stored is not None and stored[:2] == (17, 3)
+        after = apply_diff(before, stored[2])
+        assert _same(after, state)
+        assert _same(before, decode_state(encode_state(before)))  # the old one untouched
     # a delta is O(what changed): one join into a round of 200 carries that node only
     big = _RendezvousState()
     for i in range(200):
