@@ -100,12 +100,12 @@ Scale (why the state is not simply compare-and-swapped by every node)
     - A state is unpickled with torch's rendezvous classes only (``decode_state``).
 
     A round of N joins is then about N/``MAX_BATCH`` state writes plus one small intent per
-    node, each node reads each write's delta once, and a steady round costs each node one
-    lease refresh per heartbeat interval and a range read that returns nothing new. Unbound (the backend used through torch's
-    ``RendezvousBackend`` interface alone) it is the plain compare-and-swap described under
-    "Rendezvous state", so any torchrun job still works on it; both kinds of writer fence on
-    the state key's revision and can share a run. ``bench/control_plane_scale.py`` measures it
-    (results in ``bench/results/issue26-scale/``).
+    node, each node reads each write's delta once, and a steady round costs each node one lease
+    refresh per heartbeat interval and a range read that returns nothing new. Unbound (the
+    backend used through torch's ``RendezvousBackend`` interface alone) it is the plain
+    compare-and-swap described under "Rendezvous state", so any torchrun job still works on
+    it; both kinds of writer fence on the state key's revision and can share a run.
+    ``bench/control_plane_scale.py`` measures it (results in ``bench/results/issue26-scale/``).
 
 Options (``--rdzv-conf k=v,...``), besides torch's join_timeout, last_call_timeout,
 close_timeout, heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt:
