@@ -1212,6 +1212,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if self._lease is None:
             self._lease = self._grant()
             self._start_refresher()
+        self._refreshed(now)
+
+    def _refreshed(self, now: float) -> None:
+        """The lease was refreshed (or granted) at monotonic `now`, by the handler or the
+        refresher: this node's own heartbeat, and the longest gap between two refreshes."""
         if self._lease_at:
             gap_ms = int(1000 * (now - self._lease_at))
             self.stats["lease_gap_max_ms"] = max(self.stats["lease_gap_max_ms"], gap_ms)
@@ -1236,16 +1241,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     continue
                 if time.monotonic() - self._lease_at < self._refresh_s:
                     continue
+                self.stats["requests"] += 1
                 try:
                     self._client.refresh_lease(lease.id)
                 except EtcdError:  # gone (LeaseExpired) or etcd away: the handler's turn
                     continue
                 if lease is self._lease:
-                    now = time.monotonic()
-                    gap_ms = int(1000 * (now - self._lease_at))
-                    self.stats["lease_gap_max_ms"] = max(self.stats["lease_gap_max_ms"], gap_ms)
-                    self._lease_at = now
-                    self._my_heartbeat = datetime.now(UTC)
+                    self._refreshed(time.monotonic())
                     self.stats["lease_refreshes_timer"] += 1
 
         threading.Thread(target=run, name="rdzv-lease", daemon=True).start()
