@@ -39,8 +39,9 @@ Measured per size:
     rendezvous_s          first participant calling next_rendezvous() -> the last one back
                           (all in the same round, world N); ranks_assigned_s adds torchrun's
                           rank assignment; join_answer_s: JoinRequest -> Assignment (controller);
-                          rdzv_progress: [s, participants, waiting] read from etcd while it ran;
-                          rendezvous_etcd_requests (_per_agent), _txns, _mb_in / _mb_out: what
+                          rdzv_progress: [s, participants, waiting, complete (1)] read
+                          from etcd while it ran; rendezvous_etcd_requests (_per_agent),
+                          _txns, _mb_in / _mb_out: what
                           it cost etcd; rendezvous_backend: the agents' backends' own counts
                           (requests, bytes, lease refreshes, state writes and the changes
                           they carried: orchestrator.rendezvous, "Scale")

@@ -426,11 +426,16 @@ class _KeepAliveStream:
     etcd's own Go client multiplexes its leases): pyetcd opens a stream, and a thread to feed
     it, for every refresh (a millisecond of CPU, every second, for every lease), and streams
     opened per refresh on one connection serialise on its channel. A reader thread hands each
-    answer to the refresh waiting for that lease. A stream lives `_LIFE_S` at most (a refresh
-    waiting on a hung etcd waits no longer); whatever goes wrong ends it and fails the
-    refreshes waiting on it, which then refresh the ordinary way (`EtcdClient.refresh_lease`)."""
+    answer to the refresh waiting for that lease. A stream lives `_LIFE_S` at most; whatever
+    goes wrong ends it and fails the refreshes waiting on it, which then refresh the ordinary
+    way (`EtcdClient.refresh_lease`). A refresh not answered within the client's timeout ends
+    the stream only if the stream answered nothing meanwhile (hung); a stream that answers
+    others is behind, not hung, and the refresh waits on (up to `_PATIENCE` timeouts): ending
+    it would send every lease of the client to a stream of its own at once, on an etcd or a
+    host already too slow (1,024 simulated nodes' refreshes then never got through)."""
 
     _LIFE_S = 30.0
+    _PATIENCE = 3
 
     def __init__(self, client: EtcdClient) -> None:
         self._client = client
@@ -438,7 +443,9 @@ class _KeepAliveStream:
         self._requests: queue.Queue[rpc_pb2.LeaseKeepAliveRequest | None] | None = None
         self._replies: Any = None
         self._pid = 0  # the process that opened the stream (a forked child opens its own)
-        # lease id -> the refreshes waiting for its answer, oldest first: (done, [TTL or None])
+        self._answered = 0.0  # when the stream last answered (monotonic)
+        # the open stream's lease id -> the refreshes waiting for its answer, oldest first:
+        # (done, [TTL or None]); each stream has its own (an ended one fails only its own)
         self._waiting: dict[int, list[tuple[threading.Event, list[int | None]]]] = {}
 
     def refresh(self, lease_id: int) -> int | None:
@@ -452,16 +459,26 @@ class _KeepAliveStream:
             except grpc.RpcError:
                 return None
             assert self._requests is not None
-            self._waiting.setdefault(lease_id, []).append(waiter)
+            waiting = self._waiting
+            waiting.setdefault(lease_id, []).append(waiter)
             self._requests.put(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id))
-        if waiter[0].wait(self._client.timeout) and waiter[1][0] is not None:
+        timeout = self._client.timeout
+        sent = time.monotonic()
+        while not waiter[0].wait(timeout):
+            now = time.monotonic()
+            if now - self._answered > timeout or now - sent >= self._PATIENCE * timeout:
+                break  # hung (nothing answered meanwhile), or too far behind
+        if waiter[0].is_set() and waiter[1][0] is not None:
             return waiter[1][0]
         with self._lock:
-            waiters = self._waiting.get(lease_id, [])
-            if waiter in waiters:  # no answer in time: a stream that hangs is not used again
+            waiters = waiting.get(lease_id, [])
+            if waiter in waiters:
                 waiters.remove(waiter)
-                if self._replies is not None:
+                hung = time.monotonic() - self._answered > timeout
+                if hung and waiting is self._waiting and self._replies is not None:
+                    # a stream that hangs is not used again: the next refresh opens another
                     self._replies.cancel()
+                    self._requests = self._replies = None
         return None
 
     def _open(self) -> None:
@@ -482,15 +499,26 @@ class _KeepAliveStream:
         raw = self._client._client  # pyetcd: its lease stub and the client's sign-in token
         replies = raw.leasestub.LeaseKeepAlive(feed(), life, metadata=raw.metadata)
         self._requests, self._replies, self._pid = requests, replies, os.getpid()
+        self._answered = time.monotonic()
+        self._waiting = waiting = {}
         threading.Thread(
-            target=self._read, args=(requests, replies), name="etcd-keepalive-stream", daemon=True
+            target=self._read,
+            args=(requests, replies, waiting),
+            name="etcd-keepalive-stream",
+            daemon=True,
         ).start()
 
-    def _read(self, requests: queue.Queue[Any], replies: Any) -> None:
+    def _read(
+        self,
+        requests: queue.Queue[Any],
+        replies: Any,
+        waiting: dict[int, list[tuple[threading.Event, list[int | None]]]],
+    ) -> None:
         try:
             for reply in replies:
                 with self._lock:
-                    waiters = self._waiting.get(int(reply.ID))
+                    self._answered = time.monotonic()
+                    waiters = waiting.get(int(reply.ID))
                     if waiters:
                         done, answer = waiters.pop(0)
                         answer[0] = int(reply.TTL)
@@ -501,10 +529,10 @@ class _KeepAliveStream:
             with self._lock:
                 if self._requests is requests:
                     self._requests = self._replies = None
-                for waiters in self._waiting.values():
+                for waiters in waiting.values():
                     for done, _answer in waiters:
                         done.set()
-                self._waiting.clear()
+                waiting.clear()
             requests.put(None)
             replies.cancel()
 

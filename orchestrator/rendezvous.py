@@ -80,7 +80,15 @@ Scale (why the state is not simply compare-and-swapped by every node)
       (``apply_diff``), and the state is read whole only when the node never read it, fell
       further behind than the ring, or finds a write without a delta (an unbound writer
       leaves ``RELOAD``). Without deltas every node read the whole O(N) state after each
-      change: 148 MB for one rendezvous at 512 nodes.
+      change: 148 MB for one rendezvous at 512 nodes. A delta names nodes as plain tuples,
+      read into one object per node (``decode_delta``): unpickling torch's node dataclass,
+      and finding it in the state's dicts by its Python-level hash and equality, cost each
+      node of a 1,024-node re-rendezvous about 35 ms of CPU.
+    - A read the handler makes while it waits (once a second on every waiting node) first
+      asks whether anything changed (``_unchanged``): the mod revision of one key written
+      with every state (``written_key``) and the number of alive keys and deltas, which etcd
+      answers from its index. The range over the span costs etcd O(N) (it loads every key
+      to filter them): a thousand waiting nodes took a core of etcd's.
     - A lapsed lease shows as a key missing from the read's count. A node finds up to four
       of them by count-only reads of halves of the keys it knows (``_find_gone``: about
       log2(N) reads of a few bytes each), and lists every alive key again only past that
@@ -97,6 +105,18 @@ Scale (why the state is not simply compare-and-swapped by every node)
       own change. A waiter polls with a back-off that grows with the queue ahead of it; its
       intent gone means applied (or refused), and the state it then reads says which. Out of
       time, it withdraws its intent and the handler runs its state machine again.
+    - The combiner also makes the writes its batch's handlers would make next (``replay``):
+      a node leaving a complete round to join the next one (torch's ``next_rendezvous``:
+      exit, then join) is queued in the wait list in the same change; a join goes on as
+      torch's join operation would (queued when the round is full, completing a round whose
+      last call is over); and a round that opens again takes its whole wait list
+      (``promote``), as each waiting node's join does on its first sync after. The survivors
+      of a lost node then cost one change each and the new round one write, instead of
+      three changes each (leave, wait, join) queued behind one another: 4,000 changes
+      for 1,023 survivors. Completing (or closing) a round is decided by every node at the
+      same moment; a node that finds the lock held waits for it (or for the round to be
+      complete) rather than queueing an intent, and a batch of changes all made already
+      writes no state.
     - A state is unpickled with torch's rendezvous classes only (``decode_state``).
 
     A round of N joins is then about N/``MAX_BATCH`` state writes plus one small intent per
@@ -211,6 +231,7 @@ __all__ = [
     "state_key",
     "store_prefix",
     "verify_state",
+    "written_key",
 ]
 
 BACKEND_NAME = "etcd3"
@@ -238,6 +259,12 @@ def delta_prefix(run_id: str) -> str:
     """etcd prefix of the state's deltas (see "Scale"): after the alive keys, so that one range
     read returns both, and the state key itself is not in it."""
     return f"{state_key(run_id)}.delta/"
+
+
+def written_key(run_id: str) -> str:
+    """etcd key written with every state (see "Scale"): its mod revision says whether the state
+    changed since a node's last read, at the cost of one key."""
+    return f"{keys.rendezvous(run_id)}/written"
 
 
 def read_rendezvous(
@@ -454,7 +481,10 @@ _GONE = object()
 
 def state_diff(old: _RendezvousState, new: _RendezvousState) -> StateDiff:
     """What turns `old` into `new` (`apply_diff`): O(what changed), not O(nodes), except when a
-    round completes and every participant gets its rank."""
+    round completes and every participant gets its rank. A node removed and added again
+    comes back at its old place, not at the end: nothing reads the order of the state's dicts
+    (torch ranks participants by sorting them), and keeping it would cost a delta of every
+    node after it, for each node that leaves a round to wait for the next."""
     op, ob = old.participants, old.last_heartbeats
     return (
         new.round,
@@ -473,8 +503,8 @@ def state_diff(old: _RendezvousState, new: _RendezvousState) -> StateDiff:
 
 
 def apply_diff(old: _RendezvousState, diff: StateDiff) -> _RendezvousState:
-    """`old` (unchanged) with `diff` applied: equal to the state the diff was taken to, its
-    dicts in the same order."""
+    """`old` (unchanged) with `diff` applied: equal to the state the diff was taken to (its
+    dicts' order aside, see `state_diff`)."""
     new = copy_state(old)
     (new.round, new.complete, new.deadline, new.closed) = diff[:4]
     p_set, p_del, w_add, w_del, r_add, r_del, b_set, b_del = diff[4:]
@@ -490,28 +520,81 @@ def apply_diff(old: _RendezvousState, diff: StateDiff) -> _RendezvousState:
 
 
 # A delta as stored: (the state's mod revision it applies to, the state's version after it,
-# the diff); a state written whole by a writer that keeps no deltas leaves `RELOAD`.
+# the diff with each node as a plain (addr, pid, local_id) tuple); a state written whole by a
+# writer that keeps no deltas leaves `RELOAD`.
 RELOAD = b"reload"
+_NodeKey = tuple[str, int, int]
+# a delta's fields that hold nodes: dict keys, lists and sets (see StateDiff)
+_NODE_DICTS, _NODE_LISTS, _NODE_SETS = (4, 10), (5, 11), (6, 7, 8, 9)
+
+
+def _key(node: _NodeDesc) -> _NodeKey:
+    return (node.addr, node.pid, node.local_id)
 
 
 def encode_delta(base: int, version: int, diff: StateDiff) -> bytes:
-    return pickle.dumps((base, version, diff))
+    wire: list[Any] = list(diff)
+    for i in _NODE_DICTS:
+        wire[i] = {_key(n): v for n, v in diff[i].items()}  # type: ignore[union-attr]
+    for i in (*_NODE_LISTS, *_NODE_SETS):
+        wire[i] = [_key(n) for n in diff[i]]  # type: ignore[union-attr]
+    return pickle.dumps((base, version, tuple(wire)))
 
 
-def decode_delta(data: bytes) -> tuple[int, int, StateDiff] | None:
-    """A stored delta (unpickled with torch's rendezvous classes only), None for `RELOAD` or
-    anything that is not a delta: the reader then reads the whole state."""
+def _node(nodes: dict[_NodeKey, _NodeDesc], key: Any) -> _NodeDesc:
+    """The node of `key`, one object per node (`nodes`): dicts and sets of the state then find
+    their keys by identity, not by the dataclass's Python-level hash and equality."""
+    node = nodes.get(key)
+    if node is None:
+        if not (
+            type(key) is tuple
+            and len(key) == 3
+            and type(key[0]) is str
+            and type(key[1]) is int
+            and type(key[2]) is int
+        ):
+            raise TypeError("not a node")
+        node = nodes[key] = _NodeDesc(*key)
+    return node
+
+
+def decode_delta(
+    data: bytes, nodes: dict[_NodeKey, _NodeDesc] | None = None
+) -> tuple[int, int, StateDiff] | None:
+    """A stored delta (plain data, unpickled with torch's rendezvous classes only), its nodes
+    taken from `nodes` (and added there); None for `RELOAD` or anything that is not a delta:
+    the reader then reads the whole state."""
     if data == RELOAD:
         return None
+    nodes = {} if nodes is None else nodes
     try:
-        base, version, diff = _StateUnpickler(io.BytesIO(data)).load()
+        base, version, wire = _StateUnpickler(io.BytesIO(data)).load()
+        if not (isinstance(base, int) and isinstance(version, int) and isinstance(wire, tuple)):
+            return None
+        if len(wire) != 12:
+            return None
+        diff: list[Any] = list(wire)
+        for i in _NODE_DICTS:
+            diff[i] = {_node(nodes, k): v for k, v in wire[i].items()}
+        for i in _NODE_LISTS:
+            diff[i] = [_node(nodes, k) for k in wire[i]]
+        for i in _NODE_SETS:
+            diff[i] = {_node(nodes, k) for k in wire[i]}
     except Exception:
         return None
-    if not (isinstance(base, int) and isinstance(version, int) and isinstance(diff, tuple)):
-        return None
-    if len(diff) != 12:
-        return None
-    return base, version, diff
+    return base, version, tuple(diff)  # type: ignore[return-value]
+
+
+def intern_state(state: _RendezvousState, nodes: dict[_NodeKey, _NodeDesc]) -> None:
+    """`state` (changed in place) holding one object per node, those of `nodes` (see `_node`)."""
+
+    def one(node: _NodeDesc) -> _NodeDesc:
+        return nodes.setdefault(_key(node), node)
+
+    state.participants = {one(n): r for n, r in state.participants.items()}
+    state.wait_list = {one(n) for n in state.wait_list}
+    state.redundancy_list = {one(n) for n in state.redundancy_list}
+    state.last_heartbeats = {one(n): b for n, b in state.last_heartbeats.items()}
 
 
 def overlay(
@@ -607,27 +690,135 @@ def forget(state: _RendezvousState, node: _NodeDesc, settings: RendezvousSetting
         _remove_participant_epilogue(state, settings)
 
 
+# what torch's join operation does next for a node that the combiner can do for it: the same
+# write, made in the combiner's batch instead of the node's next sync (see "Scale")
+_FOLLOWED = _ADDS | {_Action.MARK_RENDEZVOUS_COMPLETE}
+# ... after a node's exit from a complete round: queueing for the next one, not joining it (the
+# exit operation would otherwise find the node in the round it is leaving, and leave it again)
+_QUEUED = frozenset({_Action.ADD_TO_WAIT_LIST, _Action.ADD_TO_REDUNDANCY_LIST})
+
+
+def join_next(
+    state: _RendezvousState, node: _NodeDesc, settings: RendezvousSettings
+) -> _Action | None:
+    """The membership change torch's join operation would make next for `node` on `state`
+    (joining, queueing, completing the round); None where it would wait, finish or fail."""
+    try:
+        action = _RendezvousJoinOp()(_RendezvousContext(node, state, settings), math.inf)
+    except RendezvousError:
+        return None
+    return action if action in _FOLLOWED else None
+
+
+def follow(
+    state: _RendezvousState,
+    node: _NodeDesc,
+    settings: RendezvousSettings,
+    only: frozenset[_Action] = _FOLLOWED,
+) -> None:
+    """`node`'s join operation run on `state` until it would wait: the changes its handler
+    would write on its next syncs, one after the other."""
+    for _ in range(len(_FOLLOWED)):  # each step moves the node on: a few at most
+        action = join_next(state, node, settings)
+        if action is None or action not in only:
+            return
+        apply_action(state, node, action, settings)
+
+
+def promote(state: _RendezvousState, settings: RendezvousSettings) -> None:
+    """A round that is open again takes the nodes of its wait list, in torch's rank order:
+    each waits for exactly this (torch's join operation adds a waiting node to the next round
+    on its first sync after it opens), and a thousand of them would otherwise queue a thousand
+    changes at once."""
+    if state.complete or state.closed or not state.wait_list:
+        return
+    for node in sorted(state.wait_list):
+        if join_next(state, node, settings) is _Action.ADD_TO_PARTICIPANTS:
+            apply_action(state, node, _Action.ADD_TO_PARTICIPANTS, settings)
+
+
+# (node, action[, rejoin[, the round of the state the node decided on]])
+Change = (
+    tuple[_NodeDesc, _Action]
+    | tuple[_NodeDesc, _Action, bool]
+    | tuple[_NodeDesc, _Action, bool, int | None]
+)
+
+
+def _moved_on(
+    state: _RendezvousState, node: _NodeDesc, action: _Action, seen_round: int | None
+) -> bool | None:
+    """For a join (`_ADDS`) by a node that `state` has as a participant: True where the node
+    is in the round it asked for already (it decided on an older state: it was moved into
+    the round since), False where it expired itself in its own view (torch's handler would
+    write its removal with the join), None for any other change."""
+    if action not in _ADDS or node not in state.participants:
+        return None
+    seen = state.round if seen_round is None else seen_round
+    if seen != state.round:
+        return seen < state.round  # behind: moved on; ahead: its own expiry opened a round
+    return action is _Action.ADD_TO_PARTICIPANTS  # in the round it asked to join
+
+
 def replay(
     state: _RendezvousState,
-    changes: Sequence[tuple[_NodeDesc, _Action]],
+    changes: Sequence[Change],
     settings: RendezvousSettings,
 ) -> list[bool]:
-    """Apply each (node, action) in order to `state` (changed in place) where it is still valid
-    (`action_valid`), after torch's expiry of dead nodes; which ones were applied.
+    """Apply each (node, action[, rejoin[, round seen]]) in order to `state` (changed in place)
+    where it is still valid (`action_valid`), after torch's expiry of dead nodes; which ones
+    were applied.
 
-    A node that asks to join while the state still has it as a participant expired itself in
-    its own view (its heartbeats were late): torch's handler would write that removal with its
-    join, so it is applied first here too (otherwise it stays in a round it has left)."""
-    sanitize(state, settings)
+    The combiner also makes the writes that these nodes' handlers would make next (their own
+    state machines agree on reading the result, and write nothing more):
+
+    - a node in torch's join operation (a join action) goes on as that operation would
+      (`follow`): a join refused on a full round queues in the redundancy list, a join made
+      after the round's last call completes it;
+    - a node that leaves a complete round to join the next one (``rejoin``: torch's
+      ``next_rendezvous`` runs the exit operation, then the join) joins its wait list at once;
+    - a round that opens again takes its wait list (`promote`).
+
+    A node that asks to join while the state has it as a participant either decided on an
+    older state (it was moved into the round meanwhile: nothing to do) or expired itself in
+    its own view (its heartbeats were late: torch's handler would write that removal with
+    its join, so it is applied first here too, else the node stays in a round it has left);
+    the round the node saw tells which (`_moved_on`)."""
     applied = []
-    for node, action in changes:
-        if action in _ADDS and node in state.participants:
-            forget(state, node, settings)
-        ok = action in MEMBERSHIP_ACTIONS and action_valid(state, node, action, settings)
-        if ok:
-            apply_action(state, node, action, settings)
+    sanitize(state, settings)
+    promote(state, settings)
+    for node, action, *more in changes:
+        rejoin = bool(more) and bool(more[0])
+        moved_on = _moved_on(state, node, action, more[1] if len(more) > 1 else None)
+        ok = False
+        if not moved_on:
+            if moved_on is False:
+                forget(state, node, settings)
+            ok = action in MEMBERSHIP_ACTIONS and action_valid(state, node, action, settings)
+            if ok:
+                apply_action(state, node, action, settings)
+        if action in _FOLLOWED:
+            follow(state, node, settings)
+        elif rejoin and action is _Action.REMOVE_FROM_PARTICIPANTS:
+            follow(state, node, settings, _QUEUED)
+        promote(state, settings)
         applied.append(ok)
     return applied
+
+
+def same_membership(a: _RendezvousState, b: _RendezvousState) -> bool:
+    """Equal but for heartbeats (which are leases: writing one changes nothing for a bound
+    reader)."""
+    return (
+        a.round == b.round
+        and a.complete == b.complete
+        and a.deadline == b.deadline
+        and a.closed == b.closed
+        and a.participants == b.participants
+        and a.wait_list == b.wait_list
+        and a.redundancy_list == b.redundancy_list
+        and a.last_heartbeats.keys() == b.last_heartbeats.keys()
+    )
 
 
 def action_done(state: _RendezvousState, node: _NodeDesc, action: _Action) -> bool:
@@ -759,14 +950,44 @@ _FIND_GONE_MAX = 4
 
 class _Intent:
     """A pending membership change under ``intent/<node>``: (key, its revision, the node and
-    the action; None for a value that does not verify, which is deleted unapplied)."""
+    the action, None for a value that does not verify, which is deleted unapplied; whether the
+    node leaves to join again, see `replay`)."""
 
-    __slots__ = ("action", "key", "node", "revision")
+    __slots__ = ("action", "key", "node", "rejoin", "revision", "round")
 
     def __init__(
-        self, key: str, revision: int, node: _NodeDesc | None, action: _Action | None
+        self,
+        key: str,
+        revision: int,
+        node: _NodeDesc | None,
+        action: _Action | None,
+        rejoin: bool = False,
+        round_seen: int | None = None,
     ) -> None:
         self.key, self.revision, self.node, self.action = key, revision, node, action
+        self.rejoin, self.round = rejoin, round_seen
+
+
+# An intent's value: the action's name, `_REJOIN` when the node leaves to join again, and
+# "@<round>" of the state the node decided on (see `replay`).
+_REJOIN = "+join"
+
+
+def _intent_text(action: _Action, rejoin: bool, round_seen: int | None) -> str:
+    seen = "" if round_seen is None else f"@{round_seen}"
+    return f"{action.name}{_REJOIN if rejoin else ''}{seen}"
+
+
+def _parse_intent(text: str) -> tuple[_Action, bool, int | None]:
+    """(action, rejoin, round seen) of an intent's text; KeyError/ValueError if it is none."""
+    name, at, seen = text.partition("@")
+    return _Action[name.removesuffix(_REJOIN)], name.endswith(_REJOIN), int(seen) if at else None
+
+
+# Changes that one node makes for all (completing or closing the round): a node that finds
+# the combine lock held waits for it rather than queueing one more intent behind it, since
+# every node of a round decides to complete it at about the same moment.
+_SHARED = frozenset({_Action.MARK_RENDEZVOUS_COMPLETE, _Action.MARK_RENDEZVOUS_CLOSED})
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
@@ -777,6 +998,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
     # as the intents ahead of it take to apply, growing while nothing moves, jittered: waiters
     # spread out instead of polling etcd in step.
     _POLL_FIRST = 0.02
+    # ... and a node waiting on a change made for all looks first after about one combine
+    # (a whole round's nodes wait at once: they must not all read the state at once)
+    _POLL_SHARED = 0.2
     _POLL_PER_INTENT = 0.0005
     _POLL_CAP = 1.0
 
@@ -806,7 +1030,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         # bound mode (`bind`): this node, its settings, the action its next write carries
         self._me: _NodeDesc | None = None
         self._settings: RendezvousSettings | None = None
-        self._notes: dict[int, _Action] = {}
+        self._notes: dict[int, tuple[_Action, bool]] = {}  # thread -> (action, rejoin)
         # what this node last read: the stored state (-1: never read, 0: absent) ...
         self._m_rev = -1
         self._m_present = False
@@ -817,6 +1041,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         # revision)), and the store revision all of this is as of (the next read asks what
         # changed since)
         self._alive_keys: dict[bytes, tuple[_NodeDesc | None, int, int]] = {}
+        # one object per node for everything this node holds (see `_node`)
+        self._nodes: dict[_NodeKey, _NodeDesc] = {}
         self._alive_set: set[_NodeDesc] = set()  # the nodes of those that verify
         self._alive_version = 0
         # the heartbeats of the handler's view (`overlay`), kept up to date by the nodes whose
@@ -829,6 +1055,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._delta_prefix = delta_prefix(run_id)
         self._span_start = self._key + "."
         self._span_end = _prefix_end(self._delta_prefix)
+        self._written = written_key(run_id)
         self._delta_keys: dict[bytes, int] = {}  # delta slot -> mod revision (for the count)
         self._relisted_at = -math.inf
         # ... the pending intents (oldest first), and what the state handed out last was made
@@ -856,7 +1083,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """Serve the handler of `node` (and only it): from now on heartbeats refresh the node's
         lease and the actions `note`d before a write are combined (see "Scale")."""
         with self._lock:
-            self._me, self._settings = node, settings
+            self._me, self._settings = self._nodes.setdefault(_key(node), node), settings
             self._my_alive = self._alive_prefix + node_id(node)
             self._my_intent = self._intent_prefix + node_id(node)
             window = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
@@ -869,9 +1096,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def bound(self) -> bool:
         return self._me is not None
 
-    def note(self, action: _Action) -> None:
-        """The action the calling thread's next `set_state` carries (`_NotingExecutor`)."""
-        self._notes[threading.get_ident()] = action
+    def note(self, action: _Action, rejoin: bool = False) -> None:
+        """The action the calling thread's next `set_state` carries (`_NotingExecutor`);
+        `rejoin`: a participant leaving its round in order to join the next (see `replay`)."""
+        self._notes[threading.get_ident()] = (action, rejoin)
 
     # -- the RendezvousBackend interface ---------------------------------------------------------
 
@@ -904,7 +1132,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         unpickle and re-check the whole state every second on every node)."""
         with self._lock:
             self.stats["get_state"] += 1
-            self._read()
+            if not self._unchanged():
+                self._read()
             return self._view(held), self._m_rev
 
     def write(
@@ -917,16 +1146,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
         compare-and-swap of ``state``. The flag says whether this node's change is in."""
         with self._lock:
             self.stats["set_state"] += 1
-            action = self._notes.pop(threading.get_ident(), None)
+            noted = self._notes.pop(threading.get_ident(), None)
+            action = noted[0] if noted is not None else None
             try:
                 if action is _Action.KEEP_ALIVE:
                     return self._heartbeat(state, token)
-                if action in MEMBERSHIP_ACTIONS:
-                    return self._change(action)
+                if noted is not None and action in MEMBERSHIP_ACTIONS:
+                    return self._change(*noted, state.round)
                 return self._write_as_is(state, token)
             except BaseException:
-                if action is not None:  # the handler writes again after a failed sync
-                    self._notes.setdefault(threading.get_ident(), action)
+                if noted is not None:  # the handler writes again after a failed sync
+                    self._notes.setdefault(threading.get_ident(), noted)
                 raise
 
     # -- unbound: one compare-and-swap of the whole state -----------------------------------
@@ -954,7 +1184,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
         reply = self._txn(
             "write",
             [_mod_is(self._key, revision)],
-            [_put(self._key, value), _put(plain, self._seal(plain, RELOAD)), _rng(self._key)],
+            [
+                _put(self._key, value),
+                _put(plain, self._seal(plain, RELOAD)),
+                _put(self._written, ""),
+                _rng(self._key),
+            ],
             [_rng(self._key)],
         )
         applied = bool(reply.succeeded)
@@ -971,6 +1206,26 @@ class EtcdRendezvousBackend(RendezvousBackend):
         state key, which it leaves out): what was written there since the last read; its count
         is the number of keys before that filter, so a lapsed lease shows as one key missing."""
         return _rng(self._span_start, self._span_end, min_mod=self._seen + 1)
+
+    def _unchanged(self) -> bool:
+        """Whether nothing this node reads changed since its last read, from two reads that
+        cost etcd O(1) and O(log nodes) (`_read` costs it O(nodes): etcd loads every key of
+        the span to filter them, and every waiting node reads once a second): no state
+        written since (`written_key`), and as many alive keys and deltas as known (a lapsed
+        lease, a new node). A lapse and a new node at once cancel out in the count, but a new
+        node's join writes the state soon after."""
+        if self._m_rev < 0 or not self._seen:
+            return False
+        written = self._range("written", _rng(self._written, keys_only=True).request_range)
+        if not written.kvs and self._m_present:
+            return False  # written by a writer that does not mark its writes
+        if written.kvs and int(written.kvs[0].mod_revision) > self._seen:
+            return False
+        request = _rng(self._span_start, self._span_end, count_only=True).request_range
+        count = int(self._range("count", request).count)
+        same = count == len(self._alive_keys) + len(self._delta_keys)
+        self.stats["reads_unchanged"] += same
+        return same
 
     def _read(self) -> None:
         # a range, not a transaction: etcd before 3.5.5 crashes when a client gives up on a
@@ -1042,7 +1297,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def _follow(self, kv: Any) -> bool:
         """Apply the delta `kv` to the state held; False if it does not lead on from it."""
         try:
-            delta = decode_delta(self._open(kv.key.decode(), kv.value.decode()))
+            delta = decode_delta(self._open(kv.key.decode(), kv.value.decode()), self._nodes)
         except (RendezvousStateError, ValueError, binascii.Error):
             delta = None
         if delta is None or delta[0] != self._m_rev or not self._m_present:
@@ -1124,11 +1379,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if self._m_state is None:
             assert self._m_value is not None
             self._m_state = decode_state(self._decode(self._m_value))
+            intern_state(self._m_state, self._nodes)
         return self._m_state
 
     def _see_alive(self, kv: Any) -> None:
         key = kv.key.decode()
-        node = parse_node_id(key[len(self._alive_prefix) :])
+        node = self._intern(parse_node_id(key[len(self._alive_prefix) :]))
         if node is not None:  # the value is the lease it was put under, signed with the key
             try:
                 if int(self._open(key, kv.value.decode()), 16) != int(kv.lease):
@@ -1146,6 +1402,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             if node is not None:
                 self._alive_set.add(node)
                 self._vb_dirty.add(node)
+
+    def _intern(self, node: _NodeDesc | None) -> _NodeDesc | None:
+        return None if node is None else self._nodes.setdefault(_key(node), node)
 
     def _alive_nodes(self) -> set[_NodeDesc]:
         return self._alive_set
@@ -1211,7 +1470,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 self._lease = None
         if self._lease is None:
             self._lease = self._grant()
-            self._start_refresher()
+        self._start_refresher()
         self._refreshed(now)
 
     def _refreshed(self, now: float) -> None:
@@ -1253,7 +1512,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         threading.Thread(target=run, name="rdzv-lease", daemon=True).start()
 
     def close(self) -> None:
-        """Stop refreshing the lease (it lapses unless the handler refreshes it)."""
+        """Stop refreshing the lease (it lapses unless the handler refreshes it again, which
+        starts the refresher again)."""
         if self._refresher is not None:
             self._refresher.set()
             self._refresher = None
@@ -1312,13 +1572,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
         intents = []
         for kv in response.response_range.kvs:
             key = kv.key.decode()
-            node = parse_node_id(key[len(self._intent_prefix) :])
-            action = None
+            node = self._intern(parse_node_id(key[len(self._intent_prefix) :]))
+            action, rejoin, seen = None, False, None
             try:
-                action = _Action[self._open(key, kv.value.decode()).decode()]
+                action, rejoin, seen = _parse_intent(self._open(key, kv.value.decode()).decode())
             except (RendezvousStateError, ValueError, KeyError, binascii.Error):
                 node = None
-            intents.append(_Intent(key, int(kv.mod_revision), node, action))
+            intents.append(_Intent(key, int(kv.mod_revision), node, action, rejoin, seen))
         self._intents = intents
 
     def _lock_ops(self) -> list[pb.RequestOp]:
@@ -1335,27 +1595,33 @@ class EtcdRendezvousBackend(RendezvousBackend):
         kvs = response.response_range.kvs
         return bool(kvs) and self._me is not None and kvs[0].value.decode() == node_id(self._me)
 
-    def _change(self, action: _Action) -> tuple[_RendezvousState | None, Token, bool]:
+    def _change(
+        self, action: _Action, rejoin: bool = False, round_seen: int | None = None
+    ) -> tuple[_RendezvousState | None, Token, bool]:
         """Apply this node's membership `action`: as the combiner (holding the lock), or by
-        leaving an intent that the combiner applies; returns the state after it."""
+        leaving an intent that the combiner applies; returns the state after it. A change one
+        node makes for all (`_SHARED`) leaves no intent: its node waits for the lock, or for
+        the state to show that the change is no longer due (someone made it)."""
         assert self._me is not None and self._settings is not None
         self.stats["changes"] += 1
         self._keep_lease()
         assert self._lease is not None
         deadline = time.monotonic() + self._budget
+        queue = action not in _SHARED
+        name = _intent_text(action, rejoin, round_seen).encode()
+        count_intents = _rng(self._intent_prefix, _prefix_end(self._intent_prefix), count_only=True)
 
         # take the lock, or leave the intent for whoever holds it: one round trip either way
         def first() -> tuple[list[pb.Compare], list[pb.RequestOp], list[pb.RequestOp]]:
             assert self._lease is not None
-            intent_value = self._seal(self._my_intent, action.name.encode())
+            if queue:
+                last = _put(self._my_intent, self._seal(self._my_intent, name), self._lease.id)
+            else:
+                last = self._read_op()
             return (
                 [_absent(self._lock_key)],
                 self._lock_ops(),
-                [
-                    _put(self._my_intent, intent_value, self._lease.id),
-                    _rng(self._lock_key),
-                    _rng(self._intent_prefix, _prefix_end(self._intent_prefix), count_only=True),
-                ],
+                [_rng(self._lock_key), count_intents, last],
             )
 
         reply = self._leased_txn("change", first)
@@ -1367,12 +1633,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
             self._absorb(reply.responses[1].response_range, reply.header.revision)
             self._take_intents(reply.responses[2])
         else:
-            self.stats["intents"] += 1
-            direct, intent = None, int(reply.header.revision)
-            ahead = max(0, int(reply.responses[2].response_range.count) - 1)
-            if self._lock_is_mine(reply.responses[1]):
+            ahead = int(reply.responses[1].response_range.count)
+            if queue:
+                self.stats["intents"] += 1
+                direct, intent = None, int(reply.header.revision)
+                ahead = max(0, ahead - 1)
+            else:
+                self.stats["shared_waits"] += 1
+                self._absorb(reply.responses[2].response_range, reply.header.revision)
+            if self._lock_is_mine(reply.responses[0]):
                 holding = True
                 self._reread_for_combining()
+            elif not queue and not self._due(action):
+                return self._result(action)
         stalled = 0
         while True:
             if holding:
@@ -1380,7 +1653,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 # alive meanwhile: a combiner that hangs lets the lock go after one lease
                 self._combining = True
                 try:
-                    result = self._combine(direct, action, intent, deadline)
+                    result = self._combine(direct, (rejoin, round_seen), action, intent, deadline)
                 except BaseException:
                     self._unlock_quietly()  # the others would wait out this node's lease
                     raise
@@ -1390,22 +1663,21 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     return result
                 holding = False  # the time is up: withdraw below
             if time.monotonic() > deadline:
-                return self._withdraw(action, intent)
-            wait = (self._POLL_FIRST + ahead * self._POLL_PER_INTENT) * 1.5 ** min(stalled, 8)
+                return self._withdraw(action, intent) if queue else self._result(action)
+            first_wait = self._POLL_FIRST if queue else self._POLL_SHARED
+            wait = (first_wait + ahead * self._POLL_PER_INTENT) * 1.5 ** min(stalled, 8)
             time.sleep(min(self._POLL_CAP, wait) * random.uniform(0.75, 1.25))
             self._keep_lease()  # still alive while waiting: the intent lives with the lease
             self.stats["polls"] += 1
 
             def poll() -> tuple[list[pb.Compare], list[pb.RequestOp], list[pb.RequestOp]]:
                 end = _prefix_end(self._intent_prefix)
+                lock = _nested([_absent(self._lock_key)], self._lock_ops(), [_rng(self._lock_key)])
+                if not queue:  # no intent to wait on: the lock, and what is ahead
+                    return [], [lock, count_intents], []
                 return (
                     [_mod_is(self._my_intent, intent)],
-                    [
-                        _nested(
-                            [_absent(self._lock_key)], self._lock_ops(), [_rng(self._lock_key)]
-                        ),
-                        _rng(self._intent_prefix, end, count_only=True, max_create=intent - 1),
-                    ],
+                    [lock, _rng(self._intent_prefix, end, count_only=True, max_create=intent - 1)],
                     [self._read_op()],
                 )
 
@@ -1424,6 +1696,18 @@ class EtcdRendezvousBackend(RendezvousBackend):
             elif self._lock_is_mine(inner.responses[0]):
                 holding = True
                 self._reread_for_combining()
+            elif not queue:
+                if not self._unchanged():
+                    self._read()
+                if not self._due(action):
+                    return self._result(action)
+
+    def _due(self, action: _Action) -> bool:
+        """Whether this node's handler would still take `action` on the state last read."""
+        stored = self._stored()
+        if stored is None or self._me is None or self._settings is None:
+            return False
+        return action_valid(self._overlaid(stored), self._me, action, self._settings)
 
     def _reread_for_combining(self) -> None:
         self._read()
@@ -1436,20 +1720,28 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return self._view(), self._m_rev, done
 
     def _combine(
-        self, direct: _Action | None, action: _Action, intent: int, deadline: float
+        self,
+        direct: _Action | None,
+        how: tuple[bool, int | None],
+        action: _Action,
+        intent: int,
+        deadline: float,
     ) -> tuple[_RendezvousState | None, Token, bool] | None:
         """Holding the lock: apply this node's `direct` action, then the pending intents, to the
         current state, batch after batch, until this node's own change is in; then release
-        the lock in that same write and return the state. None when the time is up."""
+        the lock in that same write and return the state (`how`: the direct change's rejoin
+        flag and round seen, see `replay`). None when the time is up. A batch that changes
+        nothing but heartbeats (every change refused: made by someone already) writes no
+        state, it only takes the intents away."""
         assert self._me is not None and self._settings is not None
         while True:
             self._keep_lease()  # each batch is progress: the lease (and the lock) live on
             batch = self._intents[:MAX_BATCH]
-            changes: list[tuple[_NodeDesc, _Action]] = []
+            changes: list[Change] = []
             mine: int | None = None
             if direct is not None:
                 mine = 0
-                changes.append((self._me, direct))
+                changes.append((self._me, direct, *how))
             for it in batch:
                 own = it.key == self._my_intent and it.revision == intent
                 if it.node is None or it.action is None:  # did not verify: deleted unapplied
@@ -1457,7 +1749,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     continue
                 if own:
                     mine = len(changes)
-                changes.append((it.node, it.action))
+                changes.append((it.node, it.action, it.rejoin, it.round))
             if mine is None and len(self._intents) < MAX_BATCH:
                 # this node's intent is not pending any more (its lease lapsed meanwhile)
                 self._unlock()
@@ -1469,7 +1761,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
             )
             applied = replay(view, changes, self._settings)
             written = persisted(view, stored)
-            value, writes, after = self._writes(written, stored, base)
+            if stored is not None and same_membership(stored, written):
+                value, writes, after = "", [], None
+            else:
+                value, writes, after = self._writes(written, stored, base)
             done = mine is not None
             late = time.monotonic() > deadline
             # what changed since the last read, then the write (the read is as of the revision
@@ -1488,10 +1783,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 [self._read_op(), self._intents_op()],
             )
             if reply.succeeded:
-                self.stats["combines"] += 1
+                self.stats["combines" if after else "combines_unwritten"] += 1
                 self.stats["combined"] += len(changes)
                 self._absorb(reply.responses[0].response_range, reply.header.revision)
-                self._wrote(value, written, after, int(reply.header.revision))
+                if after is not None:
+                    self._wrote(value, written, after, int(reply.header.revision))
                 self._take_intents(reply.responses[-1])
                 if done:
                     # the handler's view: the state just written, as replayed (leases ALIVE)
@@ -1577,13 +1873,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
         slot = f"{self._delta_prefix}{version % DELTA_SLOTS:02d}"
         diff = state_diff(stored or _RendezvousState(), written)
         delta = self._seal(slot, encode_delta(base, version, diff))
-        return value, [_put(self._key, value), _put(slot, delta)], (version, slot.encode())
+        puts = [_put(self._key, value), _put(slot, delta), _put(self._written, str(version))]
+        return value, puts, (version, slot.encode())
 
     def _wrote(
         self, value: str, written: _RendezvousState, after: tuple[int, bytes], revision: int
     ) -> None:
         """Hold what `_writes` wrote at `revision` as the state read."""
         self._set_stored(value, revision, after[0])
+        intern_state(written, self._nodes)
         self._m_state = written
         self._vb = None
         self._delta_keys[after[1]] = revision
@@ -1847,12 +2145,27 @@ class _NotingExecutor(_DistributedRendezvousOpExecutor):
         if not _events_discarded():
             super()._record(message, node_state)
 
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        # torch runs the exit operation only in next_rendezvous, right before the join: a
+        # participant leaving there is leaving to join again (see `replay`)
+        self._local.exiting = isinstance(state_handler, _RendezvousExitOp)
+        try:
+            super().run(state_handler, deadline, update_deadline)
+        finally:
+            self._local.exiting = False
+
     def _act(
         self, action: _Action, step: Callable[[_DistributedRendezvousOpExecutor], None]
     ) -> None:
         depth = getattr(self._local, "depth", 0)
         if depth == 0:
-            self._backend.note(action)
+            exiting = getattr(self._local, "exiting", False)
+            self._backend.note(action, exiting and action is _Action.REMOVE_FROM_PARTICIPANTS)
         self._local.depth = depth + 1
         try:
             step(self)
@@ -1946,7 +2259,15 @@ class _EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._bootstrap_store_info = None
-        return super().next_rendezvous()
+        try:
+            return super().next_rendezvous()
+        except BaseException:
+            # torch's heartbeats stay stopped after a failed rendezvous, so the others see this
+            # node die; the backend's own refresher would keep it alive (and waiting) for good
+            backend = getattr(self._state_holder, "_backend", None)
+            if isinstance(backend, EtcdRendezvousBackend):
+                backend.close()
+            raise
 
     def shutdown(self) -> bool:
         try:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import pickle
+import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
+import grpc
 import pytest
 
 from core.etcd_client import (
@@ -316,3 +320,84 @@ def test_parse_endpoint(text: str, expected: tuple[str, int]) -> None:
 def test_parse_endpoint_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError):
         parse_endpoint(text)
+
+
+# -- the shared lease keep-alive stream (core.etcd_client._KeepAliveStream) ------------------
+
+
+class _StreamEnded(grpc.RpcError):
+    pass
+
+
+class _FakeKeepAlives:
+    """etcd's LeaseKeepAlive as one stream: answers the leases in `answered` at once, never
+    the others; `cancel()` ends it as gRPC does."""
+
+    def __init__(self, requests: Any, answered: set[int]) -> None:
+        self.cancelled = threading.Event()
+        self._out: queue.Queue[Any] = queue.Queue()
+
+        def pump() -> None:
+            for request in requests:
+                if request.ID in answered:
+                    self._out.put(SimpleNamespace(ID=request.ID, TTL=10))
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def __iter__(self) -> _FakeKeepAlives:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._out.get()
+        if item is None:
+            raise _StreamEnded()
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self._out.put(None)
+
+
+def _fake_stream(answered: set[int], timeout: float) -> tuple[Any, list[_FakeKeepAlives]]:
+    from core.etcd_client import _KeepAliveStream
+
+    opened: list[_FakeKeepAlives] = []
+
+    def keep_alive(requests: Any, life: float, metadata: Any = None) -> _FakeKeepAlives:
+        opened.append(_FakeKeepAlives(requests, answered))
+        return opened[-1]
+
+    raw = SimpleNamespace(leasestub=SimpleNamespace(LeaseKeepAlive=keep_alive), metadata=None)
+    return _KeepAliveStream(SimpleNamespace(timeout=timeout, _client=raw)), opened
+
+
+def test_a_keepalive_stream_that_answers_others_is_waited_on_and_a_silent_one_ended() -> None:
+    stream, opened = _fake_stream({1}, timeout=0.2)
+    assert stream.refresh(1) == 10
+    # lease 2 gets no answer while the stream keeps answering lease 1: behind, not hung; the
+    # refresh waits up to _PATIENCE timeouts and the stream stays (ending it would send every
+    # lease of the client to a stream of its own at once)
+    stop = threading.Event()
+
+    def others() -> None:
+        while not stop.is_set():
+            stream.refresh(1)
+            time.sleep(0.02)
+
+    busy = threading.Thread(target=others, daemon=True)
+    busy.start()
+    t0 = time.monotonic()
+    assert stream.refresh(2) is None
+    waited = time.monotonic() - t0
+    stop.set()
+    busy.join(5)
+    assert waited >= 2 * 0.2  # past one timeout (scheduling may stretch it, never shorten it)
+    assert len(opened) == 1 and not opened[0].cancelled.is_set()
+    # a stream that answers nothing at all is hung: ended after one timeout, and the next
+    # refresh opens a fresh one
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert stream.refresh(2) is None
+    assert time.monotonic() - t0 < 3 * 0.2
+    assert opened[0].cancelled.wait(5)
+    assert stream.refresh(1) == 10 and len(opened) == 2

@@ -343,6 +343,67 @@ def test_survivors_follow_the_new_rank0_after_rank0_is_lost(etcd_server: Embedde
         _die(a)
 
 
+def _state_history(etcd: EtcdClient, rid: str) -> list[Any]:
+    """Every state written to the rendezvous, oldest first (etcd keeps a key's history)."""
+    from pyetcd.etcdrpc import rpc_pb2 as pb
+
+    key, states, revision = state_key(rid), [], 0
+    while True:
+        request = pb.RangeRequest(key=key.encode(), revision=revision)
+        kvs = etcd._client.kvstub.Range(request, 5).kvs
+        if not kvs:
+            break
+        value = verify_state(load_secret(), key, kvs[0].value.decode())
+        states.append(pickle.loads(value))
+        if kvs[0].version == 1:
+            break
+        revision = kvs[0].mod_revision - 1
+    return states[::-1]
+
+
+def test_survivors_queue_in_one_change_each_and_the_reopened_round_takes_them_at_once(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient
+) -> None:
+    rid = run_id()
+    n = 5
+    conf = {
+        "join_timeout": 30,
+        "last_call_timeout": 1,
+        "keep_alive_interval": 1,
+        "keep_alive_max_attempt": 3,
+    }
+    handlers = [
+        create_etcd3_handler(params(etcd_server.endpoint, rid, n - 1, n, **conf)) for _ in range(n)
+    ]
+    lost, survivors = handlers[-1], handlers[:-1]
+    try:
+        assert {i.world_size for i in _rendezvous_all(handlers)} == {n}
+        before = len(_state_history(etcd, rid))
+        _die(lost)
+        again = _rendezvous_all(survivors)
+        assert sorted(i.rank for i in again) == list(range(n - 1))
+        assert {i.world_size for i in again} == {n - 1}
+        history = _state_history(etcd, rid)[before - 1 :]  # from the first round, complete
+        ours = {h._this_node for h in survivors}
+        first = history[0]
+        assert first.complete and set(first.participants) == ours | {lost._this_node}
+        # each survivor's exit and its join of the wait list are one write: no state written
+        # in the old round has a survivor that is in neither
+        for state in history:
+            if state.round == first.round:
+                assert ours <= set(state.participants) | state.wait_list
+        # the round that opens once the lost node's lease lapsed takes the whole wait list in
+        # its first write, instead of one change per waiter
+        opened = next(i for i, state in enumerate(history) if state.round > first.round)
+        assert history[opened - 1].wait_list <= set(history[opened].participants)
+        assert not history[opened].wait_list
+        assert history[-1].complete and set(history[-1].participants) == ours
+    finally:
+        for h in survivors:
+            h.shutdown()
+        _die(lost)
+
+
 # -- two real torchrun agents ---------------------------------------------------------------
 
 WORKER = """
@@ -503,7 +564,9 @@ def test_replayed_joins_fill_the_round_complete_it_and_are_refused_after() -> No
         (node(4), A.ADD_TO_REDUNDANCY_LIST),  # ... not a waiter
         (node(3), A.MARK_RENDEZVOUS_COMPLETE),  # decided before the round filled: done already
     ]
-    assert replay(state, changes, s) == [True, True, True, False, False, True, False]
+    # the 4th's refused join goes on as torch's join operation would, into the redundancy
+    # list: its own later change to the same end is then made already
+    assert replay(state, changes, s) == [True, True, True, False, False, False, False]
     # complete at max_nodes with torch's ranks (sorted nodes); the 4th is redundant
     assert state.complete and state.deadline is None
     assert state.participants == {node(1): 0, node(3): 1, node(5): 2}
@@ -543,7 +606,12 @@ def _random_replays(seed: int, trials: int, per_batch: int) -> Any:
         state = _RendezvousState()
         for _batch in range(rng.randint(1, 6)):
             before = decode_state(encode_state(state))
-            changes = [(node(rng.randint(1, 8)), rng.choice(actions)) for _ in range(per_batch)]
+            # (node, action, rejoin, the round it saw: none said, behind, current or ahead)
+            seen = [None, state.round - 1, state.round, state.round + 1]
+            changes = [
+                (node(rng.randint(1, 8)), rng.choice(actions), rng.random() < 0.5, rng.choice(seen))
+                for _ in range(per_batch)
+            ]
             applied = replay(state, changes, s)
             yield s, before, state, changes, applied
 
@@ -562,6 +630,8 @@ def test_random_interleavings_never_lose_duplicate_or_reopen() -> None:
         if state.complete:  # torch's ranks, one each (a node leaving later leaves a gap)
             ranks = list(state.participants.values())
             assert len(set(ranks)) == len(ranks)
+        elif not state.closed:  # an open round has taken every waiting node
+            assert state.wait_list <= state.redundancy_list
         assert state.round >= before.round
 
 
@@ -579,7 +649,7 @@ def test_a_delta_turns_the_state_before_into_the_state_after() -> None:
         stored = decode_delta(encode_delta(17, 3, state_diff(before, state)))
         assert stored is not None and stored[:2] == (17, 3)
         after = apply_diff(before, stored[2])
-        assert _same(after, state)
+        assert _same(after, state, ordered=False)
         assert _same(before, decode_state(encode_state(before)))  # the old one untouched
     # a delta is O(what changed): one join into a round of 200 carries that node only
     big = _RendezvousState()
@@ -589,10 +659,26 @@ def test_a_delta_turns_the_state_before_into_the_state_after() -> None:
     grown = decode_state(encode_state(big))
     replay(grown, [(node(200), A.ADD_TO_PARTICIPANTS)], settings(1, 300))
     assert len(encode_delta(1, 2, state_diff(big, grown))) < len(encode_state(grown)) // 50
+    # ... and one node of a complete round leaving it to wait for the next carries that node
+    grown.complete = True
+    left = decode_state(encode_state(grown))
+    replay(left, [(node(100), A.REMOVE_FROM_PARTICIPANTS, True)], settings(1, 300))
+    assert left.wait_list == {node(100)}
+    assert len(encode_delta(2, 3, state_diff(grown, left))) < len(encode_state(left)) // 50
     # what is not a delta is read as "read the whole state", never unpickled beyond torch's
     assert decode_delta(RELOAD) is None
     assert decode_delta(b"not a pickle") is None
     assert decode_delta(pickle.dumps(("x", 1, ()))) is None
+    bad = list(state_diff(big, grown))
+    bad[4] = {("host", "not a pid", 0): 0}
+    assert decode_delta(pickle.dumps((1, 2, tuple(bad)))) is None
+    # a delta's nodes are plain tuples on the wire, and one object per node once read: the
+    # state's dicts then find them by identity (the dataclass hashes and compares in Python)
+    nodes: dict[Any, Any] = {}
+    wire = encode_delta(1, 2, state_diff(big, grown))
+    first, again = decode_delta(wire, nodes), decode_delta(wire, nodes)
+    assert first is not None and again is not None
+    assert next(iter(first[2][4])) is next(iter(again[2][4])) == node(200)
 
 
 def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind(
@@ -648,6 +734,25 @@ def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind
     assert plain.set_state(encode_state(state), token)[2]
     follower.read()
     assert node(999) in follower._stored().participants
+    # nothing changed since: a read is two reads of a key and a count, not of the span
+    requests, unchanged = follower.stats["requests"], follower.stats["reads_unchanged"]
+    follower.read()
+    assert follower.stats["reads_unchanged"] == unchanged + 1
+    assert follower.stats["requests"] == requests + 2
+    # a new node's lease, and its lapse, change no state but the count: read in full
+    late = EtcdRendezvousBackend(etcd, rid, SECRET)
+    late.bind(node(2000), s)
+    try:
+        late._keep_lease()
+        follower.read()
+        assert node(2000) in follower._alive_nodes()
+        late.close()
+        etcd.revoke_lease(late._lease.id)
+        follower.read()
+        assert node(2000) not in follower._alive_nodes()
+        assert follower.stats["reads_unchanged"] == unchanged + 1
+    finally:
+        late.close()
 
 
 def test_the_view_kept_up_to_date_is_the_overlay_built_whole() -> None:
@@ -832,15 +937,32 @@ def test_a_forged_intent_is_dropped_unapplied_and_a_stuck_change_is_withdrawn(
         assert etcd.get_prefix(f"{prefix}/intent/") == []  # deleted by the combiner
         backend = h._state_holder._backend
         assert intruder not in backend._alive_nodes()  # an alive key that does not verify
+        # a change that is made already (a join into the round the node is in) writes nothing
+        token = etcd.get_with_revision(state_key(rid))[1]
+        backend.note(A.ADD_TO_PARTICIPANTS)
+        after, _, applied = backend.write(h._state_holder.state, None)
+        assert not applied and backend.stats["combines_unwritten"] == 1
+        assert etcd.get_with_revision(state_key(rid))[1] == token
         # someone holds the combine lock and never combines: the change is taken back in time
         lease = etcd.lease(30)
         etcd.put(f"{prefix}/combiner", "someone-else", lease)
         backend._budget = 0.5
+        backend.note(A.ADD_TO_REDUNDANCY_LIST)
+        after, _, applied = backend.write(h._state_holder.state, None)
+        assert not applied and h._this_node not in after.redundancy_list
+        assert etcd.get_prefix(f"{prefix}/intent/") == []  # withdrawn, not left behind
+        assert backend.stats["withdrawn"] == 1
+        # closing (as completing) is one node's change for all: no intent queues for it, the
+        # node waits for the lock (or for someone to have made it)
+        intents = backend.stats["intents"]
         backend.note(A.MARK_RENDEZVOUS_CLOSED)
         after, _, applied = backend.write(h._state_holder.state, None)
         assert not applied and not after.closed
-        assert etcd.get_prefix(f"{prefix}/intent/") == []  # withdrawn, not left behind
+        assert backend.stats["intents"] == intents and backend.stats["shared_waits"] == 1
         lease.revoke()
+        backend.note(A.MARK_RENDEZVOUS_CLOSED)
+        after, _, applied = backend.write(h._state_holder.state, None)
+        assert applied and after.closed
     finally:
         _die(h)
 
@@ -856,11 +978,84 @@ def test_a_node_that_expired_itself_leaves_the_round_it_asks_to_wait_after() -> 
     assert state.complete and set(state.participants) == {node(1), node(2)}
     assert replay(state, [(node(1), A.ADD_TO_WAIT_LIST)], s) == [True]
     assert set(state.participants) == {node(2)} and state.wait_list == {node(1)}
-    # the last one out opens the next round, which the waiter then joins
+    # the last one out opens the next round, which takes the waiter at once; the waiter's own
+    # join, decided before it saw that, changes nothing
     assert replay(state, [(node(2), A.REMOVE_FROM_PARTICIPANTS)], s) == [True]
     assert not state.complete and state.round == 1
-    assert replay(state, [(node(1), A.ADD_TO_PARTICIPANTS)], s) == [True]
     assert set(state.participants) == {node(1)} and not state.wait_list
+    deadline = state.deadline
+    assert replay(state, [(node(1), A.ADD_TO_PARTICIPANTS)], s) == [False]
+    assert set(state.participants) == {node(1)} and state.deadline == deadline
+
+
+def test_a_leaver_queues_at_once_and_the_round_that_opens_takes_the_queue() -> None:
+    s = settings(min_nodes=3, max_nodes=5)
+    state = _RendezvousState()
+    replay(state, [(node(i), A.ADD_TO_PARTICIPANTS) for i in (1, 2, 3, 4)], s)
+    state.deadline = datetime.now(UTC) - timedelta(seconds=1)  # the last call is over
+    replay(state, [(node(1), A.MARK_RENDEZVOUS_COMPLETE)], s)
+    assert state.complete and len(state.participants) == 4
+    # torch's next_rendezvous: exit (leave the round), then join (queue for the next one); a
+    # leave that rejoins is both, in one change
+    assert replay(state, [(node(1), A.REMOVE_FROM_PARTICIPANTS, True)], s) == [True]
+    assert node(1) not in state.participants and state.wait_list == {node(1)}
+    # a leave that does not rejoin (torch's rollback on timeout) only leaves
+    assert replay(state, [(node(2), A.REMOVE_FROM_PARTICIPANTS)], s) == [True]
+    assert state.wait_list == {node(1)} and set(state.participants) == {node(3), node(4)}
+    replay(state, [(node(3), A.REMOVE_FROM_PARTICIPANTS, True)], s)
+    assert state.complete and state.wait_list == {node(1), node(3)}
+    # the last one out opens the next round: the wait list is in it at once, the leaver not
+    # (its own exit would find it in the round it leaves); it joins after, as torch's join does
+    assert replay(state, [(node(4), A.REMOVE_FROM_PARTICIPANTS, True)], s) == [True]
+    assert state.round == 1 and not state.complete and not state.wait_list
+    assert set(state.participants) == {node(1), node(3)}
+    assert state.deadline is None  # two of min 3: no last call yet
+    assert replay(state, [(node(4), A.ADD_TO_PARTICIPANTS)], s) == [True]
+    assert set(state.participants) == {node(1), node(3), node(4)} and state.deadline is not None
+    # a join made once the last call is over completes the round, as the joiner's next step
+    state.deadline = datetime.now(UTC) - timedelta(seconds=1)
+    assert replay(state, [(node(2), A.ADD_TO_PARTICIPANTS)], s) == [True]
+    assert state.complete and state.participants == {
+        n: r for r, n in enumerate(sorted(node(i) for i in (1, 2, 3, 4)))
+    }
+
+
+def test_a_round_opened_by_a_lost_node_takes_the_whole_wait_list() -> None:
+    s = settings(min_nodes=2, max_nodes=3)
+    state = _RendezvousState()
+    replay(state, [(node(i), A.ADD_TO_PARTICIPANTS) for i in (1, 2, 3)], s)
+    assert state.complete
+    replay(state, [(node(i), A.REMOVE_FROM_PARTICIPANTS, True) for i in (1, 2)], s)
+    assert set(state.participants) == {node(3)} and state.wait_list == {node(1), node(2)}
+    # node 3 is lost: torch's expiry takes it out, the round opens, and the first change made
+    # on it (one waiter's own join) finds every waiter in the round
+    state.last_heartbeats[node(3)] = datetime.now(UTC) - timedelta(minutes=5)
+    assert replay(state, [(node(2), A.ADD_TO_PARTICIPANTS)], s) == [False]
+    assert state.round == 1 and set(state.participants) == {node(1), node(2)}
+    assert not state.wait_list and state.deadline is not None
+
+
+def test_a_join_decided_before_the_node_was_moved_in_changes_nothing() -> None:
+    s = settings(min_nodes=2, max_nodes=3)
+    state = _RendezvousState()
+    replay(state, [(node(i), A.ADD_TO_PARTICIPANTS) for i in (1, 2, 3)], s)
+    replay(state, [(node(i), A.REMOVE_FROM_PARTICIPANTS, True, 0) for i in (1, 2)], s)
+    state.last_heartbeats[node(3)] = datetime.now(UTC) - timedelta(minutes=5)  # lost
+    replay(state, [], s)
+    assert state.round == 1 and set(state.participants) == {node(1), node(2)}
+    state.deadline = datetime.now(UTC) - timedelta(seconds=1)
+    replay(state, [(node(1), A.MARK_RENDEZVOUS_COMPLETE, False, 1)], s)
+    assert state.complete
+    # node 2 saw round 1 open without itself (before it was moved in) and asked to join it;
+    # a wait-list join decided back in round 0 comes late too: neither takes it out of the
+    # round it is in (which would leave a complete round one short)
+    stale = [(node(2), A.ADD_TO_PARTICIPANTS, False, 1), (node(2), A.ADD_TO_WAIT_LIST, False, 0)]
+    assert replay(state, stale, s) == [False, False]
+    assert state.complete and set(state.participants) == {node(1), node(2)}
+    assert not state.wait_list
+    # a node whose own view expired it and asks to wait in the same round leaves it (torch)
+    assert replay(state, [(node(2), A.ADD_TO_WAIT_LIST, False, 1)], s) == [True]
+    assert set(state.participants) == {node(1)} and state.wait_list == {node(2)}
 
 
 def test_large_jobs_heartbeat_at_torchs_interval_small_ones_every_second() -> None:

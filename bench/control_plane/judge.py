@@ -74,8 +74,13 @@ def _round_problem(parts: list[dict[str, Any]], n: int, joined_max: int) -> str 
     """Why a rendezvous phase's participants did not all meet in one round of `n`, or None."""
     failed = [p for p in parts if "error" in p]
     if failed:
+        # the ones whose rendezvous itself failed say more than the others, which then wait
+        # for them in torchrun's rank assignment
+        stuck = [p for p in failed if "t_rdzv" not in p]
+        first = (stuck or failed)[0]
+        also = f" ({len(stuck)} of them in next_rendezvous())" if stuck else ""
         return (
-            f"{len(failed)}/{n} participants failed: {failed[0]['error']} (at most "
+            f"{len(failed)}/{n} participants failed{also}: {first['error']} (at most "
             f"{joined_max}/{n} nodes were ever in the round)"
         )
     ranks = sorted(p.get("rank", -1) for p in parts)

@@ -22,8 +22,9 @@ class RdzvWatch:
         self.client = EtcdClient(endpoint)
         self.run_id = run_id
         self.every = every
-        # (time, participants, waiting, round, participants without a live lease, state bytes)
-        self.samples: list[tuple[float, int, int, int, int, int]] = []
+        # (time, participants, waiting, round, participants without a live lease, state bytes,
+        # the round complete: 1)
+        self.samples: list[tuple[float, int, int, int, int, int, int]] = []
         self.error: str | None = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="rdzv-watch", daemon=True)
@@ -54,6 +55,7 @@ class RdzvWatch:
                         state.round,
                         dead,
                         size,
+                        int(state.complete),
                     )
                 )
             except Exception as exc:  # keep watching; say what went wrong once
@@ -68,15 +70,20 @@ class RdzvWatch:
         self.thread.join(5)
         self.client.close()
 
-    def last(self) -> tuple[float, int, int, int, int, int] | None:
+    def last(self) -> tuple[float, int, int, int, int, int, int] | None:
         return self.samples[-1] if self.samples else None
 
     def progression(self, start: float, end: float, points: int = 40) -> list[list[float]]:
-        """[seconds since start, participants, waiting] while a phase ran (<= points)."""
+        """[seconds since start, participants, waiting, complete (1) or not (0)] while a phase ran
+        (<= points, and every change of the round's completeness)."""
         inside = [s for s in self.samples if start <= s[0] <= end]
         step = max(1, len(inside) // points)
-        picked = inside[::step] + ([inside[-1]] if inside and (len(inside) - 1) % step else [])
-        return [[round(s[0] - start, 1), s[1], s[2]] for s in picked]
+        picked = set(range(0, len(inside), step)) | ({len(inside) - 1} if inside else set())
+        # when the round completed (or opened again) matters more than evenly spaced samples
+        picked |= {i for i in range(1, len(inside)) if inside[i][6] != inside[i - 1][6]}
+        return [
+            [round(s[0] - start, 1), s[1], s[2], s[6]] for i, s in enumerate(inside) if i in picked
+        ]
 
     def figures(self, steady: float, t0: float, t1: float) -> dict[str, Any]:
         """The steady phase (from `steady`); unleased participants inside the window [t0, t1)."""

@@ -11,9 +11,12 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from core import keys
@@ -125,9 +128,15 @@ def _rendezvous_all(parts: list[_Participant], target: Any, timeout: float) -> N
     deadline = time.monotonic() + timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    for p in parts:
+    frames = sys._current_frames()
+    for p, t in zip(parts, threads, strict=True):
         if "t_rdzv" not in p.result and "error" not in p.result:
-            p.result["error"] = "next_rendezvous() did not return in time"
+            # where it is stuck: the innermost calls of its thread
+            stack = traceback.extract_stack(frames[t.ident]) if t.ident in frames else []
+            at = " < ".join(
+                f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in stack[::-1][:6]
+            )
+            p.result["error"] = f"next_rendezvous() did not return in time; at {at}"
 
 
 def _backend_stats(parts: list[_Participant]) -> Counter[str]:
