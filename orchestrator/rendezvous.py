@@ -984,9 +984,10 @@ def _parse_intent(text: str) -> tuple[_Action, bool, int | None]:
     return _Action[name.removesuffix(_REJOIN)], name.endswith(_REJOIN), int(seen) if at else None
 
 
-# Changes that one node makes for all (completing or closing the round): a node that finds
-# the combine lock held waits for it rather than queueing one more intent behind it, since
-# every node of a round decides to complete it at about the same moment.
+# Changes that one node makes for all (completing or closing the round; see also a waiting
+# node's join, `write`): a node that finds the combine lock held waits for it rather than
+# queueing one more intent behind it, since every node of a round decides to make them at
+# about the same moment.
 _SHARED = frozenset({_Action.MARK_RENDEZVOUS_COMPLETE, _Action.MARK_RENDEZVOUS_CLOSED})
 
 
@@ -1030,7 +1031,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         # bound mode (`bind`): this node, its settings, the action its next write carries
         self._me: _NodeDesc | None = None
         self._settings: RendezvousSettings | None = None
-        self._notes: dict[int, tuple[_Action, bool]] = {}  # thread -> (action, rejoin)
+        # thread -> (action, rejoin, the round it was decided on, shared: see `note`)
+        self._notes: dict[int, tuple[_Action, bool, int | None, bool]] = {}
         # what this node last read: the stored state (-1: never read, 0: absent) ...
         self._m_rev = -1
         self._m_present = False
@@ -1096,10 +1098,20 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def bound(self) -> bool:
         return self._me is not None
 
-    def note(self, action: _Action, rejoin: bool = False) -> None:
-        """The action the calling thread's next `set_state` carries (`_NotingExecutor`);
-        `rejoin`: a participant leaving its round in order to join the next (see `replay`)."""
-        self._notes[threading.get_ident()] = (action, rejoin)
+    def note(
+        self,
+        action: _Action,
+        rejoin: bool = False,
+        round_seen: int | None = None,
+        waiting: bool = False,
+    ) -> None:
+        """The action the calling thread's next `set_state` carries (`_NotingExecutor`), as
+        decided on a state of round `round_seen`; `rejoin`: a participant leaving its round
+        in order to join the next (see `replay`); `waiting`: the node joins from the wait
+        list, which whoever opens the round does for it (`promote`), so that like completing
+        the round it is one change for all (`_SHARED`)."""
+        shared = action in _SHARED or (waiting and action is _Action.ADD_TO_PARTICIPANTS)
+        self._notes[threading.get_ident()] = (action, rejoin, round_seen, shared)
 
     # -- the RendezvousBackend interface ---------------------------------------------------------
 
@@ -1152,7 +1164,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 if action is _Action.KEEP_ALIVE:
                     return self._heartbeat(state, token)
                 if noted is not None and action in MEMBERSHIP_ACTIONS:
-                    return self._change(*noted, state.round)
+                    return self._change(*noted)
                 return self._write_as_is(state, token)
             except BaseException:
                 if noted is not None:  # the handler writes again after a failed sync
@@ -1459,6 +1471,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def _keep_lease(self, force: bool = False) -> None:
         """This node's lease (and its alive key): refreshed when `force`d or due, granted again
         if it lapsed."""
+        self._start_refresher()  # (again, after `close`: the node is in use again)
         now = time.monotonic()
         if self._lease is not None and not force and now - self._lease_at < self._refresh_s:
             return
@@ -1470,7 +1483,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 self._lease = None
         if self._lease is None:
             self._lease = self._grant()
-        self._start_refresher()
         self._refreshed(now)
 
     def _refreshed(self, now: float) -> None:
@@ -1596,18 +1608,23 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return bool(kvs) and self._me is not None and kvs[0].value.decode() == node_id(self._me)
 
     def _change(
-        self, action: _Action, rejoin: bool = False, round_seen: int | None = None
+        self,
+        action: _Action,
+        rejoin: bool = False,
+        round_seen: int | None = None,
+        shared: bool = False,
     ) -> tuple[_RendezvousState | None, Token, bool]:
         """Apply this node's membership `action`: as the combiner (holding the lock), or by
         leaving an intent that the combiner applies; returns the state after it. A change one
-        node makes for all (`_SHARED`) leaves no intent: its node waits for the lock, or for
-        the state to show that the change is no longer due (someone made it)."""
+        node makes for all (`shared`: completing or closing the round, a waiting node joining
+        the round that opened) leaves no intent: its node waits for the lock, or for the state
+        to show that the change is no longer due (someone made it)."""
         assert self._me is not None and self._settings is not None
         self.stats["changes"] += 1
         self._keep_lease()
         assert self._lease is not None
         deadline = time.monotonic() + self._budget
-        queue = action not in _SHARED
+        queue = not shared
         name = _intent_text(action, rejoin, round_seen).encode()
         count_intents = _rng(self._intent_prefix, _prefix_end(self._intent_prefix), count_only=True)
 
@@ -1703,11 +1720,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     return self._result(action)
 
     def _due(self, action: _Action) -> bool:
-        """Whether this node's handler would still take `action` on the state last read."""
+        """Whether this node's handler would still take `action` on the state last read (as
+        its view: the nodes whose lease lapsed taken out)."""
         stored = self._stored()
         if stored is None or self._me is None or self._settings is None:
             return False
-        return action_valid(self._overlaid(stored), self._me, action, self._settings)
+        view = self._overlaid(stored)
+        sanitize(view, self._settings)
+        return action_valid(view, self._me, action, self._settings)
 
     def _reread_for_combining(self) -> None:
         self._read()
@@ -2164,8 +2184,15 @@ class _NotingExecutor(_DistributedRendezvousOpExecutor):
     ) -> None:
         depth = getattr(self._local, "depth", 0)
         if depth == 0:
+            # as decided: before `step` applies the action to the handler's own state
             exiting = getattr(self._local, "exiting", False)
-            self._backend.note(action, exiting and action is _Action.REMOVE_FROM_PARTICIPANTS)
+            seen = getattr(self, "_state", None)  # set by `run`, which takes every action
+            self._backend.note(
+                action,
+                exiting and action is _Action.REMOVE_FROM_PARTICIPANTS,
+                None if seen is None else seen.round,
+                seen is not None and self._node in seen.wait_list,
+            )
         self._local.depth = depth + 1
         try:
             step(self)

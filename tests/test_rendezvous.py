@@ -379,8 +379,14 @@ def test_survivors_queue_in_one_change_each_and_the_reopened_round_takes_them_at
     try:
         assert {i.world_size for i in _rendezvous_all(handlers)} == {n}
         before = len(_state_history(etcd, rid))
+        intents = sum(h._state_holder._backend.stats["intents"] for h in survivors)
         _die(lost)
         again = _rendezvous_all(survivors)
+        # an intent for each survivor's leave at most (and one more for a last leaver that
+        # opened the round itself): joining from the wait list and completing the round are
+        # made by one node for all, and the others wait without queueing intents
+        intents = sum(h._state_holder._backend.stats["intents"] for h in survivors) - intents
+        assert intents <= len(survivors) + 1
         assert sorted(i.rank for i in again) == list(range(n - 1))
         assert {i.world_size for i in again} == {n - 1}
         history = _state_history(etcd, rid)[before - 1 :]  # from the first round, complete
@@ -1056,6 +1062,26 @@ def test_a_join_decided_before_the_node_was_moved_in_changes_nothing() -> None:
     # a node whose own view expired it and asks to wait in the same round leaves it (torch)
     assert replay(state, [(node(2), A.ADD_TO_WAIT_LIST, False, 1)], s) == [True]
     assert set(state.participants) == {node(1)} and state.wait_list == {node(2)}
+
+
+def test_a_node_whose_rendezvous_failed_stops_keeping_itself_alive(
+    etcd_server: EmbeddedEtcd,
+) -> None:
+    # torch's heartbeats stay stopped after a failed next_rendezvous, so the others see the
+    # node die; the backend's own refresher must stop too (a live-looking node that gave up
+    # would wait in the wait list for good, and be moved into the next round)
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    h = _bound(etcd_server, run_id(), 0, min_nodes=2, max_nodes=2, join_timeout=1)
+    backend = h._state_holder._backend
+    try:
+        with pytest.raises(RendezvousTimeoutError):
+            h.next_rendezvous()
+        assert backend._refresher is None
+        backend._keep_lease()  # used again: it keeps itself alive again
+        assert backend._refresher is not None
+    finally:
+        _die(h)
 
 
 def test_large_jobs_heartbeat_at_torchs_interval_small_ones_every_second() -> None:

@@ -226,19 +226,24 @@ def _host(
         from core.protocol import Finished
 
         rank0[0].call("report", rank0[0].reporter.emit, Finished, kind="done", outcome="done")
-    for p in parts:
-        for keepalive in (p.presence, p.agent_keepalive):
-            if keepalive is not None:
-                try:
-                    keepalive.stop(revoke=True)
-                except Exception:
-                    pass
     # while steady (what the rendezvous logged before is in its own figures)
     seen = [w for w in warnings.seen if w[0] >= steady]
     summary["warnings"] = dict(Counter(kind for _, kind, _ in seen))
     summary["warnings_in_window"] = dict(Counter(k for when, k, _ in seen if t0 <= when < t1))
     summary["warning_samples"] = [m for _, _, m in seen[:3]]
-    res_q.put(("stats", index, summary))
+    res_q.put(("stats", index, summary))  # first: ending a thousand leases takes a while
+
+    def end(keepalive: Any) -> None:
+        try:
+            keepalive.stop(revoke=True)
+        except Exception:
+            pass
+
+    # each lease revoked and its thread joined: in parallel, as the nodes end in parallel
+    leases = [k for p in parts for k in (p.presence, p.agent_keepalive) if k is not None]
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(leases)))) as pool:
+        list(pool.map(end, leases))
+    res_q.put(("ended", index, None))
 
     # one agent is lost (its heartbeats stop, as when its node dies); the others meet again, as
     # torchrun does when its workers fail with the lost node's (they all notice within seconds)

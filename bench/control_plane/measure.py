@@ -233,6 +233,7 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
             while ctrl.progress.outcome is None and time.monotonic() < deadline:
                 watch()
                 time.sleep(0.1)
+            hosts.collect("ended", conf.phase_timeout, watch=watch)  # every lease gone
             row["ok"] = row["failed_phase"] is None
             row["steady_measured"] = True
             if conf.rejoin and row["rendezvous_completed"] and n > 2:
