@@ -951,7 +951,7 @@ _FIND_GONE_MAX = 4
 class _Intent:
     """A pending membership change under ``intent/<node>``: (key, its revision, the node and
     the action, None for a value that does not verify, which is deleted unapplied; whether the
-    node leaves to join again, see `replay`)."""
+    node leaves to join again, and the round it decided on: see `replay`)."""
 
     __slots__ = ("action", "key", "node", "rejoin", "revision", "round")
 
@@ -985,7 +985,7 @@ def _parse_intent(text: str) -> tuple[_Action, bool, int | None]:
 
 
 # Changes that one node makes for all (completing or closing the round; see also a waiting
-# node's join, `write`): a node that finds the combine lock held waits for it rather than
+# node's join, `note`): a node that finds the combine lock held waits for it rather than
 # queueing one more intent behind it, since every node of a round decides to make them at
 # about the same moment.
 _SHARED = frozenset({_Action.MARK_RENDEZVOUS_COMPLETE, _Action.MARK_RENDEZVOUS_CLOSED})

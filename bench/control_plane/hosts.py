@@ -286,6 +286,7 @@ class Hosts:
         k = max(1, min(conf.hosts, n))
         self.counts = [n // k + (1 if i < n % k else 0) for i in range(k)]
         self.res_q = ctx.Queue()
+        self._early: list[Any] = []  # messages read while collecting another kind
         self.cmd_qs = [ctx.Queue() for _ in range(k)]
         self.procs = [
             ctx.Process(
@@ -306,9 +307,13 @@ class Hosts:
     def collect(
         self, kind: str, timeout: float, hosts: list[int] | None = None, watch: Any = None
     ) -> dict[int, Any]:
-        """One `kind` message from each of `hosts` (default all) within `timeout` seconds."""
+        """One `kind` message from each of `hosts` (default all) within `timeout` seconds (a
+        message of another kind that arrives meanwhile is kept for its own `collect`)."""
         want = set(range(len(self.procs)) if hosts is None else hosts)
         got: dict[int, Any] = {}
+        for msg in [m for m in self._early if m[0] == kind and m[1] in want]:
+            self._early.remove(msg)
+            got[msg[1]] = msg[2]
         deadline = time.monotonic() + timeout
         while want - set(got):
             remaining = deadline - time.monotonic()
@@ -326,8 +331,10 @@ class Hosts:
                 continue
             if msg[0] == "error":
                 raise PhaseFailed(kind, f"host {msg[1]}: {msg[2]}\n{msg[3]}")
-            if msg[0] == kind:
+            if msg[0] == kind and msg[1] in want:
                 got[msg[1]] = msg[2]
+            else:
+                self._early.append(msg)
         return got
 
     def close(self) -> None:
