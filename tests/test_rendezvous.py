@@ -354,7 +354,7 @@ def _state_history(etcd: EtcdClient, rid: str) -> list[Any]:
         if not kvs:
             break
         value = verify_state(load_secret(), key, kvs[0].value.decode())
-        states.append(pickle.loads(value))
+        states.append(decode_state(value))
         if kvs[0].version == 1:
             break
         revision = kvs[0].mod_revision - 1
