@@ -113,10 +113,11 @@ Scale (why the state is not simply compare-and-swapped by every node)
       (``promote``), as each waiting node's join does on its first sync after. The survivors
       of a lost node then cost one change each and the new round one write, instead of
       three changes each (leave, wait, join) queued behind one another: 4,000 changes
-      for 1,023 survivors. Completing (or closing) a round is decided by every node at the
-      same moment; a node that finds the lock held waits for it (or for the round to be
-      complete) rather than queueing an intent, and a batch of changes all made already
-      writes no state.
+      for 1,023 survivors. Completing (or closing) a round, and a waiting node's join of the
+      round that opened, are decided by every node at about the same moment and made by one
+      for all: a node that finds the lock held waits for it (or for the change to be made)
+      rather than queueing an intent, and a batch of changes all made already writes no
+      state.
     - A state is unpickled with torch's rendezvous classes only (``decode_state``).
 
     A round of N joins is then about N/``MAX_BATCH`` state writes plus one small intent per
