@@ -72,7 +72,8 @@ Scale (why the state is not simply compare-and-swapped by every node)
       removes exactly the nodes whose lease lapsed; that mark is never written
       (``persisted``).
     - A node follows the state by its deltas. Every state write also writes what changed
-      (``state_diff``: O(what changed), except the ranks handed out when a round completes)
+      (``state_diff``: O(what changed); a round that takes its whole wait list, and the ranks
+      a completed round hands out, are named rather than listed)
       into a ring of ``DELTA_SLOTS`` keys ``state.delta/<version mod 64>``, signed like the
       state, in the same transaction. A read is one range over the alive keys and the deltas
       (which sort right after the state key, and leave it out) asking only for what changed
@@ -462,7 +463,8 @@ def copy_state(state: _RendezvousState) -> _RendezvousState:
 
 
 # A state's delta: (round, complete, deadline, closed, participants set, participants removed,
-# wait list added, removed, redundancy list added, removed, heartbeats set, removed)
+# wait list added, removed, redundancy list added, removed, heartbeats set, removed, bulk
+# changes: see `state_diff`)
 StateDiff = tuple[
     int,
     bool,
@@ -476,30 +478,71 @@ StateDiff = tuple[
     set[_NodeDesc],
     dict[_NodeDesc, datetime],
     list[_NodeDesc],
+    tuple[tuple[Any, ...], ...],
 ]
 _GONE = object()
+# Changes a delta names instead of listing their nodes (see `state_diff`): the round that
+# opened took its wait list (applied first), the round that completed ranked its participants
+# (applied last); worth it from this many nodes on.
+_PROMOTED, _RANKED = "promoted", "ranked"
+_BULK_MIN = 8
+
+
+def _promote_all(state: _RendezvousState, beat: datetime) -> None:
+    """`state` (changed in place) with its whole wait list in the round at rank 0, each with
+    heartbeat `beat` (what `promote` writes; dict.fromkeys of a set hashes nothing again)."""
+    moved, state.wait_list = state.wait_list, set()
+    state.participants.update(dict.fromkeys(moved, 0))
+    state.last_heartbeats.update(dict.fromkeys(moved, beat))
+
+
+def _rank_order(state: _RendezvousState) -> list[_NodeDesc]:
+    """The participants in torch's rank order (sorted: the dataclass orders by these fields)."""
+    return sorted(state.participants, key=_key)
 
 
 def state_diff(old: _RendezvousState, new: _RendezvousState) -> StateDiff:
-    """What turns `old` into `new` (`apply_diff`): O(what changed), not O(nodes), except when a
-    round completes and every participant gets its rank. A node removed and added again
+    """What turns `old` into `new` (`apply_diff`): O(what changed), not O(nodes). Two changes
+    of every node are named rather than listed (a thousand nodes' entries are ~150 kB, read
+    by each of them): a round that opened and took the whole wait list (`promote`), and the
+    ranks a completed round hands out (torch's order, which the reader sorts for itself);
+    the listed changes then are what these do not cover. A node removed and added again
     comes back at its old place, not at the end: nothing reads the order of the state's dicts
     (torch ranks participants by sorting them), and keeping it would cost a delta of every
     node after it, for each node that leaves a round to wait for the next."""
-    op, ob = old.participants, old.last_heartbeats
+    bulk: list[tuple[Any, ...]] = []
+    base, moved = old, old.wait_list
+    if (
+        len(moved) >= _BULK_MIN
+        and moved.isdisjoint(new.wait_list)
+        and len(moved.difference(new.participants)) <= len(moved) // 2
+    ):
+        beat = new.last_heartbeats.get(min(moved, key=_key))
+        if beat is not None:
+            bulk.append((_PROMOTED, beat))
+            base = copy_state(old)
+            _promote_all(base, beat)
+    op, ob = base.participants, base.last_heartbeats
+    p_set = {n: r for n, r in new.participants.items() if op.get(n, _GONE) != r}
+    if new.complete and len(p_set) >= _BULK_MIN:
+        order = _rank_order(new)
+        if all(new.participants[n] == rank for rank, n in enumerate(order)):
+            bulk.append((_RANKED,))
+            p_set = {n: r for n, r in p_set.items() if n not in op}  # joined: ranked below
     return (
         new.round,
         new.complete,
         new.deadline,
         new.closed,
-        {n: r for n, r in new.participants.items() if op.get(n, _GONE) != r},
+        p_set,
         [n for n in op if n not in new.participants],
-        new.wait_list - old.wait_list,
-        old.wait_list - new.wait_list,
-        new.redundancy_list - old.redundancy_list,
-        old.redundancy_list - new.redundancy_list,
+        new.wait_list - base.wait_list,
+        base.wait_list - new.wait_list,
+        new.redundancy_list - base.redundancy_list,
+        base.redundancy_list - new.redundancy_list,
         {n: b for n, b in new.last_heartbeats.items() if ob.get(n, _GONE) != b},
         [n for n in ob if n not in new.last_heartbeats],
+        tuple(bulk),
     )
 
 
@@ -507,8 +550,12 @@ def apply_diff(old: _RendezvousState, diff: StateDiff) -> _RendezvousState:
     """`old` (unchanged) with `diff` applied: equal to the state the diff was taken to (its
     dicts' order aside, see `state_diff`)."""
     new = copy_state(old)
+    bulk = diff[12]
+    for change in bulk:
+        if change[0] == _PROMOTED:
+            _promote_all(new, change[1])
     (new.round, new.complete, new.deadline, new.closed) = diff[:4]
-    p_set, p_del, w_add, w_del, r_add, r_del, b_set, b_del = diff[4:]
+    p_set, p_del, w_add, w_del, r_add, r_del, b_set, b_del = diff[4:12]
     for node in p_del:
         new.participants.pop(node, None)
     new.participants.update(p_set)
@@ -517,7 +564,18 @@ def apply_diff(old: _RendezvousState, diff: StateDiff) -> _RendezvousState:
     for node in b_del:
         new.last_heartbeats.pop(node, None)
     new.last_heartbeats.update(b_set)
+    if (_RANKED,) in bulk:
+        order = _rank_order(new)
+        new.participants.update(zip(order, range(len(order)), strict=True))
     return new
+
+
+def _bulk_valid(change: Any) -> bool:
+    if type(change) is not tuple:
+        return False
+    if len(change) == 2 and change[0] == _PROMOTED:
+        return isinstance(change[1], datetime)
+    return change == (_RANKED,)
 
 
 # A delta as stored: (the state's mod revision it applies to, the state's version after it,
@@ -572,15 +630,20 @@ def decode_delta(
         base, version, wire = _StateUnpickler(io.BytesIO(data)).load()
         if not (isinstance(base, int) and isinstance(version, int) and isinstance(wire, tuple)):
             return None
-        if len(wire) != 12:
+        if len(wire) == 12:  # written before bulk changes
+            wire = (*wire, ())
+        if len(wire) != 13 or type(wire[12]) is not tuple:
             return None
+        if not all(_bulk_valid(change) for change in wire[12]):
+            return None  # a change this version does not know: read the state whole
         diff: list[Any] = list(wire)
+        known = nodes.get  # most nodes are known: no call of `_node` for them
         for i in _NODE_DICTS:
-            diff[i] = {_node(nodes, k): v for k, v in wire[i].items()}
+            diff[i] = {(known(k) or _node(nodes, k)): v for k, v in wire[i].items()}
         for i in _NODE_LISTS:
-            diff[i] = [_node(nodes, k) for k in wire[i]]
+            diff[i] = [known(k) or _node(nodes, k) for k in wire[i]]
         for i in _NODE_SETS:
-            diff[i] = {_node(nodes, k) for k in wire[i]}
+            diff[i] = {known(k) or _node(nodes, k) for k in wire[i]}
     except Exception:
         return None
     return base, version, tuple(diff)  # type: ignore[return-value]
@@ -733,9 +796,11 @@ def promote(state: _RendezvousState, settings: RendezvousSettings) -> None:
     changes at once."""
     if state.complete or state.closed or not state.wait_list:
         return
+    beat = datetime.now(UTC)  # one heartbeat for all: the delta names the move (`state_diff`)
     for node in sorted(state.wait_list):
         if join_next(state, node, settings) is _Action.ADD_TO_PARTICIPANTS:
             apply_action(state, node, _Action.ADD_TO_PARTICIPANTS, settings)
+            state.last_heartbeats[node] = beat
 
 
 # (node, action[, rejoin[, the round of the state the node decided on]])
@@ -947,6 +1012,10 @@ MAX_BATCH = 100
 DELTA_SLOTS = 64
 # Lapsed leases a node looks for by counting (`_find_gone`) before it lists every alive key.
 _FIND_GONE_MAX = 4
+# Beyond this many alive keys a node that counts a lapsed lease waits a random part of a
+# heartbeat interval before it looks for it (`_settle_gone`): every node counts the lapse
+# within the same second, and one of them finding it first is enough (see "Scale").
+_SPREAD_SEARCH_NODES = 64
 
 
 class _Intent:
@@ -1061,6 +1130,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._written = written_key(run_id)
         self._delta_keys: dict[bytes, int] = {}  # delta slot -> mod revision (for the count)
         self._relisted_at = -math.inf
+        # lapsed alive keys counted but not yet found, and when this node looks for them
+        # itself (`_settle_gone`)
+        self._unfound = 0
+        self._search_at: float | None = None
         # ... the pending intents (oldest first), and what the state handed out last was made
         # of (stored revision, alive keys' version): unchanged, the holder keeps its own copy
         self._intents: list[_Intent] = []
@@ -1234,9 +1307,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return False  # written by a writer that does not mark its writes
         if written.kvs and int(written.kvs[0].mod_revision) > self._seen:
             return False
+        if self._search_at is not None and time.monotonic() >= self._search_at:
+            return False  # time to look for the lapsed leases counted
         request = _rng(self._span_start, self._span_end, count_only=True).request_range
         count = int(self._range("count", request).count)
-        same = count == len(self._alive_keys) + len(self._delta_keys)
+        same = count == len(self._alive_keys) + len(self._delta_keys) - self._unfound
         self.stats["reads_unchanged"] += same
         return same
 
@@ -1268,9 +1343,62 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 whole = True
         if whole:
             self._read_state()
-        gone = len(self._alive_keys) + len(self._delta_keys) - int(answer.count)
+        self._settle_gone(
+            len(self._alive_keys) + len(self._delta_keys) - int(answer.count), revision
+        )
+
+    def _settle_gone(self, gone: int, revision: int) -> None:
+        """Account for `gone` alive keys (or deltas) that the count at store `revision` misses:
+        leases that lapsed (or the rendezvous deleted). A node the state no longer holds is
+        looked up by its key alone (`_probe_absent`): that is how most nodes learn of a lapse,
+        from the write that took the dead node out. Beyond `_SPREAD_SEARCH_NODES` the rest
+        wait a random part of a heartbeat interval for such a write before this node looks
+        for them itself (`_find_gone`): every node counts a lapse within the same second,
+        and 1,023 nodes each making ~10 reads at once held a re-rendezvous up for seconds."""
+        if gone > 0:
+            gone -= self._probe_absent(revision, gone)
+        if 0 < gone <= _FIND_GONE_MAX and len(self._alive_keys) > _SPREAD_SEARCH_NODES:
+            now = time.monotonic()
+            if self._search_at is None:
+                self._search_at = now + random.uniform(0.0, self._refresh_s)
+                self.stats["gone_deferred"] += 1
+            if now < self._search_at:
+                self._unfound = gone
+                return
+        self._unfound, self._search_at = 0, None
         if gone and not (0 < gone <= _FIND_GONE_MAX and self._find_gone(revision, gone)):
             self._relist()  # leases lapsed (or the rendezvous was deleted)
+
+    def _probe_absent(self, revision: int, gone: int) -> int:
+        """How many of the lapsed keys are those of alive nodes the state no longer holds (a
+        write took them out), each looked up by its key as of store `revision`; they are
+        forgotten. Only where there are few such nodes: a new node's key precedes its join."""
+        stored = self._stored()
+        if stored is None:
+            return 0
+        absent = self._alive_set.difference(stored.last_heartbeats)  # C: the set's own hashes
+        if not absent or len(absent) > _FIND_GONE_MAX:
+            return 0
+        found = 0
+        for node in absent:
+            key = (self._alive_prefix + node_id(node)).encode()
+            if key not in self._alive_keys:
+                continue
+            request = _rng(key.decode(), count_only=True, revision=revision).request_range
+            try:
+                if int(self._range("probe", request).count):
+                    continue
+            except RendezvousConnectionError:
+                return found  # e.g. that revision was compacted away: counted below
+            self._alive_keys.pop(key)
+            self._alive_set.discard(node)
+            self._vb_dirty.add(node)
+            self._alive_version += 1
+            found += 1
+            if found == gone:
+                break
+        self.stats["found_absent"] += found
+        return found
 
     def _find_gone(self, revision: int, gone: int) -> bool:
         """Find the `gone` alive keys that lapsed by store `revision` by counting halves of
@@ -1325,6 +1453,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._m_rev, self._m_version = int(kv.mod_revision), delta[1]
         self._vb_dirty.update(delta[2][10])
         self._vb_dirty.update(delta[2][11])
+        if any(change[0] == _PROMOTED for change in delta[2][12]):
+            self._vb_dirty.update(held.wait_list)
         self.stats["deltas"] += 1
         return True
 
@@ -1442,15 +1572,21 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """`overlay(stored, alive nodes, this node, its heartbeat)`, from the view's heartbeats
         kept up to date (`_vb`)."""
         beats, alive, me = stored.last_heartbeats, self._alive_set, self._me
+        # set operations between sets and with dicts use the hashes stored in the set: a node
+        # descriptor's own hash and equality are Python code, called per node otherwise
         if self._vb is None:
-            self._vb = {n: ALIVE if n in alive and n != me else b for n, b in beats.items()}
+            self._vb = dict(beats)
+            changed = alive - alive.difference(beats)
         else:
-            for n in self._vb_dirty:
-                beat = beats.get(n)
-                if beat is None:
-                    self._vb.pop(n, None)
-                else:
-                    self._vb[n] = ALIVE if n in alive and n != me else beat
+            left = self._vb_dirty.difference(beats)
+            changed = self._vb_dirty - left
+            for n in left:
+                self._vb.pop(n, None)
+        live = changed & alive
+        live.discard(me)
+        self._vb.update(dict.fromkeys(live, ALIVE))
+        for n in changed - live:  # nodes whose lease lapsed, and this node
+            self._vb[n] = beats[n]
         self._vb_dirty.clear()
         view = copy_state(stored)
         view.last_heartbeats = dict(self._vb)

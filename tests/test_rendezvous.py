@@ -687,6 +687,56 @@ def test_a_delta_turns_the_state_before_into_the_state_after() -> None:
     assert next(iter(first[2][4])) is next(iter(again[2][4])) == node(200)
 
 
+def test_a_round_taking_its_wait_list_and_its_ranks_are_named_in_the_delta_not_listed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The two changes of every node (a round that opens takes its whole wait list; a round
+    that completes ranks its participants) are named in the delta, not listed node by node
+    (each of a thousand nodes read ~150 kB of them); what they do not cover is listed, and
+    the delta still turns the state before into the state after."""
+    import orchestrator.rendezvous as rdzv
+
+    s = settings(1, 300)
+    old = _RendezvousState()
+    old.round, old.complete = 4, True
+    long_ago = datetime.now(UTC) - timedelta(hours=1)
+    old.participants = {node(200): 0}  # the lost node: its heartbeat expired long ago
+    old.last_heartbeats = {node(200): long_ago}
+    for i in range(200):  # the survivors, queued for the next round
+        old.wait_list.add(node(i))
+        old.last_heartbeats[node(i)] = datetime.now(UTC)
+    opened = decode_state(encode_state(old))
+    replay(opened, [(node(5), A.ADD_TO_PARTICIPANTS, False, 5)], s)
+    assert opened.round == 5 and not opened.wait_list and len(opened.participants) == 200
+    wire = encode_delta(1, 2, state_diff(old, opened))
+    assert len(wire) < 600 < len(encode_state(opened)) // 10
+    stored = decode_delta(wire)
+    assert stored is not None and _same(apply_diff(old, stored[2]), opened, ordered=False)
+
+    opened.deadline = datetime.now(UTC) - timedelta(seconds=1)  # the last call is over
+    done = decode_state(encode_state(opened))
+    replay(done, [(node(7), A.MARK_RENDEZVOUS_COMPLETE)], s)
+    assert done.complete and sorted(done.participants.values()) == list(range(200))
+    wire = encode_delta(2, 3, state_diff(opened, done))
+    assert len(wire) < 600
+    stored = decode_delta(wire)
+    assert stored is not None and _same(apply_diff(opened, stored[2]), done, ordered=False)
+    # a bulk change this version does not know is read as "read the whole state"
+    unknown = list(stored[2])
+    unknown[12] = (("shuffled",),)
+    assert decode_delta(pickle.dumps((2, 3, tuple(unknown)))) is None
+
+    # named from one node on, random changes still come out exact (the list corrects the name)
+    monkeypatch.setattr(rdzv, "_BULK_MIN", 1)
+    named = 0
+    for _s, before, state, _changes, _applied in _random_replays(11, 200, 8):
+        diff = state_diff(before, state)
+        named += bool(diff[12])
+        stored = decode_delta(encode_delta(5, 6, diff))
+        assert stored is not None and _same(apply_diff(before, stored[2]), state, ordered=False)
+    assert named > 20
+
+
 def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind(
     etcd_server: EmbeddedEtcd, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -836,6 +886,58 @@ def test_a_lapsed_lease_is_found_by_counting_and_many_by_listing(etcd: EtcdClien
     assert reader._alive_nodes() == {node(i) for i in (0, 1, 2, 11)}
     reader.read()  # the count agrees again: nothing more to look for
     assert reader.stats["relists"] == 1 and reader.stats["found_gone"] == 2
+
+
+def test_beyond_64_nodes_a_lapse_is_learnt_from_the_write_that_takes_the_node_out(
+    etcd: EtcdClient,
+) -> None:
+    """Every node counts a lapsed lease within the same second. Beyond 64 alive keys a node
+    does not look for it at once: it waits a random part of a heartbeat interval (its reads
+    stay cheap meanwhile), and when a write takes the dead node out of the state it looks
+    that node's key up alone; only a node whose wait ran out looks for the key itself."""
+    rid = run_id()
+    n = 70
+    s = RendezvousSettings("run", 1, n, RendezvousTimeout(), timedelta(seconds=30), 3)
+    nodes = [EtcdRendezvousBackend(etcd, rid) for _ in range(n)]
+    for i, b in enumerate(nodes):
+        b.bind(node(i), s)
+        b._keep_lease()
+    state = _RendezvousState()
+    state.participants = {node(i): 0 for i in range(n)}
+    state.last_heartbeats = {node(i): datetime.now(UTC) for i in range(n)}
+    writer = EtcdRendezvousBackend(etcd, rid)  # unbound: the state written whole
+    _, token, ok = writer.set_state(encode_state(state))
+    assert ok
+    reader, searcher = nodes[0], nodes[1]
+    for b in (reader, searcher):
+        b.read()
+        assert b._alive_nodes() == {node(i) for i in range(n)}
+    nodes[7]._lease.revoke()
+
+    for b in (reader, searcher):
+        b.read()
+        assert b.stats["gone_deferred"] == 1 and b.stats["found_gone"] == 0
+        assert node(7) in b._alive_nodes() and b._unfound == 1
+    unchanged = reader.stats["reads_unchanged"]
+    reader.read()  # the lapse is known: nothing new, and the read stays cheap
+    assert reader.stats["reads_unchanged"] == unchanged + 1 and reader._unfound == 1
+
+    searcher._search_at = time.monotonic()  # its wait ran out before any write
+    searcher.read()
+    assert searcher.stats["found_gone"] == 1 and searcher._unfound == 0
+    assert searcher._alive_nodes() == {node(i) for i in range(n)} - {node(7)}
+
+    del state.participants[node(7)], state.last_heartbeats[node(7)]
+    assert writer.set_state(encode_state(state), token)[2]
+    requests = reader.stats["requests"]
+    reader.read()
+    assert reader.stats["found_absent"] == 1 and reader.stats["found_gone"] == 0
+    assert reader._unfound == 0 and reader._search_at is None
+    assert reader._alive_nodes() == {node(i) for i in range(n)} - {node(7)}
+    # whether the state was written, the read, the whole state (written unbound), one probe
+    assert reader.stats["requests"] - requests == 4
+    for b in nodes:
+        b.close()
 
 
 def test_a_live_node_keeps_its_lease_while_its_handler_stalls_but_a_hung_combiner_does_not(

@@ -69,6 +69,16 @@ def _rendezvous_figures(
         round(max(p["t_assigned"] for p in assigned) - start, 3) if len(assigned) == n else None
     )
     row[f"{prefix}_participant_s"] = _dist([p["t_rdzv"] - p["t0"] for p in done], 1.0, 3)
+    # the slowest back, and where the last of each host were while the others were back
+    row[f"{prefix}_last"] = [
+        {
+            "rank": p.get("rank"),
+            "s": round(p["t_rdzv"] - p["t0"], 3),
+            "late_at": p["late_at"][1] if "late_at" in p else None,
+            "late_for_s": round(p["t_rdzv"] - p["late_at"][0], 3) if "late_at" in p else None,
+        }
+        for p in sorted(done, key=lambda p: p["t_rdzv"])[-3:]
+    ]
     row[f"{prefix}_rounds"] = sorted({p["round"] for p in done})
     row[f"{prefix}_joined"] = len(done)
     txn0 = _by(m0, "grpc_server_started_total", "grpc_method").get("Txn", 0.0)

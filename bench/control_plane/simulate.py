@@ -120,23 +120,40 @@ def _rendezvous(p: _Participant) -> None:
         p.result["error"] = f"{type(exc).__name__}: {exc}".rstrip(": ")[:500]
 
 
+def _where(thread: threading.Thread) -> str:
+    """The innermost calls of `thread`, as one line."""
+    frames = sys._current_frames()
+    stack = traceback.extract_stack(frames[thread.ident]) if thread.ident in frames else []
+    return " < ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in stack[::-1][:6])
+
+
+# The last participants of a host still in next_rendezvous() 1 s after the rest came back
+# say where they are (`late_at`): the slowest node sets the figure.
+_LATE_SHARE, _LATE_AFTER_S = 0.02, 1.0
+
+
 def _rendezvous_all(parts: list[_Participant], target: Any, timeout: float) -> None:
     """`target(p)` for every participant at once (agents started together), within `timeout`."""
     threads = [threading.Thread(target=target, args=(p,), daemon=True) for p in parts]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    frames = sys._current_frames()
+    late_since: float | None = None
+    while time.monotonic() < deadline:
+        running = [(p, t) for p, t in zip(parts, threads, strict=True) if t.is_alive()]
+        if not running:
+            break
+        # (back from next_rendezvous(), a thread goes on to torchrun's rank assignment)
+        late = [(p, t) for p, t in running if "t_rdzv" not in p.result]
+        if late and len(late) <= max(1, int(_LATE_SHARE * len(parts))):
+            late_since = late_since or time.monotonic()
+            if time.monotonic() - late_since >= _LATE_AFTER_S:
+                for p, t in late:
+                    p.result.setdefault("late_at", (time.time(), _where(t)))
+        running[0][1].join(0.1)
     for p, t in zip(parts, threads, strict=True):
         if "t_rdzv" not in p.result and "error" not in p.result:
-            # where it is stuck: the innermost calls of its thread
-            stack = traceback.extract_stack(frames[t.ident]) if t.ident in frames else []
-            at = " < ".join(
-                f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in stack[::-1][:6]
-            )
-            p.result["error"] = f"next_rendezvous() did not return in time; at {at}"
+            p.result["error"] = f"next_rendezvous() did not return in time; at {_where(t)}"
 
 
 def _backend_stats(parts: list[_Participant]) -> Counter[str]:
