@@ -335,10 +335,12 @@ class _FakeKeepAlives:
 
     def __init__(self, requests: Any, answered: set[int]) -> None:
         self.cancelled = threading.Event()
+        self.received: list[int] = []
         self._out: queue.Queue[Any] = queue.Queue()
 
         def pump() -> None:
             for request in requests:
+                self.received.append(request.ID)
                 if request.ID in answered:
                     self._out.put(SimpleNamespace(ID=request.ID, TTL=10))
 
@@ -364,7 +366,7 @@ def _fake_stream(answered: set[int], timeout: float) -> tuple[Any, list[_FakeKee
     opened: list[_FakeKeepAlives] = []
 
     def keep_alive(requests: Any, life: float, metadata: Any = None) -> _FakeKeepAlives:
-        opened.append(_FakeKeepAlives(requests, answered))
+        opened.append(_FakeKeepAlives(requests, set(answered)))  # the leases it will answer
         return opened[-1]
 
     raw = SimpleNamespace(leasestub=SimpleNamespace(LeaseKeepAlive=keep_alive), metadata=None)
@@ -401,3 +403,25 @@ def test_a_keepalive_stream_that_answers_others_is_waited_on_and_a_silent_one_en
     assert stream.refresh(2) is None
     assert opened[0].cancelled.wait(5)
     assert stream.refresh(1) == 10 and len(opened) == 2
+
+
+def test_a_refresh_whose_stream_ends_is_sent_again_on_a_fresh_stream() -> None:
+    """A stream ends (its life ran out) while a refresh waits on it: the refresh is sent
+    again on a fresh shared stream, not on a stream of its own (pyetcd's way, seconds in a
+    starved process)."""
+    answered = {1}
+    stream, opened = _fake_stream(answered, timeout=5.0)
+    assert stream.refresh(1) == 10
+
+    def end_the_first() -> None:
+        deadline = time.monotonic() + 10
+        while 2 not in opened[0].received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answered.add(2)  # the next stream answers lease 2
+        opened[0].cancel()
+
+    ender = threading.Thread(target=end_the_first, daemon=True)
+    ender.start()
+    assert stream.refresh(2) == 10
+    ender.join(5)
+    assert len(opened) == 2 and 2 in opened[0].received and opened[0].cancelled.is_set()
