@@ -1349,14 +1349,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def _settle_gone(self, gone: int, revision: int) -> None:
         """Account for `gone` alive keys (or deltas) that the count at store `revision` misses:
-        leases that lapsed (or the rendezvous deleted). A node the state no longer holds is
-        looked up by its key alone (`_probe_absent`): that is how most nodes learn of a lapse,
-        from the write that took the dead node out. Beyond `_SPREAD_SEARCH_NODES` the rest
+        leases that lapsed (or the rendezvous deleted). A likely node is looked up by its key
+        alone (`_probe_likely`): one the state no longer holds is how most nodes learn of a
+        lapse, from the write that took the dead node out. Beyond `_SPREAD_SEARCH_NODES` the rest
         wait a random part of a heartbeat interval for such a write before this node looks
         for them itself (`_find_gone`): every node counts a lapse within the same second,
         and 1,023 nodes each making ~10 reads at once held a re-rendezvous up for seconds."""
         if gone > 0:
-            gone -= self._probe_absent(revision, gone)
+            gone -= self._probe_likely(revision, gone)
         if 0 < gone <= _FIND_GONE_MAX and len(self._alive_keys) > _SPREAD_SEARCH_NODES:
             now = time.monotonic()
             if self._search_at is None:
@@ -1369,18 +1369,24 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if gone and not (0 < gone <= _FIND_GONE_MAX and self._find_gone(revision, gone)):
             self._relist()  # leases lapsed (or the rendezvous was deleted)
 
-    def _probe_absent(self, revision: int, gone: int) -> int:
-        """How many of the lapsed keys are those of alive nodes the state no longer holds (a
-        write took them out), each looked up by its key as of store `revision`; they are
-        forgotten. Only where there are few such nodes: a new node's key precedes its join."""
+    def _probe_likely(self, revision: int, gone: int) -> int:
+        """How many of the lapsed keys are those of the likely nodes, each looked up by its key
+        as of store `revision` (they are forgotten): alive nodes the state no longer holds (a
+        write took them out; only where there are few: a new node's key precedes its join),
+        and beyond `_SPREAD_SEARCH_NODES` the participants of a round that has few (in a
+        re-rendezvous, the lost node is the one that never left the old round)."""
         stored = self._stored()
         if stored is None:
             return 0
-        absent = self._alive_set.difference(stored.last_heartbeats)  # C: the set's own hashes
-        if not absent or len(absent) > _FIND_GONE_MAX:
-            return 0
+        alive = self._alive_set
+        likely = alive.difference(stored.last_heartbeats)  # C: the set's own hashes
+        if len(likely) > _FIND_GONE_MAX:
+            likely = set()
+        few = len(stored.participants) <= _FIND_GONE_MAX
+        if few and len(self._alive_keys) > _SPREAD_SEARCH_NODES:
+            likely.update(n for n in stored.participants if n in alive)
         found = 0
-        for node in absent:
+        for node in sorted(likely, key=_key):
             key = (self._alive_prefix + node_id(node)).encode()
             if key not in self._alive_keys:
                 continue
@@ -1389,7 +1395,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 if int(self._range("probe", request).count):
                     continue
             except RendezvousConnectionError:
-                return found  # e.g. that revision was compacted away: counted below
+                break  # e.g. that revision was compacted away: searched for later
             self._alive_keys.pop(key)
             self._alive_set.discard(node)
             self._vb_dirty.add(node)
@@ -1397,7 +1403,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             found += 1
             if found == gone:
                 break
-        self.stats["found_absent"] += found
+        self.stats["found_probed"] += found
         return found
 
     def _find_gone(self, revision: int, gone: int) -> bool:

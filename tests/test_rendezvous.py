@@ -928,14 +928,28 @@ def test_beyond_64_nodes_a_lapse_is_learnt_from_the_write_that_takes_the_node_ou
     assert searcher._alive_nodes() == {node(i) for i in range(n)} - {node(7)}
 
     del state.participants[node(7)], state.last_heartbeats[node(7)]
-    assert writer.set_state(encode_state(state), token)[2]
+    _, token, ok = writer.set_state(encode_state(state), token)
+    assert ok
     requests = reader.stats["requests"]
     reader.read()
-    assert reader.stats["found_absent"] == 1 and reader.stats["found_gone"] == 0
+    assert reader.stats["found_probed"] == 1 and reader.stats["found_gone"] == 0
     assert reader._unfound == 0 and reader._search_at is None
     assert reader._alive_nodes() == {node(i) for i in range(n)} - {node(7)}
     # whether the state was written, the read, the whole state (written unbound), one probe
     assert reader.stats["requests"] - requests == 4
+
+    # a re-rendezvous: every survivor has left the old round for the wait list, and the node
+    # that never left is the one lost; it is looked up first, and found at once
+    state.complete = True
+    state.participants = {node(9): 0}
+    state.wait_list = {node(i) for i in range(n) if i not in (7, 9)}
+    assert writer.set_state(encode_state(state), token)[2]
+    reader.read()
+    deferred = reader.stats["gone_deferred"]
+    nodes[9]._lease.revoke()
+    reader.read()
+    assert reader.stats["found_probed"] == 2 and reader.stats["gone_deferred"] == deferred
+    assert node(9) not in reader._alive_nodes() and reader._unfound == 0
     for b in nodes:
         b.close()
 
