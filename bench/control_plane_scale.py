@@ -2,7 +2,7 @@
 real controller, for N in --sizes (default 8, 16, 64, 256).
 
     .venv/bin/python bench/control_plane_scale.py [--sizes 8,16,64,256] [--seconds 20]
-        [--hosts 4] [--step-hz 2] [--metrics-from replica|loss-owner] [--store sqlite|postgresql]
+        [--hosts K] [--step-hz 2] [--metrics-from replica|loss-owner] [--store sqlite|postgresql]
         [--no-fsync] [--join-timeout 240] [--heartbeat-s 1] [--no-rejoin]
 
 What runs, per size (a fresh embedded etcd, store and controller each time):
@@ -11,7 +11,8 @@ What runs, per size (a fresh embedded etcd, store and controller each time):
   own `supervise` loop (drain -> answer_join -> check_workers every 0.1 s), writing a real store
   (SQLite file, or a throwaway PostgreSQL with `--store postgresql`).
 - **N participants**, each one torchrun agent with one worker (`--nproc-per-node 1`), simulated
-  as threads: `--hosts` processes (default 4, spawned) each run N/hosts participants. 256 real
+  as threads: `--hosts` processes (spawned; default one per 128 participants, at least 4)
+  each run N/hosts participants. 256 real
   torchrun agents plus 256 worker processes do not fit 2 cores (a process with torch imported
   is ~300 MB and seconds of CPU to start), but the control plane only sees their etcd traffic,
   and that is made by the project's own code:
@@ -178,7 +179,12 @@ def run(conf: Config, png: Path | None = None) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
-    parser.add_argument("--hosts", type=int, default=Config.hosts, help="host processes")
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help="host processes (default: one per 128 participants, at least 4)",
+    )
     parser.add_argument("--seconds", type=float, default=Config.seconds, help="steady window")
     parser.add_argument("--warmup", type=float, default=Config.warmup)
     parser.add_argument("--step-hz", type=float, default=Config.step_hz)

@@ -90,10 +90,16 @@ Scale (why the state is not simply compare-and-swapped by every node)
       with every state (``written_key``) and the number of alive keys and deltas, which etcd
       answers from its index. The range over the span costs etcd O(N) (it loads every key
       to filter them): a thousand waiting nodes took a core of etcd's.
-    - A lapsed lease shows as a key missing from the read's count. A node finds up to four
-      of them by count-only reads of halves of the keys it knows (``_find_gone``: about
-      log2(N) reads of a few bytes each), and lists every alive key again only past that
-      (at most once per heartbeat interval): every node looks when one lease lapses.
+    - A lapsed lease shows as a key missing from the read's count, and every node counts it
+      within the same second. A node first counts the keys of the likely nodes, one read of
+      one key each (``_probe_likely``): nodes that the last write took out of the state, and
+      beyond 64 nodes the few participants of a round (the lost node of a re-rendezvous is
+      the one that never left the old round). Beyond 64 nodes a lapse it cannot place waits
+      a random part of a heartbeat interval for a write that places it (``_settle_gone``):
+      1,023 nodes each searching at once held a re-rendezvous up for seconds. Searching, a
+      node finds up to four lapsed keys by count-only reads of halves of the keys it knows
+      (``_find_gone``: about log2(N) reads of a few bytes each), and lists every alive key
+      again only past that (at most once per heartbeat interval).
     - A membership change (join, leave, complete, close) is combined. In one transaction a
       node either takes the combiner lock (a key under its lease) or leaves its change as an
       intent (``intent/<node>``, under its lease, signed like the state). The lock holder

@@ -90,3 +90,11 @@ def test_prometheus_counters_are_summed_by_label() -> None:
     assert cps._total(m, "grpc_server_started_total") == 14.0
     assert cps._by(m, "grpc_server_started_total", "grpc_method") == {"Range": 10.0, "Txn": 4.0}
     assert cps._total(m, "process_cpu_seconds_total") == 1.5
+
+
+def test_host_processes_grow_with_the_participants_unless_set() -> None:
+    """One host process per 128 simulated nodes, at least 4 and at most one per node: 256
+    nodes' threads behind one interpreter lock starved a live node's lease past its TTL."""
+    conf = cps.Config()
+    assert [conf.hosts_for(n) for n in (2, 8, 512, 1024, 2048)] == [2, 4, 4, 8, 16]
+    assert cps.Config(hosts=3).hosts_for(1024) == 3 and cps.Config(hosts=3).hosts_for(2) == 2

@@ -18,13 +18,15 @@ CONTROLLER_TICK_S = 0.1  # Controller.supervise's default interval
 # threads per host process that run its simulated nodes' polls and reports (bench/control_plane
 # /simulate.py run_periodic): enough that a call waiting on etcd delays few others
 SCHEDULING_THREADS = 16
+NODES_PER_HOST = 128  # simulated nodes per host process by default (`Config.hosts_for`)
 DEFAULT_SIZES = (8, 16, 64, 256)
 
 
 @dataclass
 class Config:
     sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
-    hosts: int = 4  # processes the participants are spread over (capped at N)
+    # processes the participants are spread over (capped at N); None: `hosts_for(n)`
+    hosts: int | None = None
     seconds: float = 20.0  # steady window measured
     warmup: float = 3.0  # steady seconds before the window opens
     step_hz: float = 2.0  # Metrics reports per second per reporting rank
@@ -44,6 +46,14 @@ class Config:
     # without it (torchrun --nnodes N-1:N, so the round can complete with one node less)
     rejoin: bool = True
     rejoin_timeout: int = 120  # the survivors' next_rendezvous() (s)
+
+    def hosts_for(self, n: int) -> int:
+        """Host processes for `n` participants: as set, else one per `NODES_PER_HOST` (at
+        least 4), capped at `n`. At 1,024 in 4 processes (256 nodes' threads behind each GIL),
+        a host's threads went up to 15.7 s unscheduled: longer than a lease, so a live node
+        was taken for dead; a real node is a process of its own."""
+        k = self.hosts if self.hosts is not None else max(4, -(-n // NODES_PER_HOST))
+        return max(1, min(k, n))
 
     def heartbeat(self, n: int) -> int:
         """The keep-alive interval of a job of `n` agents: as set, or as the project runs it."""

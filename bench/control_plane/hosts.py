@@ -283,7 +283,7 @@ class Hosts:
 
     def __init__(self, n: int, conf: Config, endpoint: str, run_id: str) -> None:
         ctx = mp.get_context("spawn")
-        k = max(1, min(conf.hosts, n))
+        k = conf.hosts_for(n)
         self.counts = [n // k + (1 if i < n % k else 0) for i in range(k)]
         self.res_q = ctx.Queue()
         self._early: list[Any] = []  # messages read while collecting another kind

@@ -48,7 +48,7 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
     """One size: returns its row (figures, problems); never raises for a failed phase."""
     row: dict[str, Any] = {
         "participants": n,
-        "hosts": max(1, min(conf.hosts, n)),
+        "hosts": conf.hosts_for(n),
         "ok": False,
         "failed_phase": None,
         "error": None,
