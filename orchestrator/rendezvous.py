@@ -920,13 +920,19 @@ def node_id(node: _NodeDesc) -> str:
     return f"{quote(node.addr, safe='')}:{node.pid}:{node.local_id}"
 
 
-def parse_node_id(text: str) -> _NodeDesc | None:
+def parse_node_key(text: str) -> _NodeKey | None:
+    """(addr, pid, local_id) of a node's name in etcd keys (`node_id`); None if it is none."""
     addr, _, rest = text.partition(":")
     pid, _, local_id = rest.partition(":")
     try:
-        return _NodeDesc(unquote(addr), int(pid), int(local_id))
+        return unquote(addr), int(pid), int(local_id)
     except ValueError:
         return None
+
+
+def parse_node_id(text: str) -> _NodeDesc | None:
+    key = parse_node_key(text)
+    return None if key is None else _NodeDesc(*key)
 
 
 # -- etcd transactions ----------------------------------------------------------------------
@@ -1121,6 +1127,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._alive_keys: dict[bytes, tuple[_NodeDesc | None, int, int]] = {}
         # one object per node for everything this node holds (see `_node`)
         self._nodes: dict[_NodeKey, _NodeDesc] = {}
+        self._by_name: dict[str, _NodeDesc] = {}  # ... by their name in keys (`_named`)
         self._alive_set: set[_NodeDesc] = set()  # the nodes of those that verify
         self._alive_version = 0
         # the heartbeats of the handler's view (`overlay`), kept up to date by the nodes whose
@@ -1539,7 +1546,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def _see_alive(self, kv: Any) -> None:
         key = kv.key.decode()
-        node = self._intern(parse_node_id(key[len(self._alive_prefix) :]))
+        node = self._named(key[len(self._alive_prefix) :])
         if node is not None:  # the value is the lease it was put under, signed with the key
             try:
                 if int(self._open(key, kv.value.decode()), 16) != int(kv.lease):
@@ -1558,8 +1565,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 self._alive_set.add(node)
                 self._vb_dirty.add(node)
 
-    def _intern(self, node: _NodeDesc | None) -> _NodeDesc | None:
-        return None if node is None else self._nodes.setdefault(_key(node), node)
+    def _named(self, text: str) -> _NodeDesc | None:
+        """The node named `text` in a key (`node_id`), one object per node: every node reads
+        every other node's alive key, and parsing the name and building torch's dataclass for
+        each was a fifth of a simulator host's rendezvous."""
+        node = self._by_name.get(text)
+        if node is None:
+            key = parse_node_key(text)
+            if key is None:
+                return None
+            node = self._by_name[text] = _node(self._nodes, key)
+        return node
 
     def _alive_nodes(self) -> set[_NodeDesc]:
         return self._alive_set
@@ -1733,7 +1749,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         intents = []
         for kv in response.response_range.kvs:
             key = kv.key.decode()
-            node = self._intern(parse_node_id(key[len(self._intent_prefix) :]))
+            node = self._named(key[len(self._intent_prefix) :])
             action, rejoin, seen = None, False, None
             try:
                 action, rejoin, seen = _parse_intent(self._open(key, kv.value.decode()).decode())

@@ -737,6 +737,21 @@ def test_a_round_taking_its_wait_list_and_its_ranks_are_named_in_the_delta_not_l
     assert named > 20
 
 
+def test_a_node_named_in_keys_is_one_object_whichever_key_or_delta_names_it() -> None:
+    """Every node reads every other node's alive key: its name is parsed once, into the same
+    object that deltas and the state hold (sets and dicts then find it by identity)."""
+    b = EtcdRendezvousBackend(None, "run", SECRET)  # fed by hand: it never calls etcd here
+    b.bind(node(0), settings())
+    first = b._named(node_id(node(3)))
+    assert first == node(3) and b._named(node_id(node(3))) is first
+    state = _RendezvousState()
+    state.participants = {node(3): 0}
+    state.last_heartbeats = {node(3): datetime.now(UTC)}
+    delta = decode_delta(encode_delta(1, 2, state_diff(_RendezvousState(), state)), b._nodes)
+    assert delta is not None and next(iter(delta[2][4])) is first
+    assert b._named("not-a-node") is None and b._named(node_id(node(0))) is b._me
+
+
 def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind(
     etcd_server: EmbeddedEtcd, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
