@@ -430,9 +430,10 @@ class _KeepAliveStream:
     it, for every refresh (a millisecond of CPU, every second, for every lease), and streams
     opened per refresh on one connection serialise on its channel. A reader thread hands each
     answer to the refresh waiting for that lease. A stream lives `_LIFE_S` at most; whatever
-    goes wrong ends it and fails the refreshes waiting on it, which then refresh the ordinary
-    way (`EtcdClient.refresh_lease`). A refresh not answered within the client's timeout ends
-    the stream only if the stream answered nothing meanwhile (hung); a stream that answers
+    goes wrong ends it and fails the refreshes waiting on it, which are sent once more on a
+    fresh stream, then the ordinary way (`EtcdClient.refresh_lease`). A refresh not answered
+    within the client's timeout ends the stream only if it answered nothing meanwhile
+    (hung); a stream that answers
     others is behind, not hung, and the refresh waits on (up to `_PATIENCE` timeouts): ending
     it would send every lease of the client to a stream of its own at once, on an etcd or a
     host already too slow (1,024 simulated nodes' refreshes then never got through)."""

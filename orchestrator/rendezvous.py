@@ -1362,12 +1362,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def _settle_gone(self, gone: int, revision: int) -> None:
         """Account for `gone` alive keys (or deltas) that the count at store `revision` misses:
-        leases that lapsed (or the rendezvous deleted). A likely node is looked up by its key
-        alone (`_probe_likely`): one the state no longer holds is how most nodes learn of a
-        lapse, from the write that took the dead node out. Beyond `_SPREAD_SEARCH_NODES` the rest
-        wait a random part of a heartbeat interval for such a write before this node looks
-        for them itself (`_find_gone`): every node counts a lapse within the same second,
-        and 1,023 nodes each making ~10 reads at once held a re-rendezvous up for seconds."""
+        leases that lapsed (or the rendezvous deleted). The likely nodes are looked up first,
+        by their keys alone (`_probe_likely`: one the last write took out of the state, the
+        lost node of a re-rendezvous). Beyond `_SPREAD_SEARCH_NODES` a lapse not placed so
+        waits a random part of a heartbeat interval for a write that places it before this
+        node looks for it itself (`_find_gone`): every node counts a lapse within the same
+        second, and 1,023 nodes each making ~10 reads at once held a re-rendezvous up for
+        seconds."""
         if gone > 0:
             gone -= self._probe_likely(revision, gone)
         if 0 < gone <= _FIND_GONE_MAX and len(self._alive_keys) > _SPREAD_SEARCH_NODES:

@@ -50,7 +50,7 @@ class Config:
     def hosts_for(self, n: int) -> int:
         """Host processes for `n` participants: as set, else one per `NODES_PER_HOST` (at
         least 4), capped at `n`. At 1,024 in 4 processes (256 nodes' threads behind each GIL),
-        a host's threads went up to 15.7 s unscheduled: longer than a lease, so a live node
+        a host's threads went up to 18 s unscheduled: longer than a lease, so a live node
         was taken for dead; a real node is a process of its own."""
         k = self.hosts if self.hosts is not None else max(4, -(-n // NODES_PER_HOST))
         return max(1, min(k, n))
