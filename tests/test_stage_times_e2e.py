@@ -72,7 +72,11 @@ def test_status_names_the_slowest_stage_and_the_bubble(trained_run: RealRun) -> 
 def test_a_running_job_is_traced_scraped_and_logged_for_tensorboard(tmp_path: Path) -> None:
     """One running job: `pipetransformer trace` captures a step on every rank, its Prometheus
     endpoint answers while it trains, and its TensorBoard event files hold every step."""
-    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 6}, runtime={"tensorboard": True})
+    # long enough to be still training when `trace` (a fresh process) files its request: the
+    # 6 epochs this had ran out first on a loaded machine (18 s of training in all)
+    spec = write_spec(
+        tmp_path / "spec.yaml", training={"epochs": 16}, runtime={"tensorboard": True}
+    )
     workdir, log = tmp_path / "runs", tmp_path / "run.log"
     port = free_port()
     proc = start_cli(
