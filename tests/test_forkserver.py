@@ -142,7 +142,9 @@ def test_a_dead_server_takes_its_workers_and_fails_their_clients(server):
     worker = int(client.stdout.readline())
     proc.kill()
     assert _gone(worker)
-    assert client.wait(timeout=10) == 1
+    # the client wakes on the closed socket at once; 10 s ran out twice late in the whole
+    # suite's run on 2 loaded cores, never alone
+    assert client.wait(timeout=30) == 1
 
 
 def test_without_a_server_the_client_runs_the_target_itself(tmp_path):
