@@ -47,8 +47,9 @@ def test_four_participants_rendezvous_report_and_reach_the_store(tmp_path: Path)
     assert row["join_answer_s"] > 0 and row["layout"] == "2 x 2"
     # etcd served the steady state: polls, reports, deletes, keep-alives
     assert row["etcd_requests_per_s"] > 0 and row["etcd_writes_per_s"] > 0
-    # reads, report puts, leases; drained reports are deleted in transactions (Txn)
-    assert {"Range", "Put", "Txn", "LeaseKeepAlive"} <= set(row["etcd_requests_by_method"])
+    # reads and report puts. Not asserted: the drain's Txn (a 3 s window may hold no drain),
+    # and LeaseKeepAlive, which etcd counts once per stream and a shared stream lives 30 s
+    assert {"Range", "Put"} <= set(row["etcd_requests_by_method"])
     # every simulated call kind happened
     assert set(row["achieved"]) == {"abort_poll", "monitor", "heartbeat", "report"}
     assert all(v > 0 for v in row["achieved"].values()), row["achieved"]
