@@ -1410,15 +1410,20 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     continue
             except RendezvousConnectionError:
                 break  # e.g. that revision was compacted away: searched for later
-            self._alive_keys.pop(key)
-            self._alive_set.discard(node)
-            self._vb_dirty.add(node)
-            self._alive_version += 1
+            self._forget_alive(key)
             found += 1
             if found == gone:
                 break
         self.stats["found_probed"] += found
         return found
+
+    def _forget_alive(self, key: bytes) -> None:
+        """The alive key `key` lapsed: its node is no longer alive in this node's view."""
+        node = self._alive_keys.pop(key)[0]
+        if node is not None:
+            self._alive_set.discard(node)
+            self._vb_dirty.add(node)
+        self._alive_version += 1
 
     def _find_gone(self, revision: int, gone: int) -> bool:
         """Find the `gone` alive keys that lapsed by store `revision` by counting halves of
@@ -1447,11 +1452,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         except RendezvousConnectionError:
             return False  # e.g. that revision was compacted away: relist
         for key in found:
-            node = self._alive_keys.pop(key)[0]
-            if node is not None:
-                self._alive_set.discard(node)
-                self._vb_dirty.add(node)
-        self._alive_version += 1
+            self._forget_alive(key)
         self.stats["found_gone"] += len(found)
         return True
 
