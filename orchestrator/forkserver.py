@@ -245,16 +245,22 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
                 message, fds = request
                 sys.stdout.flush()
                 sys.stderr.flush()
+                # the worker starts only once its client has been told its pid: a client whose
+                # server dies before that runs the target itself, which must then be the only
+                # run of it (a worker that had started would have been a second one)
+                go_r, go_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
+                    os.close(go_w)
                     sel.close()
                     listener.close()
                     for w in workers.values():
                         w.conn.close()
                         os.close(w.pidfd)
                     conn.close()
-                    _become_client(message, fds, server_pid)
+                    _become_client(message, fds, server_pid, go_r)
                     return message
+                os.close(go_r)
                 for fd in fds:
                     os.close(fd)
                 worker = _Worker(pid, conn, message)
@@ -263,8 +269,11 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
                 sel.register(conn, selectors.EVENT_READ, worker)
                 try:
                     _send(conn, {"pid": pid})
+                    os.write(go_w, b"1")
                 except OSError:
                     os.kill(pid, signal.SIGKILL)  # the client is gone already
+                finally:
+                    os.close(go_w)
             elif isinstance(key.fileobj, int):  # a worker exited: tell its client how
                 worker = key.data
                 _, status = os.waitpid(worker.pid, 0)
@@ -342,11 +351,16 @@ def _accept(conn: socket.socket, target: str) -> tuple[dict, list[int]] | None:
         return None
 
 
-def _become_client(message: dict, fds: list[int], server_pid: int) -> None:
-    """In the forked child: die with the server, and take over the client's stdio, environment
-    and working directory."""
+def _become_client(message: dict, fds: list[int], server_pid: int, go: int) -> None:
+    """In the forked child: die with the server, wait until the server has told the client
+    this worker's pid (a byte on `go`; nothing: the server died first), and take over the
+    client's stdio, environment and working directory."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != server_pid:  # the server died between fork and prctl
+        os._exit(1)
+    told = os.read(go, 1)
+    os.close(go)
+    if not told:
         os._exit(1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for target_fd, fd in enumerate(fds):

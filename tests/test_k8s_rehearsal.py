@@ -88,6 +88,34 @@ def _running_world(store: Store) -> tuple[int, int] | None:
     return None
 
 
+def _explain(cluster: rehearsal.Cluster, etcd_ip: str, secret: str) -> str:
+    """The pods' states and logs, then the job's rendezvous as etcd holds it: its keys (the
+    combine lock and intents included) and its state (a hang there shows in no pod's log)."""
+    import json
+
+    from core import keys
+    from core.etcd_client import EtcdClient
+    from orchestrator.rendezvous import read_rendezvous
+
+    lines = [cluster.explain(), "=== the rendezvous in etcd ==="]
+    try:
+        client = EtcdClient(f"{etcd_ip}:2379", timeout=5.0, retry_timeout=5.0)
+        try:
+            run_id = json.loads(client.get(keys.launch(JOB)) or "{}").get("rdzv_id")
+            lines.append(f"run id {run_id!r}")
+            if run_id:
+                for key, value in client.get_prefix(keys.rendezvous(run_id)):
+                    lines.append(f"  {key} ({len(value)} B)")
+                state, alive, size = read_rendezvous(client, run_id, secret.encode())
+                lines.append(f"state ({size} B): {state}")
+                lines.append(f"alive: {sorted(map(str, alive))}")
+        finally:
+            client.close()
+    except Exception as exc:  # a diagnosis must not hide the failure it explains
+        lines.append(f"(not read: {exc!r})")
+    return "\n".join(lines)
+
+
 def _app(spec: Path, job_id: str, **extra: Any) -> Any:
     """The component in container mode as the rehearsal runs it: two trainer pods of one worker
     each, etcd's Service without TLS (the rehearsal's etcd has none; TLS and auth are
@@ -211,12 +239,17 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
         }
         task_of = {pods[task].name: task for task in ("trainer-0", "trainer-1")}
         store = Store(cluster.from_root(owner_url), read_only=True)
+        secret = pods["trainer-0"].env["PIPETRANSFORMER_RDZV_SECRET"]
+
+        def explain() -> str:
+            return _explain(cluster, etcd.ip, secret)
+
         try:
             checkpoint = rehearsal.wait_for(
                 "a committed checkpoint",
                 lambda: _alive(controller) and store.latest_checkpoint(JOB),
                 120,
-                cluster.explain,
+                explain,
             )
             mark(f"checkpoint committed at step {checkpoint.step}")
             workers = rehearsal.wait_for("the workers", lambda: _workers(store), 30)
@@ -242,7 +275,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                 "a generation of one",
                 lambda: (w := _running_world(store)) and w[1] == 1 and w,
                 90,
-                cluster.explain,
+                explain,
             )
             mark(f"generation {shrunk[0]} trains on 1 worker")
 
@@ -255,7 +288,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                 "the job to widen again",
                 lambda: (w := _running_world(store)) and w[1] == 2 and w[0] > shrunk[0] and w,
                 90,
-                cluster.explain,
+                explain,
             )
             mark(f"generation {widened[0]} trains on 2 workers from step {store.get_job(JOB).step}")
 
@@ -268,7 +301,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                 "a generation of one after the drain",
                 lambda: (w := _running_world(store)) and w[1] == 1 and w[0] > widened[0] and w,
                 90,
-                cluster.explain,
+                explain,
             )
             lost_steps = _steps_lost_at_end_of(store, left[0] - 1)
             mark(f"pod {survivor.name} drained: generation {left[0]}, {lost_steps} steps lost")
@@ -277,7 +310,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                 "the drained pod back in the job",
                 lambda: (w := _running_world(store)) and w[1] == 2 and w[0] > left[0] and w,
                 90,
-                cluster.explain,
+                explain,
             )
             mark(
                 f"the recreated {volcano.pod(drained).name} joined at step {store.get_job(JOB).step}"
@@ -292,7 +325,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                     volcano.pod("controller-0") is not controller and volcano.pod("controller-0")
                 ),
                 60,
-                cluster.explain,
+                explain,
             )
             assert controller.poll() == 143, controller.tail()
             controller = volcano.pod("controller-0")
@@ -314,7 +347,7 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                     and w
                 ),
                 90,
-                cluster.explain,
+                explain,
             )
             mark(f"trainer evicted, replaced and back at step {store.get_job(JOB).step}")
 
