@@ -1315,7 +1315,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
         node's join writes the state soon after."""
         if self._m_rev < 0 or not self._seen:
             return False
-        written = self._range("written", _rng(self._written, keys_only=True).request_range)
+        # both serializable (answered by the member from what it has applied, no ReadIndex):
+        # at 1,024 nodes on a slower machine etcd's linearizable reads waited 4 to 5.7 s for
+        # their ReadIndex, serializable ones at most 0.3 s. A stale answer costs one more read
+        # (a full, linearizable `_read`) or notices a change one poll later; a member too far
+        # behind to answer fresh cannot keep this node's lease alive either.
+        asked = _rng(self._written, keys_only=True).request_range
+        asked.serializable = True
+        written = self._range("written", asked)
         if not written.kvs and self._m_present:
             return False  # written by a writer that does not mark its writes
         if written.kvs and int(written.kvs[0].mod_revision) > self._seen:
@@ -1323,6 +1330,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if self._search_at is not None and time.monotonic() >= self._search_at:
             return False  # time to look for the lapsed leases counted
         request = _rng(self._span_start, self._span_end, count_only=True).request_range
+        request.serializable = True
         count = int(self._range("count", request).count)
         same = count == len(self._alive_keys) + len(self._delta_keys) - self._unfound
         self.stats["reads_unchanged"] += same
