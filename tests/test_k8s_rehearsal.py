@@ -252,7 +252,17 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                 explain,
             )
             mark(f"checkpoint committed at step {checkpoint.step}")
-            workers = rehearsal.wait_for("the workers", lambda: _workers(store), 30)
+            # a pod that starts late on a loaded machine misses the first round (one node is
+            # enough to start: --nnodes 1:2) and joins the next: wait for a generation of two
+            rehearsal.wait_for(
+                "a generation of two",
+                lambda: (w := _running_world(store)) and w[1] == 2 and w,
+                120,
+                explain,
+            )
+            workers = rehearsal.wait_for(
+                "the workers of both pods", lambda: (w := _workers(store)) and len(w) == 2 and w, 30
+            )
             assert {w["host"] for w in workers.values()} == set(trainers), workers
 
             # -- each pod is its own host: what torchrun advertises (its FQDN) resolves to the
