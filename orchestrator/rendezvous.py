@@ -1315,9 +1315,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
         node's join writes the state soon after."""
         if self._m_rev < 0 or not self._seen:
             return False
-        # both serializable (answered by the member from what it has applied, no ReadIndex):
-        # at 1,024 nodes on a slower machine etcd's linearizable reads waited 4 to 5.7 s for
-        # their ReadIndex, serializable ones at most 0.3 s. A stale answer costs one more read
+        # both serializable (answered by the member from what it has applied, no read-index
+        # round): at 1,024 nodes on a slower machine etcd's linearizable reads took 3 to 5.8 s,
+        # serializable ones at most 0.3 s. A stale answer costs one more read
         # (a full, linearizable `_read`) or notices a change one poll later; a member too far
         # behind to answer fresh cannot keep this node's lease alive either.
         asked = _rng(self._written, keys_only=True).request_range
