@@ -953,6 +953,7 @@ def _rng(
     limit: int = 0,
     oldest_first: bool = False,
     revision: int = 0,
+    serializable: bool = False,
 ) -> pb.RequestOp:
     request = pb.RangeRequest(
         key=_b(key),
@@ -963,6 +964,7 @@ def _rng(
         max_create_revision=max_create,
         limit=limit,
         revision=revision,
+        serializable=serializable,
     )
     if oldest_first:
         request.sort_target = pb.RangeRequest.CREATE
@@ -1320,8 +1322,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         # serializable ones at most 0.3 s. A stale answer costs one more read
         # (a full, linearizable `_read`) or notices a change one poll later; a member too far
         # behind to answer fresh cannot keep this node's lease alive either.
-        asked = _rng(self._written, keys_only=True).request_range
-        asked.serializable = True
+        asked = _rng(self._written, keys_only=True, serializable=True).request_range
         written = self._range("written", asked)
         if not written.kvs and self._m_present:
             return False  # written by a writer that does not mark its writes
@@ -1329,8 +1330,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return False
         if self._search_at is not None and time.monotonic() >= self._search_at:
             return False  # time to look for the lapsed leases counted
-        request = _rng(self._span_start, self._span_end, count_only=True).request_range
-        request.serializable = True
+        request = _rng(
+            self._span_start, self._span_end, count_only=True, serializable=True
+        ).request_range
         count = int(self._range("count", request).count)
         same = count == len(self._alive_keys) + len(self._delta_keys) - self._unfound
         self.stats["reads_unchanged"] += same

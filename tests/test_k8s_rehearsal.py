@@ -13,6 +13,7 @@ works only because everything is on one loopback."""
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import sys
@@ -22,8 +23,11 @@ from typing import Any
 
 import pytest
 
+from core import keys
+from core.etcd_client import EtcdClient
 from core.manifest import verify_checkpoint
 from orchestrator.components import train
+from orchestrator.rendezvous import read_rendezvous
 from store import Store
 from tests import rehearsal
 from tests.fixtures_run import STEPS_PER_EPOCH, write_spec
@@ -91,12 +95,6 @@ def _running_world(store: Store) -> tuple[int, int] | None:
 def _explain(cluster: rehearsal.Cluster, etcd_ip: str, secret: str) -> str:
     """The pods' states and logs, then the job's rendezvous as etcd holds it: its keys (the
     combine lock and intents included) and its state (a hang there shows in no pod's log)."""
-    import json
-
-    from core import keys
-    from core.etcd_client import EtcdClient
-    from orchestrator.rendezvous import read_rendezvous
-
     lines = [cluster.explain(), "=== the rendezvous in etcd ==="]
     try:
         client = EtcdClient(f"{etcd_ip}:2379", timeout=5.0, retry_timeout=5.0)

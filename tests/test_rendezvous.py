@@ -526,6 +526,25 @@ def node(i: int) -> _NodeDesc:
     return _NodeDesc("10.0.0.1", 100 + i // 10, i)
 
 
+def leased_nodes(
+    etcd: EtcdClient, rid: str, n: int, s: RendezvousSettings
+) -> list[EtcdRendezvousBackend]:
+    """`n` backends bound to nodes 0 to n-1, each with its lease (its alive key) in etcd."""
+    nodes = [EtcdRendezvousBackend(etcd, rid) for _ in range(n)]
+    for i, b in enumerate(nodes):
+        b.bind(node(i), s)
+        b._keep_lease()
+    return nodes
+
+
+def round_of(n: int) -> _RendezvousState:
+    """A state whose participants are nodes 0 to n-1, each with a heartbeat of now."""
+    state = _RendezvousState()
+    state.participants = {node(i): 0 for i in range(n)}
+    state.last_heartbeats = {node(i): datetime.now(UTC) for i in range(n)}
+    return state
+
+
 def test_a_state_is_unpickled_with_torchs_classes_only(tmp_path: Path) -> None:
     import pickle
 
@@ -882,10 +901,7 @@ def test_a_lapsed_lease_is_found_by_counting_and_many_by_listing(etcd: EtcdClien
     once it lists them all again. Either way it ends up with exactly the leases alive."""
     rid = run_id()
     s = RendezvousSettings("run", 1, 16, RendezvousTimeout(), timedelta(seconds=1), 3)
-    nodes = [EtcdRendezvousBackend(etcd, rid) for _ in range(12)]
-    for i, b in enumerate(nodes):
-        b.bind(node(i), s)
-        b._keep_lease()
+    nodes = leased_nodes(etcd, rid, 12, s)
     reader = nodes[0]
     reader.read()
     assert reader._alive_nodes() == {node(i) for i in range(12)}
@@ -913,13 +929,8 @@ def test_beyond_64_nodes_a_lapse_is_learnt_from_the_write_that_takes_the_node_ou
     rid = run_id()
     n = 70
     s = RendezvousSettings("run", 1, n, RendezvousTimeout(), timedelta(seconds=30), 3)
-    nodes = [EtcdRendezvousBackend(etcd, rid) for _ in range(n)]
-    for i, b in enumerate(nodes):
-        b.bind(node(i), s)
-        b._keep_lease()
-    state = _RendezvousState()
-    state.participants = {node(i): 0 for i in range(n)}
-    state.last_heartbeats = {node(i): datetime.now(UTC) for i in range(n)}
+    nodes = leased_nodes(etcd, rid, n, s)
+    state = round_of(n)
     writer = EtcdRendezvousBackend(etcd, rid)  # unbound: the state written whole
     _, token, ok = writer.set_state(encode_state(state))
     assert ok
@@ -977,13 +988,8 @@ def test_the_unchanged_check_reads_serializable_and_the_reads_after_a_change_do_
     waited seconds for it. A stale answer only costs the linearizable read that follows."""
     rid = run_id()
     s = RendezvousSettings("run", 1, 4, RendezvousTimeout(), timedelta(seconds=30), 3)
-    nodes = [EtcdRendezvousBackend(etcd, rid) for _ in range(3)]
-    for i, b in enumerate(nodes):
-        b.bind(node(i), s)
-        b._keep_lease()
-    state = _RendezvousState()
-    state.participants = {node(i): 0 for i in range(3)}
-    state.last_heartbeats = {node(i): datetime.now(UTC) for i in range(3)}
+    nodes = leased_nodes(etcd, rid, 3, s)
+    state = round_of(3)
     writer = EtcdRendezvousBackend(etcd, rid)
     assert writer.set_state(encode_state(state))[2]
     reader = nodes[0]
