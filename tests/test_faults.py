@@ -25,7 +25,10 @@ pytestmark = pytest.mark.slow
 
 EPOCHS = 4
 TOTAL = EPOCHS * STEPS_PER_EPOCH
-ELASTIC = {"nodes": 2, "lease_ttl_s": 3}
+# Both nodes in every round: a node that starts more than the last call (2 s) after the other
+# on a loaded machine would otherwise miss the first round and widen the job at the next one,
+# which these tests do not count on. The node-loss test lowers it to train on alone.
+ELASTIC = {"nodes": 2, "min_nodes": 2, "lease_ttl_s": 3}
 
 
 def _spec(tmp_path: Path, **runtime: Any) -> Path:
@@ -54,18 +57,34 @@ def _events(workdir: Path, job_id: str, kind: str):
 
 
 def _workers(store: Store, job_id: str) -> dict[int, dict]:
-    """rank -> `worker_started` data of the newest generation's workers."""
+    """rank -> `worker_started` data of the newest generation's workers (those started since
+    its `generation_started`)."""
     out: dict[int, dict] = {}
-    for e in reversed(store.events(job_id, limit=1000)):  # oldest first: newer ones win
-        if e.kind == "worker_started":
+    for e in reversed(store.events(job_id, limit=1000)):  # oldest first
+        if e.kind == "generation_started":
+            out = {}
+        elif e.kind == "worker_started":
             out[e.rank] = e.data
     return out
 
 
-def _running_after_checkpoint(workdir: Path, job_id: str, log: Path) -> dict[int, dict]:
-    """Wait until the job committed a checkpoint and return its live workers."""
-    wait_for(_probe(workdir, job_id, lambda s, j: s.latest_checkpoint(j)), 150, "a checkpoint", log)
-    return wait_for(_probe(workdir, job_id, _workers), 30, "workers", log)
+def _running_after_checkpoint(
+    workdir: Path, job_id: str, log: Path, world: int = 2
+) -> tuple[int, dict[int, dict]]:
+    """Wait until the job has committed a checkpoint and a generation of `world` workers runs,
+    all of them started; return that generation's number and its workers (with min_nodes 1 a
+    late node joins at the second round, so the first generation may be narrower)."""
+
+    def ready(store: Store, job: str) -> tuple[int, dict[int, dict]] | None:
+        gens = store.generations(job)
+        if not gens or gens[-1].state != "running" or gens[-1].world_size != world:
+            return None
+        workers = _workers(store, job)
+        if store.latest_checkpoint(job) is None or sorted(workers) != list(range(world)):
+            return None
+        return gens[-1].number, workers
+
+    return wait_for(_probe(workdir, job_id, ready), 150, f"a checkpoint and {world} workers", log)
 
 
 def _finish(proc, log: Path, timeout: float = 240) -> None:
@@ -108,7 +127,7 @@ def _resumed_steps(store: Store, job_id: str) -> list[int]:
 def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Path) -> None:
     workdir, log, proc = _run(tmp_path, "k")
     try:
-        workers = _running_after_checkpoint(workdir, "k", log)
+        number, workers = _running_after_checkpoint(workdir, "k", log)
         committed = _probe(workdir, "k", lambda s, j: s.latest_checkpoint(j).step)()
         os.kill(workers[1]["pid"], signal.SIGKILL)
         killed_at = time.time()
@@ -124,7 +143,9 @@ def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Pa
         (1, workers[1]["pid"], signal.SIGKILL)
     ]
     assert not [e for e in store.events("k", limit=1000) if e.kind == "worker_failed"]
-    first = store.generations("k")[0]
+    gens = store.generations("k")
+    assert number == gens[0].number, "min_nodes 2: the first round had both nodes"
+    first = gens[0]
     assert first.state == "aborted"
     assert first.reason.startswith(f"rank 1 (pid {workers[1]['pid']}"), first.reason
     assert "killed by signal 9 (SIGKILL)" in first.reason
@@ -141,7 +162,7 @@ def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Pa
 def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:
     workdir, log, proc = _run(tmp_path, "t")
     try:
-        workers = _running_after_checkpoint(workdir, "t", log)
+        _, workers = _running_after_checkpoint(workdir, "t", log)
         os.kill(workers[1]["pid"], signal.SIGTERM)
         leaving = wait_for(
             _events(workdir, "t", "worker_leaving"),
@@ -162,11 +183,12 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
     """One node dies: the survivor trains alone; a new node joins and the job widens again. The
     job is far longer than the test (one worker alone must not finish before the new node has
     started), so it is stopped with Ctrl-C once the widened generation trains."""
-    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 40}, runtime=dict(ELASTIC))
+    runtime = {**ELASTIC, "min_nodes": 1}
+    spec = write_spec(tmp_path / "spec.yaml", training={"epochs": 40}, runtime=runtime)
     workdir, log, proc = _run(tmp_path, "n", spec)
     joiner = None
     try:
-        workers = _running_after_checkpoint(workdir, "n", log)
+        number, workers = _running_after_checkpoint(workdir, "n", log)
         agent = int(workers[1]["node"].rsplit(":", 1)[1])
         os.killpg(agent, signal.SIGKILL)  # the whole node: its agent ...
         os.kill(workers[1]["pid"], signal.SIGKILL)  # ... and its worker (own session)
@@ -212,8 +234,9 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
     assert store.latest_checkpoint("n").step == job.step, "the stop checkpointed its step"
     steps = [m.step for m in store.metrics("n")]
     assert steps == list(range(1, job.step + 1)), "every step recorded exactly once"
-    worlds = [g.world_size for g in store.generations("n")]
-    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2
+    # from the generation the node was lost in (a late node may have made the first one narrower)
+    worlds = [g.world_size for g in store.generations("n") if g.number >= number]
+    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
     kinds = _kinds(store, "n")
     assert "job_shrank" in kinds and "job_widened" in kinds and "worker_joined" in kinds
     layouts = [e for e in store.events("n") if e.kind == "generation_started"]
@@ -225,7 +248,9 @@ def test_controller_sigkill_and_restart_carries_on(tmp_path: Path, etcd_factory)
     # long enough to still be training when the third controller takes over
     epochs = 24
     spec = write_spec(
-        tmp_path / "spec.yaml", training={"epochs": epochs}, runtime={**ELASTIC, "nodes": 1}
+        tmp_path / "spec.yaml",
+        training={"epochs": epochs},
+        runtime={**ELASTIC, "nodes": 1, "min_nodes": 1},
     )
     workdir = tmp_path / "runs"
     common = ["--workdir", str(workdir), "--etcd", server.endpoint]
