@@ -109,7 +109,7 @@ Scale (why the state is not simply compare-and-swapped by every node)
       is what the handler would have written after losing the race), writes the state once,
       deletes the intents it applied (each compared by revision: a withdrawn one is never
       applied behind its owner's back), and lets the lock go with the write that carries its
-      own change. A waiter polls with a back-off that grows with the queue ahead of it; its
+      own change. A waiter polls with a back-off that grows with the intents pending; its
       intent gone means applied (or refused), and the state it then reads says which. Out of
       time, it withdraws its intent and the handler runs its state machine again.
     - The combiner also makes the writes its batch's handlers would make next (``replay``):
@@ -1080,8 +1080,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
     (`bind`), heartbeats become leases and membership changes are combined (see "Scale")."""
 
     # A waiting intent's owner looks again (and may take the combine lock) after about as long
-    # as the intents ahead of it take to apply, growing while nothing moves, jittered: waiters
-    # spread out instead of polling etcd in step.
+    # as the pending intents take to apply (all of them: etcd's count of a prefix ignores a
+    # create-revision filter), growing while nothing moves, jittered: waiters spread out
+    # instead of polling etcd in step.
     _POLL_FIRST = 0.02
     # ... and a node waiting on a change made for all looks first after about one combine
     # (a whole round's nodes wait at once: they must not all read the state at once)
@@ -1871,7 +1872,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     return [], [lock, count_intents], []
                 return (
                     [_mod_is(self._my_intent, intent)],
-                    [lock, _rng(self._intent_prefix, end, count_only=True, max_create=intent - 1)],
+                    [lock, _rng(self._intent_prefix, end, count_only=True)],
                     [self._read_op()],
                 )
 
