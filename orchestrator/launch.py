@@ -14,6 +14,10 @@ from orchestrator.forkserver import client_args
 # Rendezvous timing: a round waits this long for more nodes once `min` have joined. Short, since
 # recovery time counts; a node that misses a round joins the next one and the job widens.
 LAST_CALL_S = 2
+# ... except the first round, a launch: its nodes start together but not at the same moment (a
+# loaded machine, an image pulled on one node and cached on another), and a node a few seconds
+# late would start the job narrower and re-form it a round later. torch's own default.
+FIRST_CALL_S = 30
 # A lost node leaves the rendezvous once it missed this many heartbeats of this interval (torch's
 # default, 5 s x 3, kept the survivors of a node loss waiting 15 s for it).
 HEARTBEAT_S, HEARTBEATS_MISSED = 1, 3
@@ -71,7 +75,8 @@ def torchrun_command(
         "--rdzv-id",
         rdzv_id,
         "--rdzv-conf",
-        f"last_call_timeout={LAST_CALL_S},keep_alive_interval={heartbeat_s(max_nodes(nnodes))},"
+        f"last_call_timeout={LAST_CALL_S},first_call_timeout={FIRST_CALL_S},"
+        f"keep_alive_interval={heartbeat_s(max_nodes(nnodes))},"
         f"keep_alive_max_attempt={HEARTBEATS_MISSED},job={job_id}",
         "--max-restarts",
         str(max_restarts),

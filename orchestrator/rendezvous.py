@@ -141,6 +141,13 @@ close_timeout, heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt
     read_timeout   seconds a blocking store read waits, and how long an etcd outage is ridden
                    out (retries) before a ``RendezvousConnectionError``; default 60, as c10d.
     rpc_timeout    seconds for one etcd RPC; default 5.
+    first_call_timeout
+                   seconds the first round (a launch) waits for more nodes once ``min`` have
+                   joined, where later rounds wait last_call_timeout; default: the same. The
+                   nodes of one launch start together, but not at the same moment (a loaded
+                   machine, a slow image pull): a short last call that serves recovery well
+                   starts a launch narrower than it was asked for, and a node that missed the
+                   first round widens the job a round later, re-forming it.
     job            the pipetransformer job the run belongs to: where a refused state is reported.
 """
 
@@ -1096,9 +1103,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
         run_id: str,
         secret: bytes | None = None,
         job_id: str | None = None,
+        first_call: timedelta | None = None,
     ) -> None:
         """`secret`: sign what is written and refuse what does not verify (see "Trust");
-        `job_id`: where a refusal is reported for the controller."""
+        `job_id`: where a refusal is reported for the controller; `first_call`: the first
+        round's last call (``first_call_timeout``), where the handler's settings have later
+        rounds'."""
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
@@ -1116,6 +1126,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         # bound mode (`bind`): this node, its settings, the action its next write carries
         self._me: _NodeDesc | None = None
         self._settings: RendezvousSettings | None = None
+        self._first_call = first_call
         # thread -> (action, rejoin, the round it was decided on, shared: see `note`)
         self._notes: dict[int, tuple[_Action, bool, int | None, bool]] = {}
         # what this node last read: the stored state (-1: never read, 0: absent) ...
@@ -1957,7 +1968,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             view = overlay(
                 stored or _RendezvousState(), self._alive_nodes(), self._me, self._my_heartbeat
             )
+            deadline_before = view.deadline
             applied = replay(view, changes, self._settings)
+            self._first_call_deadline(view, deadline_before)
             written = persisted(view, stored)
             if stored is not None and same_membership(stored, written):
                 value, writes, after = "", [], None
@@ -2005,6 +2018,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
             if late:
                 self._unlock()
                 return None
+
+    def _first_call_deadline(self, state: _RendezvousState, before: datetime | None) -> None:
+        """A first round (round 0, a launch) whose deadline the replay just set (torch's
+        executor sets it, to now + last_call, when the round's min_nodes-th node joins) gets
+        the first call instead, where one is set (``first_call_timeout``). Decided on the
+        state after the replay: a replay that opens round 1 (a node lost) sets round 1's."""
+        if self._first_call is None or self._settings is None:
+            return
+        if state.round != 0 or state.complete or state.deadline in (None, before):
+            return
+        state.deadline += self._first_call - self._settings.timeout.last_call
 
     def _unlock_quietly(self) -> None:
         try:
@@ -2531,7 +2555,10 @@ def create_backend(
             f"The etcd3 rendezvous cannot reach etcd at {params.endpoint}: {exc}"
         ) from exc
     job = params.get("job") or None
-    backend = EtcdRendezvousBackend(client, params.run_id, secret, job)
+    first_call = None
+    if params.get("first_call_timeout") is not None:
+        first_call = timedelta(seconds=_positive(params, "first_call_timeout", 0))
+    backend = EtcdRendezvousBackend(client, params.run_id, secret, job, first_call)
     # a large job's agents all wait on torchrun's rank assignment at once: poll less often
     poll_max = 0.2 if params.max_nodes <= 64 else 1.0
     store = EtcdStore(

@@ -25,9 +25,10 @@ pytestmark = pytest.mark.slow
 
 EPOCHS = 4
 TOTAL = EPOCHS * STEPS_PER_EPOCH
-# Both nodes in every round: a node that starts more than the last call (2 s) after the other
-# on a loaded machine would otherwise miss the first round and widen the job at the next one,
-# which these tests do not count on. The node-loss test lowers it to train on alone.
+# Both nodes in every round: on a loaded machine a node that rejoins more than the last call
+# (2 s; 30 s for the first round) after the other would otherwise miss the round and widen the
+# job at the next one, which these tests do not count on. The node-loss test lowers it to train
+# on alone.
 ELASTIC = {"nodes": 2, "min_nodes": 2, "lease_ttl_s": 3}
 
 
@@ -73,7 +74,7 @@ def _running_after_checkpoint(
 ) -> tuple[int, dict[int, dict]]:
     """Wait until the job has committed a checkpoint and a generation of `world` workers runs,
     all of them started; return that generation's number and its workers (with min_nodes 1 a
-    late node joins at the second round, so the first generation may be narrower)."""
+    node late for a round joins at the next, so an earlier generation may be narrower)."""
 
     def ready(store: Store, job: str) -> tuple[int, dict[int, dict]] | None:
         gens = store.generations(job)

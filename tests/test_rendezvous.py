@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStateError,
+    RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -341,6 +342,73 @@ def test_survivors_follow_the_new_rank0_after_rank0_is_lost(etcd_server: Embedde
         for h in (b, c):
             h.shutdown()
         _die(a)
+
+
+def test_the_first_round_waits_its_first_call_and_later_rounds_their_last_call(
+    etcd_server: EmbeddedEtcd,
+) -> None:
+    """A launch's nodes start together but not at the same moment: the first round waits
+    first_call_timeout for a node 3 s late, where a 1 s last call starts without it; the round
+    after a loss waits only the last call."""
+
+    def launch(**extra: Any) -> tuple[list[Any], list[RendezvousInfo | None]]:
+        rid = run_id()
+        conf = {"last_call_timeout": 1, "keep_alive_interval": 1, **extra}
+        a, b = (
+            create_etcd3_handler(params(etcd_server.endpoint, rid, 1, 2, **conf)) for _ in range(2)
+        )
+        with ThreadPoolExecutor(2) as pool:
+            early = pool.submit(a.next_rendezvous)
+            time.sleep(3)  # b starts late
+            late = pool.submit(b.next_rendezvous)
+            infos: list[RendezvousInfo | None] = [early.result(timeout=60)]
+            try:
+                infos.append(late.result(timeout=60))
+            except RendezvousTimeoutError:  # queued for a round that never opened
+                infos.append(None)
+        return [a, b], infos
+
+    handlers, infos = launch(join_timeout=6)
+    try:  # the 1 s last call: a starts alone, b misses the round
+        assert infos[0] is not None and infos[0].world_size == 1 and infos[1] is None
+    finally:
+        for h in handlers:
+            h.shutdown()
+    (a, b), infos = launch(join_timeout=60, first_call_timeout=20)
+    try:
+        assert [(i.rank, i.world_size) for i in infos if i] == [(0, 2), (1, 2)]
+        _die(b)  # lost: a's next round waits the 1 s last call, not the first call's 20 s
+        started = time.monotonic()
+        again = a.next_rendezvous()
+        assert again.world_size == 1
+        assert time.monotonic() - started < 15, "the round after a loss waited the first call"
+    finally:
+        a.shutdown()
+        _die(b)
+
+
+def test_the_launch_command_gives_the_first_round_a_longer_call(
+    etcd_server: EmbeddedEtcd,
+) -> None:
+    """What `pipetransformer run` and the trainer pods start torchrun with."""
+    from orchestrator.launch import FIRST_CALL_S, torchrun_command
+
+    cmd = torchrun_command(etcd_server.endpoint, "job", run_id(), 1, "1:2")
+    conf = dict(kv.split("=", 1) for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
+    handler = create_etcd3_handler(params(etcd_server.endpoint, run_id(), 1, 2, **conf))
+    try:
+        first_call = handler._state_holder._backend._first_call
+        assert first_call == timedelta(seconds=FIRST_CALL_S) > handler._settings.timeout.last_call
+    finally:
+        handler.shutdown()
+
+
+def test_create_handler_refuses_a_first_call_that_is_not_a_positive_number(
+    etcd_server: EmbeddedEtcd,
+) -> None:
+    for bad in ("0", "-3", "soon"):
+        with pytest.raises(ValueError, match="'first_call_timeout' must be"):
+            create_etcd3_handler(params(etcd_server.endpoint, run_id(), first_call_timeout=bad))
 
 
 def _state_history(etcd: EtcdClient, rid: str) -> list[Any]:

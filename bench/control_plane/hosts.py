@@ -23,7 +23,7 @@ from core import keys
 from core.etcd_client import EtcdClient
 from core.protocol import Assignment, JoinRequest
 from core.state import Layout
-from orchestrator.launch import HEARTBEATS_MISSED, LAST_CALL_S
+from orchestrator.launch import FIRST_CALL_S, HEARTBEATS_MISSED, LAST_CALL_S
 
 from .config import JOB, JOIN_POLL_S, SCHEDULING_THREADS, Config, PhaseFailed
 from .simulate import (
@@ -113,6 +113,7 @@ def _host(
     rdzv_conf = {
         "join_timeout": conf.join_timeout,
         "last_call_timeout": LAST_CALL_S,
+        "first_call_timeout": FIRST_CALL_S,
         "keep_alive_interval": conf.heartbeat(world),
         "keep_alive_max_attempt": HEARTBEATS_MISSED,
         "read_timeout": conf.join_timeout,
