@@ -99,3 +99,48 @@ def test_host_processes_grow_with_the_participants_unless_set() -> None:
     conf = cps.Config()
     assert [conf.hosts_for(n) for n in (2, 8, 512, 1024, 2048)] == [2, 4, 4, 8, 16]
     assert cps.Config(hosts=3).hosts_for(1024) == 3 and cps.Config(hosts=3).hosts_for(2) == 2
+
+
+def test_a_node_whose_view_dropped_participants_is_named_with_what_it_knew() -> None:
+    """A node that finishes a round with fewer participants than stored (torch's `_sanitize`
+    took out nodes whose alive keys it did not hold) makes the inconsistency say which nodes and
+    why, not only that the worlds differ."""
+    from datetime import UTC, datetime, timedelta
+
+    from control_plane.judge import _round_problem
+    from control_plane.simulate import _view_apart
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousSettings,
+        RendezvousTimeout,
+        _NodeDesc,
+        _RendezvousState,
+    )
+
+    from orchestrator.rendezvous import EtcdRendezvousBackend, encode_state, sign_state
+
+    nodes = [_NodeDesc("10.0.0.1", 100, i) for i in range(3)]
+    stored = _RendezvousState()
+    stored.participants = {n: i for i, n in enumerate(nodes)}
+    stored.last_heartbeats = dict.fromkeys(nodes, datetime.now(UTC) - timedelta(seconds=40))
+    stored.complete = True
+    secret = b"s" * 32
+    backend = EtcdRendezvousBackend(None, "run", secret)  # fed by hand: no etcd
+    settings = RendezvousSettings("run", 3, 3, RendezvousTimeout(), timedelta(seconds=5), 3)
+    backend.bind(nodes[0], settings)
+    backend._set_stored(sign_state(secret, backend.key, encode_state(stored)), 5, 1)
+    backend._alive_set = {nodes[0], nodes[1]}
+    view = backend._overlaid(backend._stored())
+    assert _view_apart(backend, view) is None  # the same round: nothing to say
+
+    del view.participants[nodes[2]]  # what the sanitize of this view does
+    said = _view_apart(backend, view)
+    assert said is not None and said.startswith("stored 3, view 2, knew 2 alive")
+    assert "10.0.0.1:100:2 (alive key not held, stored beat 40" in said
+    parts = [
+        {"rank": 0, "world": 2, "round": 0, "view_apart": said},
+        {"rank": 1, "world": 3, "round": 0},
+        {"rank": 2, "world": 3, "round": 0},
+    ]
+    problem = _round_problem(parts, 3, 3)
+    assert problem is not None and "1 saw 2, 2 saw 3" in problem and said in problem
+    assert _round_problem([{**p, "world": 3} for p in parts], 3, 3) is None

@@ -839,6 +839,47 @@ def test_a_node_named_in_keys_is_one_object_whichever_key_or_delta_names_it() ->
     assert b._named("not-a-node") is None and b._named(node_id(node(0))) is b._me
 
 
+def test_backends_of_one_process_share_what_they_parse_but_each_trusts_its_own_secret() -> None:
+    """A simulator host runs a hundred nodes in one process: a name parsed or an alive key
+    verified by one is not parsed or verified again by the next (one object per node for all
+    of them), but a value that verifies under one job's secret is refused under another's, and
+    a key re-signed for a new lease is checked again."""
+    from pyetcd.etcdrpc import kv_pb2
+
+    other = b"another job's secret, 32 bytes.."
+    a, b, c = (EtcdRendezvousBackend(None, "run", k) for k in (SECRET, SECRET, other))
+    for i, backend in enumerate((a, b, c)):
+        backend.bind(node(i), settings(1, 12))
+    key = alive_prefix("run") + node_id(node(5))
+
+    def alive(secret: bytes, lease: int, signed: int | None = None) -> kv_pb2.KeyValue:
+        """The alive key under `lease`, its value naming lease `signed` (default: the same)."""
+        value = sign_state(secret, key, b"%x" % (lease if signed is None else signed))
+        revision = lease  # a new lease is a new put
+        return kv_pb2.KeyValue(
+            key=key.encode(),
+            value=value.encode(),
+            lease=lease,
+            create_revision=revision,
+            mod_revision=revision,
+        )
+
+    a._see_alive(alive(SECRET, 100))
+    b._see_alive(alive(SECRET, 100))
+    c._see_alive(alive(SECRET, 100))  # not signed with c's secret
+    assert node(5) in a._alive_nodes() and node(5) in b._alive_nodes()
+    assert next(iter(a._alive_nodes() - {a._me})) is next(iter(b._alive_nodes() - {b._me}))
+    assert node(5) not in c._alive_nodes()
+    c._see_alive(alive(other, 100))
+    assert node(5) in c._alive_nodes()
+    # a value that names another lease than the key is under is refused, though the same value
+    # verified under the lease it names: the verdict is per (secret, key, value, lease)
+    b._see_alive(alive(SECRET, 101, signed=100))
+    assert node(5) not in b._alive_nodes() and node(5) in a._alive_nodes()
+    b._see_alive(alive(SECRET, 102))
+    assert node(5) in b._alive_nodes()
+
+
 def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind(
     etcd_server: EmbeddedEtcd, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -88,9 +88,11 @@ def _round_problem(parts: list[dict[str, Any]], n: int, joined_max: int) -> str 
     worlds = Counter(p.get("world") for p in parts if "world" in p)
     if ranks != list(range(n)) or len(rounds) != 1 or set(worlds) != {n}:
         seen = ", ".join(f"{c} saw {w}" for w, c in sorted(worlds.items()))
+        apart = [p["view_apart"] for p in parts if p.get("view_apart")]
+        why = f"; a node apart: {apart[0]}" if apart else ""
         return (
             f"inconsistent result: world sizes ({seen}), rounds {sorted(rounds)}, "
-            f"ranks {'0..' + str(n - 1) if ranks == list(range(n)) else ranks}"
+            f"ranks {'0..' + str(n - 1) if ranks == list(range(n)) else ranks}{why}"
         )
     return None
 

@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +108,11 @@ def _rendezvous(p: _Participant) -> None:
     try:
         info = p.handler.next_rendezvous()
         p.result["t_rdzv"] = time.time()
-        p.result.update(
-            rank=info.rank, world=info.world_size, round=p.handler._state_holder.state.round
-        )
+        state = p.handler._state_holder.state
+        p.result.update(rank=info.rank, world=info.world_size, round=state.round)
+        odd = _view_apart(p.handler._state_holder._backend, state)
+        if odd:
+            p.result["view_apart"] = odd
         # what torchrun's agent does next with the rendezvous store (no `self` needed)
         workers = SimpleElasticAgent._assign_worker_ranks(
             None, info.store, info.rank, info.world_size, _OneWorkerSpec
@@ -118,6 +121,31 @@ def _rendezvous(p: _Participant) -> None:
         p.result["global_rank"] = workers[0].global_rank
     except Exception as exc:
         p.result["error"] = f"{type(exc).__name__}: {exc}".rstrip(": ")[:500]
+
+
+def _view_apart(backend: Any, state: Any) -> str | None:
+    """Why the round this node finished with is not the one stored, or None: the participants
+    torch's `_sanitize` took out of its view (a heartbeat past its window: here a node whose
+    alive key this node did not hold), each with what this node knew of it."""
+    stored = backend._stored() if getattr(backend, "bound", False) else None
+    if stored is None or stored.round != state.round:
+        return None
+    gone = [n for n in stored.participants if n not in state.participants]
+    if not gone:
+        return None
+    now = datetime.now(UTC)
+    known = {entry[0] for entry in backend._alive_keys.values()}
+    said = [
+        f"{n.addr}:{n.pid}:{n.local_id} (alive key {'held' if n in known else 'not held'}, "
+        f"stored beat {(now - stored.last_heartbeats[n]).total_seconds():.1f}s old)"
+        if n in stored.last_heartbeats
+        else f"{n.addr}:{n.pid}:{n.local_id} (no stored beat)"
+        for n in gone[:3]
+    ]
+    return (
+        f"stored {len(stored.participants)}, view {len(state.participants)}, knew "
+        f"{len(backend._alive_set)} alive; not in its view: {', '.join(said)}"
+    )
 
 
 def _where(thread: threading.Thread) -> str:
