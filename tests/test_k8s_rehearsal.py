@@ -132,16 +132,17 @@ def _app(spec: Path, job_id: str, **extra: Any) -> Any:
 
 def _steps_lost_at_end_of(store: Store, generation: int) -> int:
     """Steps the generation trained past the state the next one resumed from: its last
-    recorded step minus the newest checkpoint committed by its end (a graceful leave
-    checkpoints the step it is at: 0)."""
-    (gen,) = (g for g in store.generations(JOB) if g.number == generation)
-    assert gen.ended_at is not None, gen
-    end = gen.ended_at.timestamp() + 1  # the leave's checkpoint commits as the generation ends
-    last = max(m.step for m in store.metrics(JOB) if m.time <= end)
+    recorded step minus the newest checkpoint committed by then (a graceful leave checkpoints
+    the step it is at: 0). Both are taken before the next generation started: it resumes from
+    a checkpoint committed by then, and its own steps (a second later on a fast machine) are
+    not this generation's."""
+    (nxt,) = [g for g in store.generations(JOB) if g.number > generation][:1]
+    cut = nxt.started_at.timestamp()
+    last = max(m.step for m in store.metrics(JOB) if m.time < cut)
     saved = max(  # pruned since (state deleted) counts: it was what the next one resumed from
         c.step
         for c in store.checkpoints(JOB, state=None)
-        if c.state != "corrupt" and c.created_at.timestamp() <= end
+        if c.state != "corrupt" and c.created_at.timestamp() <= cut
     )
     return last - saved
 
