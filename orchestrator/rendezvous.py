@@ -1046,7 +1046,7 @@ _SPREAD_SEARCH_NODES = 64
 # key, value, lease -> bool). Each is cleared past `_SHARED_MAX` entries (then rebuilt as read).
 _PROCESS_NODES: dict[_NodeKey, _NodeDesc] = {}
 _PROCESS_NAMES: dict[str, _NodeDesc] = {}
-_ALIVE_VERIFIED: dict[tuple[bytes | None, bytes, bytes, int], bool] = {}
+_ALIVE_VERIFIED: dict[tuple[bytes | None, str, bytes, int], bool] = {}
 _SHARED_MAX = 1 << 16
 
 
@@ -1604,7 +1604,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def _verified_alive(self, key: str, value: bytes, lease: int) -> bool:
         """Whether an alive key's value is the lease it was put under, signed with the key
         (once per process: see `_named`)."""
-        seen = (self._secret, key.encode(), value, lease)
+        seen = (self._secret, key, value, lease)  # the key as decoded already
         ok = _ALIVE_VERIFIED.get(seen)
         if ok is None:
             try:
