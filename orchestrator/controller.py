@@ -1022,7 +1022,13 @@ class Controller:
         """Until the worker launchers exit (poll_exit returns their code): drain events, answer
         join requests, watch leases."""
         while True:
-            code = poll_exit()
+            try:
+                code = poll_exit()
+            except (EtcdUnavailable, StoreUnavailable, OperationalError) as exc:
+                # nothing is known of the workers meanwhile (the trainer pods' launchers are
+                # counted in etcd): ridden out like the tick's own reads, not the end of the job
+                self._note_outage(exc)
+                code = None
             self.tick()
             if on_tick:
                 on_tick(self.progress)
@@ -1053,9 +1059,7 @@ class Controller:
             self.check_workers()
             self._follow_up()
         except (EtcdUnavailable, StoreUnavailable, OperationalError) as exc:
-            if self._outage is None:
-                self._outage = time.monotonic()
-                log.warning("controller: %s unavailable, retrying: %s", _which(exc), exc)
+            self._note_outage(exc)
             return
         if self._outage is not None:
             took = time.monotonic() - self._outage
@@ -1077,6 +1081,13 @@ class Controller:
                     f"{service} answered again after {took:.1f}s (during {op})",
                     data={"service": service, "seconds": took},
                 )
+
+    def _note_outage(self, exc: Exception) -> None:
+        """etcd or the store did not answer (within its client's retries): logged once; the
+        next tick that gets through records how long it lasted."""
+        if self._outage is None:
+            self._outage = time.monotonic()
+            log.warning("controller: %s unavailable, retrying: %s", _which(exc), exc)
 
     def workers_alive(self) -> int:
         return self.etcd.count_prefix(keys.workers(self.job_id))

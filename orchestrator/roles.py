@@ -11,7 +11,7 @@ import socket
 import time
 
 from core import keys
-from core.etcd_client import EtcdClient
+from core.etcd_client import EtcdClient, EtcdUnavailable
 from core.protocol import TrainerRefused
 from core.spec import JobSpec, gpu_shortfall
 from orchestrator import forkserver
@@ -62,7 +62,12 @@ class TrainerPods:
         if not self._ended:
             return  # an error: nothing to wait for
         gone = time.monotonic() + self.join_timeout
-        while self._launchers() and time.monotonic() < gone:
+        while time.monotonic() < gone:
+            try:
+                if not self._launchers():
+                    return
+            except EtcdUnavailable:
+                pass  # the job's end is recorded: waiting is all that is left to do
             time.sleep(0.2)
 
 

@@ -44,6 +44,9 @@ def test_four_participants_rendezvous_report_and_reach_the_store(tmp_path: Path)
     assert row["rendezvous_joined"] == 4 and row["rdzv_participants_end"] == 4
     assert row["rendezvous_s"] > 0 and row["ranks_assigned_s"] >= row["rendezvous_s"]
     assert row["rendezvous_etcd_txns"] > 0 and row["rendezvous_state_bytes"] > 0
+    # what the hosts' garbage collector took of it (a host runs many nodes in one heap)
+    assert row["rendezvous_backend"]["host_gc_ms"] >= 0
+    assert row["rendezvous_backend"]["host_gc_full"] >= 0
     assert row["join_answer_s"] > 0 and row["layout"] == "2 x 2"
     # etcd served the steady state: polls, reports, deletes, keep-alives
     assert row["etcd_requests_per_s"] > 0 and row["etcd_writes_per_s"] > 0
@@ -144,3 +147,20 @@ def test_a_node_whose_view_dropped_participants_is_named_with_what_it_knew() -> 
     problem = _round_problem(parts, 3, 3)
     assert problem is not None and "1 saw 2, 2 saw 3" in problem and said in problem
     assert _round_problem([{**p, "world": 3} for p in parts], 3, 3) is None
+
+
+def test_a_hosts_garbage_collector_is_timed_and_its_full_collections_counted() -> None:
+    import gc
+
+    from control_plane.hosts import _GcClock
+
+    clock = _GcClock()
+    try:
+        mark = clock.mark()
+        gc.collect()  # a full collection
+        gc.collect(0)  # a young one: timed, not counted as full
+        spent = clock.since(mark)
+        assert spent["host_gc_full"] == 1
+        assert spent["host_gc_ms"] >= 0 and clock.ms > mark[0]
+    finally:
+        gc.callbacks.remove(clock._note)

@@ -747,3 +747,45 @@ def test_a_refused_rendezvous_state_becomes_an_event(
     assert "pid 812 on node-a refused the rendezvous state" in event.message
     assert event.data["reason"] == "not signed"
     assert etcd.get_prefix(keys.alerts("job-ft")) == []
+
+
+def test_etcd_not_answering_the_pods_count_is_ridden_out_while_supervising(
+    store: Store, etcd_factory, tmp_path: Path
+) -> None:
+    """The controller role asks etcd how many trainer pods are present before every tick
+    (`TrainerPods.poll`); etcd not answering within the client's retries (an overloaded or
+    restarting etcd) is an outage the controller waits out and records, not the job's end; so
+    is it while the controller waits for the pods' launchers to leave after the end."""
+    import threading
+
+    from orchestrator.roles import TrainerPods
+
+    server = etcd_factory()
+    with EtcdClient(server.endpoint, retry_timeout=0.3, timeout=0.3) as etcd:
+        ctrl = Controller.create(store, etcd, _spec(), tmp_path, "job-ft")
+        ctrl.publish("job-ft-rdzv")
+        # no pod ever comes: once etcd answers again, the pods are given up on (exit 1)
+        pods = TrainerPods(ctrl, etcd, join_timeout=2.0)
+        outcome: dict[str, object] = {}
+
+        def supervise() -> None:
+            try:
+                outcome["code"] = ctrl.supervise(pods.poll, interval=0.05)
+            except Exception as exc:  # what the controller process would die of
+                outcome["error"] = exc
+
+        server.stop()
+        thread = threading.Thread(target=supervise, daemon=True)
+        thread.start()
+        time.sleep(3.0)  # several polls' retries spent
+        assert thread.is_alive(), outcome
+        server.start()
+        thread.join(timeout=30)
+        assert outcome == {"code": 1}
+        # after the end, waiting for the launchers to leave outlives etcd not answering too
+        server.stop()
+        began = time.monotonic()
+        pods.close()
+        assert time.monotonic() - began < 10.0
+    recovered = [e for e in store.events("job-ft") if e.kind == "control_plane_recovered"]
+    assert recovered and "answered again after" in recovered[0].message

@@ -7,6 +7,7 @@ deadline."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -51,6 +52,31 @@ def _expect(cmd_q: Any, name: str, timeout: float) -> tuple:
     if msg[0] != name:
         raise RuntimeError(f"expected '{name}', got '{msg[0]}'")
     return msg
+
+
+class _GcClock:
+    """Time this host's interpreter spends in the cyclic garbage collector, and its full
+    collections (each walks every object of every simulated node in the process)."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self.full = 0
+        self._t0 = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        self.ms += 1e3 * (time.perf_counter() - self._t0)
+        self.full += info.get("generation") == 2
+
+    def mark(self) -> tuple[float, int]:
+        return self.ms, self.full
+
+    def since(self, mark: tuple[float, int]) -> dict[str, int]:
+        """What the collector took since `mark` (summed over the hosts by the benchmark)."""
+        return {"host_gc_ms": int(self.ms - mark[0]), "host_gc_full": self.full - mark[1]}
 
 
 def _orphan_watch(parent: int) -> None:
@@ -137,6 +163,7 @@ def _host(
     ]
     for p in parts:
         _time_heartbeats(p)
+    gc_clock = _GcClock()
     cpu: list[tuple[float, float]] = []
     stop_cpu = threading.Event()
 
@@ -149,10 +176,11 @@ def _host(
 
     # rendezvous: all participants at once, as agents started together
     _expect(cmd_q, "go", conf.startup_timeout + conf.phase_timeout)
-    before = _backend_stats(parts)
+    before, gc_mark = _backend_stats(parts), gc_clock.mark()
     _rendezvous_all(parts, _rendezvous, conf.join_timeout + 30)
     results = [dict(p.result, pid=os.getpid()) for p in parts]
-    backend = {**(_backend_stats(parts) - before), **_backend_maxima(parts)}
+    spent = {**(_backend_stats(parts) - before), **gc_clock.since(gc_mark)}
+    backend = {**spent, **_backend_maxima(parts)}
     res_q.put(("rdzv", index, {"parts": results, "backend": backend}))
 
     # the round's rank 0 asks the controller for a generation (trainer.process.join)
@@ -257,18 +285,12 @@ def _host(
         survivors = [p for p in parts if p not in lost]
         for p in survivors:
             p.result = {"node": p.node}
-        before = _backend_stats(parts)
+        before, gc_mark = _backend_stats(parts), gc_clock.mark()
         _rendezvous_all(survivors, _rendezvous, conf.rejoin_timeout)
         results = [dict(p.result, pid=os.getpid()) for p in survivors]
+        spent = {**(_backend_stats(parts) - before), **gc_clock.since(gc_mark)}
         res_q.put(
-            (
-                "rejoined",
-                index,
-                {
-                    "parts": results,
-                    "backend": {**(_backend_stats(parts) - before), **_backend_maxima(parts)},
-                },
-            )
+            ("rejoined", index, {"parts": results, "backend": {**spent, **_backend_maxima(parts)}})
         )
         msg = cmd_q.get(timeout=conf.phase_timeout)
     for p in parts:
