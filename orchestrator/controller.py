@@ -215,6 +215,7 @@ class Controller:
         self.aborted_at: float | None = None  # wall time of the last abort (for recovery timing)
         self._keepalive: KeepAlive | None = None
         self._audited: set[str] = set()  # freeze requests and join requests already recorded
+        self._decided: set[str] = set()  # freeze requests whose fate is recorded (the first)
         self._outage: float | None = None  # since when etcd or the store has not answered
         self._report: str | None = None  # etcd key of the worker report being applied
         self._leaving = False  # `leave` was asked: hand the job over at the next safe point
@@ -951,7 +952,13 @@ class Controller:
         """A decision point moved the boundary or answered a manual request: audit what became
         of the request (applied, superseded by the automatic decision, or rejected), and retire
         it so it is not applied twice."""
-        if e.request is not None:
+        unread = isinstance(e.request, UnreadableRequest)
+        rid = None if e.request is None else e.request.raw if unread else e.request.id
+        if rid is not None and rid not in self._decided:
+            # only the first answer counts: a worker that read the request again before it was
+            # retired here (a decision point soon after, a restarted worker) finds it superseded
+            # by its own application
+            self._decided.add(rid)
             outcome = e.outcome or FreezeOutcome.REJECTED
             why = e.outcome_reason or f"boundary {e.previous} -> {e.boundary}"
             if isinstance(e.request, UnreadableRequest):
@@ -969,6 +976,7 @@ class Controller:
                     "boundary": e.boundary,
                 },
             )
+        if rid is not None:
             self.etcd.delete(keys.freeze_override(self.job_id))
         if e.boundary != e.previous:
             self._record_event(

@@ -789,3 +789,24 @@ def test_etcd_not_answering_the_pods_count_is_ridden_out_while_supervising(
         assert time.monotonic() - began < 10.0
     recovered = [e for e in store.events("job-ft") if e.kind == "control_plane_recovered"]
     assert recovered and "answered again after" in recovered[0].message
+
+
+def test_a_freeze_request_read_again_before_it_was_retired_keeps_its_first_answer(
+    ctrl: Controller, etcd: EtcdClient, store: Store
+) -> None:
+    """A decision point that comes before the controller retired an applied request reads it
+    again and finds the boundary already there: that second answer is not the request's fate."""
+    request = {"id": "q2", "layers": 2, "who": "ana@lab", "reason": "converged", "time": 0.0}
+    etcd.put(keys.freeze_override("job-ft"), json.dumps(request))
+    _join(etcd, 2, ["a:1", "b:2"])
+    a = ctrl.answer_join()
+    for seq, (step, previous, outcome) in enumerate([(40, 0, "applied"), (50, 2, "superseded")]):
+        _report(etcd, a.generation, 0, "freeze", seq=seq, step=step, previous=previous,
+                boundary=2, source="manual" if outcome == "applied" else "auto",
+                reason="decision", request=request, outcome=outcome,
+                outcome_reason=f"layers=2 {outcome}")  # fmt: skip
+    ctrl.tick()
+    fates = [e.kind for e in store.events("job-ft") if e.kind.startswith("freeze_") and
+             e.kind != "freeze_requested"]  # fmt: skip
+    assert fates == ["freeze_applied"]
+    assert etcd.get(keys.freeze_override("job-ft")) is None

@@ -88,6 +88,10 @@ class Freezing:
         )
         # criterion 'noise' sums each step's gradients (sync_and_clip hands them over)
         self.drift = GradientDrift(spec.model.depth) if noise else None
+        # the requests rank 0 decided (by id, or the text of one that did not parse): the
+        # controller retires one only once it has drained the report, and a decision point
+        # that comes first must not read it again (as superseded by its own application)
+        self._answered: set[str] = set()
 
     def observe(self, block_norms: list[float]) -> None:
         """One step's per-block gradient norms (the same on every rank)."""
@@ -131,6 +135,11 @@ class Freezing:
     ) -> tuple[FreezeDecision, FreezeRequest | UnreadableRequest | None]:
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         request = read_freeze_request(raw) if raw else None
+        answered = raw if isinstance(request, UnreadableRequest) else getattr(request, "id", None)
+        if answered is not None and answered in self._answered:
+            request = None  # decided at an earlier decision point, not yet retired
+        elif answered is not None:
+            self._answered.add(answered)
         if request is None:
             override = None
         elif isinstance(request, UnreadableRequest):  # rejected with the reason it did not parse
