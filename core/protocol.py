@@ -155,6 +155,12 @@ class UnreadableRequest(_Model):
     error: str = Field(default="", exclude=True)  # why it did not parse (for messages only)
 
 
+def freeze_request_id(request: FreezeRequest | UnreadableRequest) -> str:
+    """What tells one filed request from another: its id, or the text of one that did not parse
+    (as kept)."""
+    return request.raw if isinstance(request, UnreadableRequest) else request.id
+
+
 def read_freeze_request(raw: str) -> FreezeRequest | UnreadableRequest:
     """The request filed under `keys.freeze_override`; whoever reads it must not crash on a
     malformed one."""

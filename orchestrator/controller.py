@@ -73,6 +73,7 @@ from core.protocol import (
     WorkerEvent,
     WorkerExit,
     first_error,
+    freeze_request_id,
     parse_event,
     read_freeze_request,
 )
@@ -952,8 +953,7 @@ class Controller:
         """A decision point moved the boundary or answered a manual request: audit what became
         of the request (applied, superseded by the automatic decision, or rejected), and retire
         it so it is not applied twice."""
-        unread = isinstance(e.request, UnreadableRequest)
-        rid = None if e.request is None else e.request.raw if unread else e.request.id
+        rid = None if e.request is None else freeze_request_id(e.request)
         if rid is not None and rid not in self._decided:
             # only the first answer counts: a worker that read the request again before it was
             # retired here (a decision point soon after, a restarted worker) finds it superseded

@@ -17,6 +17,7 @@ from core.protocol import (
     FreezeDecided,
     FreezeRequest,
     UnreadableRequest,
+    freeze_request_id,
     read_freeze_request,
 )
 from core.spec import JobSpec
@@ -135,11 +136,11 @@ class Freezing:
     ) -> tuple[FreezeDecision, FreezeRequest | UnreadableRequest | None]:
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         request = read_freeze_request(raw) if raw else None
-        answered = raw if isinstance(request, UnreadableRequest) else getattr(request, "id", None)
-        if answered is not None and answered in self._answered:
-            request = None  # decided at an earlier decision point, not yet retired
-        elif answered is not None:
-            self._answered.add(answered)
+        if request is not None:
+            if freeze_request_id(request) in self._answered:
+                request = None  # decided at an earlier decision point, not yet retired
+            else:
+                self._answered.add(freeze_request_id(request))
         if request is None:
             override = None
         elif isinstance(request, UnreadableRequest):  # rejected with the reason it did not parse
