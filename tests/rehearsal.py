@@ -389,6 +389,14 @@ class Pod:
         return "\n".join([head, *text])
 
 
+def _dead(pid: str) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie its parent has not reaped)."""
+    try:
+        return Path("/proc", pid, "stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _veth_name(tag: str, index: int) -> str:
     return f"pt{tag}{index:02d}"  # at most 15 characters (IFNAMSIZ)
 
@@ -605,6 +613,9 @@ class Cluster:
                 Path(path).mkdir(parents=True)  # left in place (module doc)
         env = {**(self.service_env() if spec.service_links else {}), **spec.env}
         env["HOSTNAME"] = spec.name
+        # the rehearsal's own aid, not the pod's spec: a Python process sent SIGABRT prints every
+        # thread's stack into the pod's log (`dump_stacks`: where a timed-out wait hung)
+        env["PYTHONFAULTHANDLER"] = "1"
         log = self.logs / f"{short}.log"
         script = self._pod_script(spec)
         cmd = [
@@ -716,7 +727,52 @@ class Cluster:
         """Every pod's state and log tail (for failure messages)."""
         return "\n".join(pod.tail() for pod in self.pods)
 
-    # -- the services of k8s/base
+    def dump_stacks(self) -> str:
+        """Where the running pods' Python processes are: each thread's kernel wait (`wchan`),
+        then its Python stack, from SIGABRT (faulthandler prints it into the pod's log, and the
+        process dies: only for a test that failed already). One process at a time, so that
+        their stacks do not interleave in the log; frames of the standard library and of gRPC
+        are left out."""
+        lines = ["=== where the pods' Python processes were ==="]
+        for pod in self.pods:
+            if pod.poll() is not None:
+                continue
+            for pid in _run("ip", "netns", "pids", pod.netns, check=False).stdout.split():
+                proc = Path("/proc", pid)
+                try:
+                    argv = (proc / "cmdline").read_bytes().split(b"\0")
+                    if not Path(os.readlink(proc / "exe")).name.startswith("python"):
+                        continue
+                    waits = sorted(
+                        (t / "wchan").read_text() or "running" for t in (proc / "task").iterdir()
+                    )
+                except OSError:
+                    continue
+                what = " ".join(a.decode(errors="replace") for a in argv[1:4])
+                counts = {w: waits.count(w) for w in dict.fromkeys(waits)}
+                lines.append(f"--- {pod.log.stem} pid {pid} [{what}] threads waiting in {counts}")
+                start = pod.log.stat().st_size
+                try:
+                    os.kill(int(pid), signal.SIGABRT)
+                except ProcessLookupError:
+                    continue
+                deadline = time.monotonic() + 2.0
+                while not _dead(pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                with open(pod.log, errors="replace") as log:
+                    log.seek(start)
+                    dump = log.read().splitlines()
+                lines.extend(
+                    line
+                    for line in dump
+                    if line.strip()
+                    and not line.startswith("Extension modules")
+                    and not (
+                        line.startswith("  File")
+                        and ("/grpc/" in line or ("/python3" in line and "-packages" not in line))
+                    )
+                )
+        return "\n".join(lines)
 
     def start_etcd(self) -> Pod:
         """etcd as k8s/base/etcd.yaml configures it, one member (etcd-0), on the pod's address

@@ -18,6 +18,7 @@ import shutil
 import socket
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,27 @@ def _running_world(store: Store) -> tuple[int, int] | None:
     return None
 
 
+def _describe_state(state: Any) -> str:
+    """A rendezvous state's fields, each node with its heartbeat's age (what a round that does
+    not form is waiting for: a participant not yet expired, a deadline, a wait list)."""
+    if state is None:
+        return "none"
+    now = datetime.now(UTC)
+
+    def node(n: Any) -> str:
+        beat = state.last_heartbeats.get(n)
+        age = "no heartbeat" if beat is None else f"beat {(now - beat).total_seconds():.1f}s ago"
+        return f"{n.addr.split('.')[0]}:{n.pid}:{n.local_id} ({age})"
+
+    return (
+        f"round {state.round}, complete {state.complete}, closed {state.closed}, "
+        f"deadline {state.deadline}\n"
+        f"  participants: {[f'{node(n)} rank {r}' for n, r in state.participants.items()]}\n"
+        f"  wait list: {[node(n) for n in state.wait_list]}\n"
+        f"  redundancy list: {[node(n) for n in state.redundancy_list]}"
+    )
+
+
 def _explain(cluster: rehearsal.Cluster, etcd_ip: str, secret: str) -> str:
     """The pods' states and logs, then the job's rendezvous as etcd holds it: its keys (the
     combine lock and intents included) and its state (a hang there shows in no pod's log)."""
@@ -105,7 +127,7 @@ def _explain(cluster: rehearsal.Cluster, etcd_ip: str, secret: str) -> str:
                 for key, value in client.get_prefix(keys.rendezvous(run_id)):
                     lines.append(f"  {key} ({len(value)} B)")
                 state, alive, size = read_rendezvous(client, run_id, secret.encode())
-                lines.append(f"state ({size} B): {state}")
+                lines.append(f"state ({size} B): {_describe_state(state)}")
                 lines.append(f"alive: {sorted(map(str, alive))}")
         finally:
             client.close()
@@ -241,7 +263,8 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
         secret = pods["trainer-0"].env["PIPETRANSFORMER_RDZV_SECRET"]
 
         def explain() -> str:
-            return _explain(cluster, etcd.ip, secret)
+            # a wait that timed out: then where the pods' processes were (they die of it)
+            return f"{_explain(cluster, etcd.ip, secret)}\n{cluster.dump_stacks()}"
 
         try:
             checkpoint = rehearsal.wait_for(
