@@ -737,7 +737,9 @@ class Cluster:
         for pod in self.pods:
             if pod.poll() is not None:
                 continue
-            for pid in _run("ip", "netns", "pids", pod.netns, check=False).stdout.split():
+            pids = _run("ip", "netns", "pids", pod.netns, check=False).stdout.split()
+            # the newest first: the pod's init goes last, as its end takes every other with it
+            for pid in sorted(pids, key=int, reverse=True):
                 proc = Path("/proc", pid)
                 try:
                     argv = (proc / "cmdline").read_bytes().split(b"\0")
