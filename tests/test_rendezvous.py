@@ -666,6 +666,45 @@ def test_replayed_joins_fill_the_round_complete_it_and_are_refused_after() -> No
     assert state.redundancy_list == {node(4)} and not state.wait_list
 
 
+def test_completing_a_round_ranks_its_nodes_as_torch_does() -> None:
+    """The completion the handlers and the combiner apply (`apply_action`) ranks by the
+    nodes' fields as tuples where torch sorts its node dataclasses: the same ranks, the same
+    dict order, complete and without a deadline, on nodes that tie on their address or pid."""
+    import random
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _DistributedRendezvousOpExecutor,
+    )
+
+    from orchestrator.rendezvous import _NO_HOLDER, _quiet, apply_action
+
+    rng = random.Random(7)
+    nodes = list(
+        dict.fromkeys(
+            _NodeDesc(f"10.0.{rng.randint(0, 3)}.{rng.randint(0, 9)}", rng.randint(1, 9), i % 3)
+            for i in range(300)
+        )
+    )
+    rng.shuffle(nodes)
+    s = settings(min_nodes=1, max_nodes=len(nodes) + 1)
+
+    def open_round() -> _RendezvousState:
+        state = _RendezvousState()
+        state.participants = dict.fromkeys(nodes, 0)
+        state.deadline = datetime.now(UTC)
+        return state
+
+    ours = open_round()
+    apply_action(ours, nodes[0], A.MARK_RENDEZVOUS_COMPLETE, s)
+    torchs = open_round()
+    executor = _DistributedRendezvousOpExecutor(nodes[0], _NO_HOLDER, s)
+    executor._state, executor._record = torchs, _quiet
+    executor._mark_rendezvous_complete()
+    assert list(ours.participants.items()) == list(torchs.participants.items())
+    assert ours.complete and ours.deadline is None
+    assert sorted(ours.participants.values()) == list(range(len(nodes)))
+
+
 def test_replay_takes_an_action_only_where_torchs_operation_would() -> None:
     s = settings(min_nodes=1, max_nodes=2)
     state = _RendezvousState()
@@ -852,17 +891,21 @@ def test_backends_of_one_process_share_what_they_parse_but_each_trusts_its_own_s
         backend.bind(node(i), settings(1, 12))
     key = alive_prefix("run") + node_id(node(5))
 
-    def alive(secret: bytes, lease: int, signed: int | None = None) -> kv_pb2.KeyValue:
-        """The alive key under `lease`, its value naming lease `signed` (default: the same)."""
+    def alive(
+        secret: bytes, lease: int, signed: int | None = None
+    ) -> list[tuple[bytes, kv_pb2.KeyValue]]:
+        """The alive key under `lease` as read ((key, kv)), its value naming lease `signed`
+        (default: the same)."""
         value = sign_state(secret, key, b"%x" % (lease if signed is None else signed))
         revision = lease  # a new lease is a new put
-        return kv_pb2.KeyValue(
+        kv = kv_pb2.KeyValue(
             key=key.encode(),
             value=value.encode(),
             lease=lease,
             create_revision=revision,
             mod_revision=revision,
         )
+        return [(kv.key, kv)]
 
     a._see_alive(alive(SECRET, 100))
     b._see_alive(alive(SECRET, 100))
@@ -878,6 +921,60 @@ def test_backends_of_one_process_share_what_they_parse_but_each_trusts_its_own_s
     assert node(5) not in b._alive_nodes() and node(5) in a._alive_nodes()
     b._see_alive(alive(SECRET, 102))
     assert node(5) in b._alive_nodes()
+
+
+def test_backends_of_one_process_apply_a_delta_once_and_share_the_state(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient
+) -> None:
+    """Backends of one process that hold the state a delta applies to take the first one's
+    result instead of decoding and applying it again (a simulator host runs a hundred), and
+    get what a whole read gets; one further behind than the ring still reads the state whole,
+    and backends that read the same state whole share it."""
+    rid = run_id()
+    s = RendezvousSettings("run", 1, 2 * DELTA_SLOTS, RendezvousTimeout(), timedelta(hours=1), 3)
+    writer, a, b = (EtcdRendezvousBackend(etcd, rid, SECRET) for _ in range(3))
+    for i, backend in enumerate((writer, a, b)):
+        backend.bind(node(3000 + i), s)
+    joined = 0
+
+    def join(count: int, reader: Any = None) -> None:
+        nonlocal joined
+        for _ in range(count):
+            state, token = writer.read()
+            state = state or _RendezvousState()
+            replay(state, [(node(joined), A.ADD_TO_PARTICIPANTS)], s)
+            joined += 1
+            assert writer._write_as_is(state, token)[2]
+            if reader is not None:
+                reader.read()
+
+    def stored() -> _RendezvousState:
+        return decode_state(verify_state(SECRET, state_key(rid), etcd.get(state_key(rid))))
+
+    join(1)
+    a.read()
+    b.read()
+    assert a._stored() is b._stored()  # read whole, the same value: one object
+    join(3)
+    a.read()
+    b.read()
+    assert a.stats["deltas"] == b.stats["deltas"] == 3
+    assert (a.stats["deltas_shared"], b.stats["deltas_shared"]) == (0, 3)
+    assert a._stored() is b._stored() and a._m_rev == b._m_rev
+    assert _same(b._stored(), stored()) and len(b._stored().participants) == 4
+    # `a` follows every write; `b` falls further behind than the ring: the deltas `a` applied
+    # do not lead on from the state `b` holds, and `b` reads the state whole
+    whole = b.stats["state_reads"]
+    join(DELTA_SLOTS + 2, a)
+    b.read()
+    assert b.stats["state_reads"] == whole + 1
+    assert _same(b._stored(), stored()) and _same(a._stored(), stored(), ordered=False)
+    assert len(b._stored().participants) == 4 + DELTA_SLOTS + 2
+    # another job's secret: nothing shared verifies there, the state is refused
+    c = EtcdRendezvousBackend(etcd, rid, b"another job's secret, 32 bytes..")
+    c.bind(node(3100), s)
+    with pytest.raises(RendezvousStateError):
+        c.read()
 
 
 def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind(
@@ -988,15 +1085,14 @@ def test_the_view_kept_up_to_date_is_the_overlay_built_whole() -> None:
             lease += 1
             key = alive_prefix("run") + node_id(node(rng.randint(0, 11)))
             value = sign_state(SECRET, key, b"%x" % lease)
-            b._see_alive(
-                kv_pb2.KeyValue(
-                    key=key.encode(),
-                    value=value.encode(),
-                    lease=lease,
-                    create_revision=revision,
-                    mod_revision=revision,
-                )
+            kv = kv_pb2.KeyValue(
+                key=key.encode(),
+                value=value.encode(),
+                lease=lease,
+                create_revision=revision,
+                mod_revision=revision,
             )
+            b._see_alive([(kv.key, kv)])
         if rng.random() < 0.3:
             kept = b._overlaid(b._stored())
             whole = overlay(b._stored(), b._alive_nodes(), me, b._my_heartbeat)
