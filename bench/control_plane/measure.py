@@ -233,7 +233,10 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
             while ctrl.progress.outcome is None and time.monotonic() < deadline:
                 watch()
                 time.sleep(0.1)
-            hosts.collect("ended", conf.phase_timeout, watch=watch)  # every lease gone
+            # every lease gone: not a figure, a teardown that on a starved machine took over
+            # 90 s (each host joins its keep-alive threads, some mid-retry), and failing on it
+            # lost the re-rendezvous's measurement
+            hosts.collect("ended", conf.phase_timeout * 3, watch=watch)
             row["ok"] = row["failed_phase"] is None
             row["steady_measured"] = True
             if conf.rejoin and row["rendezvous_completed"] and n > 2:
