@@ -923,18 +923,9 @@ def test_backends_of_one_process_share_what_they_parse_but_each_trusts_its_own_s
     assert node(5) in b._alive_nodes()
 
 
-def test_backends_of_one_process_apply_a_delta_once_and_share_the_state(
-    etcd_server: EmbeddedEtcd, etcd: EtcdClient
-) -> None:
-    """Backends of one process that hold the state a delta applies to take the first one's
-    result instead of decoding and applying it again (a simulator host runs a hundred), and
-    get what a whole read gets; one further behind than the ring still reads the state whole,
-    and backends that read the same state whole share it."""
-    rid = run_id()
-    s = RendezvousSettings("run", 1, 2 * DELTA_SLOTS, RendezvousTimeout(), timedelta(hours=1), 3)
-    writer, a, b = (EtcdRendezvousBackend(etcd, rid, SECRET) for _ in range(3))
-    for i, backend in enumerate((writer, a, b)):
-        backend.bind(node(3000 + i), s)
+def joins_through(writer: EtcdRendezvousBackend, s: RendezvousSettings) -> Any:
+    """`join(count, reader=None)`: the next `count` nodes (0, 1, ...) joined by plain writes of
+    `writer`, `reader` reading after each."""
     joined = 0
 
     def join(count: int, reader: Any = None) -> None:
@@ -947,6 +938,23 @@ def test_backends_of_one_process_apply_a_delta_once_and_share_the_state(
             assert writer._write_as_is(state, token)[2]
             if reader is not None:
                 reader.read()
+
+    return join
+
+
+def test_backends_of_one_process_apply_a_delta_once_and_share_the_state(
+    etcd_server: EmbeddedEtcd, etcd: EtcdClient
+) -> None:
+    """Backends of one process that hold the state a delta applies to take the first one's
+    result instead of decoding and applying it again (a simulator host runs a hundred), and
+    get what a whole read gets; one further behind than the ring still reads the state whole,
+    and backends that read the same state whole share it."""
+    rid = run_id()
+    s = RendezvousSettings("run", 1, 2 * DELTA_SLOTS, RendezvousTimeout(), timedelta(hours=1), 3)
+    writer, a, b = (EtcdRendezvousBackend(etcd, rid, SECRET) for _ in range(3))
+    for i, backend in enumerate((writer, a, b)):
+        backend.bind(node(3000 + i), s)
+    join = joins_through(writer, s)
 
     def stored() -> _RendezvousState:
         return decode_state(verify_state(SECRET, state_key(rid), etcd.get(state_key(rid))))
@@ -994,18 +1002,7 @@ def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind
     writer.read()
     follower.read()
     laggard.read()
-    joined = 0
-
-    def join(count: int, reader: Any) -> None:
-        nonlocal joined
-        for _ in range(count):
-            state, token = writer.read()
-            state = state or _RendezvousState()
-            replay(state, [(node(joined), A.ADD_TO_PARTICIPANTS)], s)
-            joined += 1
-            assert writer._write_as_is(state, token)[2]
-            if reader is not None:
-                reader.read()
+    join = joins_through(writer, s)
 
     whole = follower.stats["state_reads"]
     join(10, follower)
