@@ -878,12 +878,29 @@ def test_a_node_named_in_keys_is_one_object_whichever_key_or_delta_names_it() ->
     assert b._named("not-a-node") is None and b._named(node_id(node(0))) is b._me
 
 
+def alive_read(
+    key: str, secret: bytes, lease: int, revision: int, signed: int | None = None
+) -> list[tuple[bytes, Any]]:
+    """An alive key put under `lease` at `revision`, as a read returns it ((key, kv), what
+    `_see_alive` takes), its value naming lease `signed` (default: the same)."""
+    from pyetcd.etcdrpc import kv_pb2
+
+    value = sign_state(secret, key, b"%x" % (lease if signed is None else signed))
+    kv = kv_pb2.KeyValue(
+        key=key.encode(),
+        value=value.encode(),
+        lease=lease,
+        create_revision=revision,
+        mod_revision=revision,
+    )
+    return [(kv.key, kv)]
+
+
 def test_backends_of_one_process_share_what_they_parse_but_each_trusts_its_own_secret() -> None:
     """A simulator host runs a hundred nodes in one process: a name parsed or an alive key
     verified by one is not parsed or verified again by the next (one object per node for all
     of them), but a value that verifies under one job's secret is refused under another's, and
     a key re-signed for a new lease is checked again."""
-    from pyetcd.etcdrpc import kv_pb2
 
     other = b"another job's secret, 32 bytes.."
     a, b, c = (EtcdRendezvousBackend(None, "run", k) for k in (SECRET, SECRET, other))
@@ -891,21 +908,8 @@ def test_backends_of_one_process_share_what_they_parse_but_each_trusts_its_own_s
         backend.bind(node(i), settings(1, 12))
     key = alive_prefix("run") + node_id(node(5))
 
-    def alive(
-        secret: bytes, lease: int, signed: int | None = None
-    ) -> list[tuple[bytes, kv_pb2.KeyValue]]:
-        """The alive key under `lease` as read ((key, kv)), its value naming lease `signed`
-        (default: the same)."""
-        value = sign_state(secret, key, b"%x" % (lease if signed is None else signed))
-        revision = lease  # a new lease is a new put
-        kv = kv_pb2.KeyValue(
-            key=key.encode(),
-            value=value.encode(),
-            lease=lease,
-            create_revision=revision,
-            mod_revision=revision,
-        )
-        return [(kv.key, kv)]
+    def alive(secret: bytes, lease: int, signed: int | None = None) -> list[tuple[bytes, Any]]:
+        return alive_read(key, secret, lease, lease, signed)  # a new lease is a new put
 
     a._see_alive(alive(SECRET, 100))
     b._see_alive(alive(SECRET, 100))
@@ -1081,15 +1085,7 @@ def test_the_view_kept_up_to_date_is_the_overlay_built_whole() -> None:
         else:  # a node's lease, new or granted again
             lease += 1
             key = alive_prefix("run") + node_id(node(rng.randint(0, 11)))
-            value = sign_state(SECRET, key, b"%x" % lease)
-            kv = kv_pb2.KeyValue(
-                key=key.encode(),
-                value=value.encode(),
-                lease=lease,
-                create_revision=revision,
-                mod_revision=revision,
-            )
-            b._see_alive([(kv.key, kv)])
+            b._see_alive(alive_read(key, SECRET, lease, revision))
         if rng.random() < 0.3:
             kept = b._overlaid(b._stored())
             whole = overlay(b._stored(), b._alive_nodes(), me, b._my_heartbeat)
