@@ -776,6 +776,8 @@ class Cluster:
                 )
         return "\n".join(lines)
 
+    # -- the services of k8s/base
+
     def start_etcd(self) -> Pod:
         """etcd as k8s/base/etcd.yaml configures it, one member (etcd-0), on the pod's address
         only: nothing listens on its loopback. Its data is on the pod's own folder."""
