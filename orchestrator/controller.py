@@ -57,6 +57,7 @@ from core.protocol import (
     FirstStep,
     FreezeDecided,
     FreezeOutcome,
+    FreezeRequest,
     JoinRequest,
     LayoutPlanned,
     Leaving,
@@ -796,9 +797,11 @@ class Controller:
     def _audit_new_request(self) -> None:
         """Record a manual freeze request filed in etcd (by the CLI or the dashboard) once."""
         raw = self.etcd.get(keys.freeze_override(self.job_id))
-        if not raw:
-            return
-        request = read_freeze_request(raw)
+        if raw:
+            self._audit_request(read_freeze_request(raw), raw)
+
+    def _audit_request(self, request: FreezeRequest | UnreadableRequest, raw: str) -> None:
+        """Record `request` (`raw`: its text) as filed, once."""
         if isinstance(request, UnreadableRequest):
             rid = raw
             message = f"unreadable request {raw[:80]!r} ({request.error}); it will be rejected"
@@ -954,6 +957,11 @@ class Controller:
         of the request (applied, superseded by the automatic decision, or rejected), and retire
         it so it is not applied twice."""
         rid = None if e.request is None else freeze_request_id(e.request)
+        if e.request is not None and rid not in self._decided:
+            # filed and answered between two of this controller's reads of the key (a busy
+            # controller, decision points close together): audited here, before its fate
+            raw = e.request.raw if isinstance(e.request, UnreadableRequest) else ""
+            self._audit_request(e.request, raw)
         if rid is not None and rid not in self._decided:
             # only the first answer counts: a worker that read the request again before it was
             # retired here (a decision point soon after, a restarted worker) finds it superseded

@@ -791,6 +791,29 @@ def test_etcd_not_answering_the_pods_count_is_ridden_out_while_supervising(
     assert recovered and "answered again after" in recovered[0].message
 
 
+def test_a_freeze_request_answered_before_the_controller_read_it_is_audited_first(
+    ctrl: Controller, etcd: EtcdClient, store: Store
+) -> None:
+    """A request filed and answered between two of the controller's reads of its key (a busy
+    controller: the live dashboard test saw its fate recorded and not its filing) is recorded
+    as filed, then as applied, once."""
+    request = {"id": "q3", "layers": 2, "who": "alice (dashboard)", "reason": "r", "time": 0.0}
+    _join(etcd, 2, ["a:1", "b:2"])
+    a = ctrl.answer_join()
+    _report(etcd, a.generation, 0, "freeze", seq=0, step=40, previous=0, boundary=2,
+            source="manual", reason="decision", request=request, outcome="applied",
+            outcome_reason="layers=2 applied")  # fmt: skip
+    ctrl.tick()
+    ctrl.tick()
+    kinds = [e.kind for e in sorted(store.events("job-ft"), key=lambda e: e.id)]
+    assert [k for k in kinds if k in ("freeze_requested", "freeze_applied")] == [
+        "freeze_requested",
+        "freeze_applied",
+    ]
+    (filed,) = store.events("job-ft", kinds=["freeze_requested"])
+    assert filed.data["request"]["who"] == "alice (dashboard)"
+
+
 def test_a_freeze_request_read_again_before_it_was_retired_keeps_its_first_answer(
     ctrl: Controller, etcd: EtcdClient, store: Store
 ) -> None:
