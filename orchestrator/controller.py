@@ -962,7 +962,6 @@ class Controller:
             # controller, decision points close together): audited here, before its fate
             raw = e.request.raw if isinstance(e.request, UnreadableRequest) else ""
             self._audit_request(e.request, raw)
-        if rid is not None and rid not in self._decided:
             # only the first answer counts: a worker that read the request again before it was
             # retired here (a decision point soon after, a restarted worker) finds it superseded
             # by its own application
