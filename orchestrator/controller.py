@@ -798,15 +798,16 @@ class Controller:
         """Record a manual freeze request filed in etcd (by the CLI or the dashboard) once."""
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         if raw:
-            self._audit_request(read_freeze_request(raw), raw)
+            self._audit_request(read_freeze_request(raw))
 
-    def _audit_request(self, request: FreezeRequest | UnreadableRequest, raw: str) -> None:
-        """Record `request` (`raw`: its text) as filed, once."""
+    def _audit_request(self, request: FreezeRequest | UnreadableRequest) -> None:
+        """Record `request` as filed, once (by `freeze_request_id`, as the store keys it)."""
+        rid = freeze_request_id(request)
         if isinstance(request, UnreadableRequest):
-            rid = raw
-            message = f"unreadable request {raw[:80]!r} ({request.error}); it will be rejected"
+            message = (
+                f"unreadable request {request.raw[:80]!r} ({request.error}); it will be rejected"
+            )
         else:
-            rid = request.id
             message = (
                 f"request {rid} by {request.who}: freeze blocks below {request.layers} "
                 f"({request.reason})"
@@ -960,8 +961,7 @@ class Controller:
         if e.request is not None and rid not in self._decided:
             # filed and answered between two of this controller's reads of the key (a busy
             # controller, decision points close together): audited here, before its fate
-            raw = e.request.raw if isinstance(e.request, UnreadableRequest) else ""
-            self._audit_request(e.request, raw)
+            self._audit_request(e.request)
             # only the first answer counts: a worker that read the request again before it was
             # retired here (a decision point soon after, a restarted worker) finds it superseded
             # by its own application

@@ -1062,13 +1062,11 @@ _FIND_GONE_MAX = 4
 # within the same second, and one of them finding it first is enough (see "Scale").
 _SPREAD_SEARCH_NODES = 64
 # What every backend of a process shares (see "Scale"): one object per node (`_node`), the
-# nodes by their names in keys (`_named`), and whether an alive key's value verified (secret,
-# key, value, lease -> bool). Each is cleared past `_SHARED_MAX` entries (then rebuilt as read).
+# nodes by their names in keys (`_named`), and each alive key as read, its value verified
+# ((secret, key, value, lease, create and mod revision) -> (key, entry), see `_see_alive`).
+# Each is cleared past `_SHARED_MAX` entries (then rebuilt as read).
 _PROCESS_NODES: dict[_NodeKey, _NodeDesc] = {}
 _PROCESS_NAMES: dict[str, _NodeDesc] = {}
-_ALIVE_VERIFIED: dict[tuple[bytes | None, str, bytes, int], bool] = {}
-# ... and each alive key as read ((secret, key, value, lease, create and mod revision) -> (key,
-# entry), see `_see_alive`)
 _ALIVE_ENTRIES: dict[tuple[bytes | None, bytes, bytes, int, int, int], tuple[bytes, Any]] = {}
 _SHARED_MAX = 1 << 16
 
@@ -1559,11 +1557,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         its result is taken (`_PROCESS_FOLLOWED`)."""
         if not self._m_present:
             return False
-        held = self._stored()
-        assert held is not None
         shared = (self._secret, kv.key, kv.value)
         done = _PROCESS_FOLLOWED.get(shared)
         if done is None or done.base != self._m_rev:
+            held = self._stored()
+            assert held is not None
             try:
                 delta = decode_delta(self._open(kv.key.decode(), kv.value.decode()), self._nodes)
             except (RendezvousStateError, ValueError, binascii.Error):
@@ -1699,16 +1697,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def _verified_alive(self, key: str, value: bytes, lease: int) -> bool:
         """Whether an alive key's value is the lease it was put under, signed with the key
-        (once per process: see `_named`)."""
-        seen = (self._secret, key, value, lease)  # the key as decoded already
-        ok = _ALIVE_VERIFIED.get(seen)
-        if ok is None:
-            try:
-                ok = int(self._open(key, value.decode()), 16) == lease
-            except (RendezvousStateError, ValueError, binascii.Error):
-                ok = False
-            _bounded(_ALIVE_VERIFIED)[seen] = ok
-        return ok
+        (once per process and value: `_see_alive`)."""
+        try:
+            return int(self._open(key, value.decode()), 16) == lease
+        except (RendezvousStateError, ValueError, binascii.Error):
+            return False
 
     def _named(self, text: str) -> _NodeDesc | None:
         """The node named `text` in a key (`node_id`), one object per node and process: every

@@ -137,10 +137,11 @@ class Freezing:
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         request = read_freeze_request(raw) if raw else None
         if request is not None:
-            if freeze_request_id(request) in self._answered:
+            rid = freeze_request_id(request)
+            if rid in self._answered:
                 request = None  # decided at an earlier decision point, not yet retired
             else:
-                self._answered.add(freeze_request_id(request))
+                self._answered.add(rid)
         if request is None:
             override = None
         elif isinstance(request, UnreadableRequest):  # rejected with the reason it did not parse
