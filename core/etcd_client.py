@@ -87,6 +87,7 @@ _GRPC_OPTIONS = [
 _MAX_TXN_OPS = 128
 
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_DEADLINE_TEXT = "context deadline exceeded"
 _TRANSIENT_ERRORS = (
     etcd_exc.ConnectionFailedError,  # UNAVAILABLE: refused, reset, no leader
     etcd_exc.ConnectionTimeoutError,  # DEADLINE_EXCEEDED
@@ -325,7 +326,13 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, _TRANSIENT_ERRORS):
         return True
-    return isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES
+    code = _code(exc)
+    if code in _TRANSIENT_CODES:
+        return True
+    # a linearizable read whose wait for etcd's apply loop outlived the call's deadline can come
+    # back as UNKNOWN "context deadline exceeded" instead of DEADLINE_EXCEEDED (etcd-io/etcd#8809):
+    # a busy etcd, not a refusal. Seen at 1,024 rendezvous agents; it failed an agent's join.
+    return code == grpc.StatusCode.UNKNOWN and _describe(exc).endswith(_DEADLINE_TEXT)
 
 
 def _rpc_error(exc: BaseException) -> grpc.RpcError | None:

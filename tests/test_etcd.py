@@ -245,6 +245,45 @@ def test_call_during_short_outage_succeeds_after_retry(
             restarter.join()
 
 
+class _Answer(grpc.RpcError):
+    """What gRPC raises for an etcd answer: a status code and etcd's words."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_read_that_outlived_its_deadline_inside_etcd_is_retried(etcd: EtcdClient) -> None:
+    """A linearizable read that waited out its deadline on a busy etcd can come back UNKNOWN
+    "context deadline exceeded" (etcd-io/etcd#8809); it is retried like DEADLINE_EXCEEDED. At
+    1,024 rendezvous agents one such answer failed an agent's join. Other UNKNOWN answers are
+    not retried."""
+    answers = [_Answer(grpc.StatusCode.UNKNOWN, "context deadline exceeded")] * 2
+
+    def busy_then_fine() -> str:
+        if answers:
+            raise answers.pop()
+        return "value"
+
+    assert etcd._call("get", busy_then_fine, budget=10.0) == "value"
+    assert not answers
+
+    calls: list[int] = []
+
+    def broken() -> str:
+        calls.append(1)
+        raise _Answer(grpc.StatusCode.UNKNOWN, "etcdserver: something else")
+
+    with pytest.raises(EtcdError, match="something else"):
+        etcd._call("get", broken, budget=10.0)
+    assert calls == [1]
+
+
 def test_unreachable_endpoint_raises_etcd_unavailable_fast() -> None:
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
     with EtcdClient(endpoint, timeout=0.5, retry_timeout=0.5) as client:
