@@ -724,6 +724,13 @@ class EtcdClient:
                 self._authenticate()
                 signing_in = False
                 result = fn()
+            except ValueError as exc:
+                if not self._closed:
+                    raise
+                # a call racing `close()`: gRPC refuses it on the closed channel with a
+                # ValueError, which a caller expecting the client's errors would not catch (a
+                # lease's refresher thread died of it with a traceback at every agent's exit)
+                raise EtcdError(f"etcd client for {self.endpoint} is closed ({op})") from exc
             except (etcd_exc.Etcd3Exception, grpc.RpcError) as exc:
                 code = _code(exc)
                 user = self.tls is not None and bool(self.tls.user)

@@ -284,6 +284,27 @@ def test_a_read_that_outlived_its_deadline_inside_etcd_is_retried(etcd: EtcdClie
     assert calls == [1]
 
 
+def test_a_call_racing_close_raises_the_clients_error(etcd_server: EmbeddedEtcd) -> None:
+    """gRPC refuses a call on a channel closed meanwhile with a ValueError; the client turns it
+    into its own error, which its callers (a lease's refresher thread) catch."""
+    client = EtcdClient(etcd_server.endpoint)
+    client.put("/race/k", "v")
+
+    def closed_under_it() -> Any:
+        client.close()  # another thread's close, between the closed check and the call
+        return client._client.get("/race/k")
+
+    with pytest.raises(EtcdError, match="closed"):
+        client._call("get", closed_under_it)
+
+    def bad_argument() -> Any:
+        raise ValueError("not the client's")
+
+    with EtcdClient(etcd_server.endpoint) as open_client:
+        with pytest.raises(ValueError, match="not the client's"):  # others' errors unchanged
+            open_client._call("get", bad_argument)
+
+
 def test_unreachable_endpoint_raises_etcd_unavailable_fast() -> None:
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
     with EtcdClient(endpoint, timeout=0.5, retry_timeout=0.5) as client:
