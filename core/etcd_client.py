@@ -824,6 +824,15 @@ class EtcdClient:
         return bool(self._client.delete(key))
 
     @_retrying
+    def delete_at_revision(self, key: str, revision: int) -> bool:
+        """Delete ``key`` if its mod revision is still ``revision``; True if deleted."""
+        tx = self._client.transactions
+        ok, _ = self._client.transaction(
+            compare=[tx.mod(key) == int(revision)], success=[tx.delete(key)], failure=[]
+        )
+        return bool(ok)
+
+    @_retrying
     def get_prefix(self, prefix: str) -> list[tuple[str, str]]:
         """All (key, value) pairs under ``prefix``, sorted by key (``""`` = every key)."""
         start, end = _prefix_range(prefix)

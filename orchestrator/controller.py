@@ -984,7 +984,7 @@ class Controller:
                 },
             )
         if rid is not None:
-            self.etcd.delete(keys.freeze_override(self.job_id))
+            self._retire_request(rid)
         if e.boundary != e.previous:
             self._record_event(
                 "freeze",
@@ -992,6 +992,15 @@ class Controller:
                 f"{e.step} ({e.reason})",
                 data=e.payload(),
             )
+
+    def _retire_request(self, rid: str) -> None:
+        """Take the answered request `rid` out of its key, and nothing else: a request filed
+        since (the key freed by an earlier answer to `rid`, a second answer arriving now) waits
+        for the next decision point."""
+        key = keys.freeze_override(self.job_id)
+        raw, revision = self.etcd.get_with_revision(key)
+        if raw is not None and freeze_request_id(read_freeze_request(raw)) == rid:
+            self.etcd.delete_at_revision(key, revision)  # unless replaced since this read
 
     def _commit_checkpoint(self, e: CheckpointWritten) -> None:
         state = e.state

@@ -814,6 +814,33 @@ def test_a_freeze_request_answered_before_the_controller_read_it_is_audited_firs
     assert filed.data["request"]["who"] == "alice (dashboard)"
 
 
+def test_retiring_an_answered_request_leaves_a_newer_one_filed_since(
+    ctrl: Controller, etcd: EtcdClient, store: Store
+) -> None:
+    """A second answer to a request (a decision point that read it again before it was retired)
+    reaches the controller after a newer request was filed in the freed key: the newer one is
+    not retired with it, unapplied and unaudited; it waits for the next decision point."""
+    first = {"id": "q4", "layers": 2, "who": "ana@lab", "reason": "converged", "time": 0.0}
+    newer = {"id": "q5", "layers": 3, "who": "bo@lab", "reason": "also", "time": 1.0}
+    key = keys.freeze_override("job-ft")
+    etcd.put(key, json.dumps(first))
+    _join(etcd, 2, ["a:1", "b:2"])
+    a = ctrl.answer_join()
+    _report(etcd, a.generation, 0, "freeze", seq=0, step=40, previous=0, boundary=2,
+            source="manual", reason="decision", request=first, outcome="applied",
+            outcome_reason="layers=2 applied")  # fmt: skip
+    ctrl.tick()
+    assert etcd.get(key) is None  # the answered request retired
+    assert etcd.put_if_absent(key, json.dumps(newer))  # what `pipetransformer freeze` does
+    _report(etcd, a.generation, 0, "freeze", seq=1, step=50, previous=2, boundary=2,
+            source="auto", reason="decision", request=first, outcome="superseded",
+            outcome_reason="layers=2 superseded")  # fmt: skip
+    ctrl.tick()
+    assert json.loads(etcd.get(key) or "{}")["id"] == "q5"
+    filed = [e.data["request"]["id"] for e in store.events("job-ft", kinds=["freeze_requested"])]
+    assert sorted(filed) == ["q4", "q5"]
+
+
 def test_a_freeze_request_read_again_before_it_was_retired_keeps_its_first_answer(
     ctrl: Controller, etcd: EtcdClient, store: Store
 ) -> None:
