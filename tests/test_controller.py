@@ -791,6 +791,22 @@ def test_etcd_not_answering_the_pods_count_is_ridden_out_while_supervising(
     assert recovered and "answered again after" in recovered[0].message
 
 
+def _answered(
+    etcd: EtcdClient,
+    generation: int,
+    request: dict,
+    seq: int,
+    step: int,
+    previous: int,
+    outcome: str,
+) -> None:
+    """Rank 0's report of a decision point at `step` that answered `request` (layers=2) with
+    `outcome`: applied as a manual freeze, or superseded by the automatic decision."""
+    _report(etcd, generation, 0, "freeze", seq=seq, step=step, previous=previous, boundary=2,
+            source="manual" if outcome == "applied" else "auto", reason="decision",
+            request=request, outcome=outcome, outcome_reason=f"layers=2 {outcome}")  # fmt: skip
+
+
 def test_a_freeze_request_answered_before_the_controller_read_it_is_audited_first(
     ctrl: Controller, etcd: EtcdClient, store: Store
 ) -> None:
@@ -800,9 +816,7 @@ def test_a_freeze_request_answered_before_the_controller_read_it_is_audited_firs
     request = {"id": "q3", "layers": 2, "who": "alice (dashboard)", "reason": "r", "time": 0.0}
     _join(etcd, 2, ["a:1", "b:2"])
     a = ctrl.answer_join()
-    _report(etcd, a.generation, 0, "freeze", seq=0, step=40, previous=0, boundary=2,
-            source="manual", reason="decision", request=request, outcome="applied",
-            outcome_reason="layers=2 applied")  # fmt: skip
+    _answered(etcd, a.generation, request, seq=0, step=40, previous=0, outcome="applied")
     ctrl.tick()
     ctrl.tick()
     kinds = [e.kind for e in sorted(store.events("job-ft"), key=lambda e: e.id)]
@@ -826,15 +840,11 @@ def test_retiring_an_answered_request_leaves_a_newer_one_filed_since(
     etcd.put(key, json.dumps(first))
     _join(etcd, 2, ["a:1", "b:2"])
     a = ctrl.answer_join()
-    _report(etcd, a.generation, 0, "freeze", seq=0, step=40, previous=0, boundary=2,
-            source="manual", reason="decision", request=first, outcome="applied",
-            outcome_reason="layers=2 applied")  # fmt: skip
+    _answered(etcd, a.generation, first, seq=0, step=40, previous=0, outcome="applied")
     ctrl.tick()
     assert etcd.get(key) is None  # the answered request retired
     assert etcd.put_if_absent(key, json.dumps(newer))  # what `pipetransformer freeze` does
-    _report(etcd, a.generation, 0, "freeze", seq=1, step=50, previous=2, boundary=2,
-            source="auto", reason="decision", request=first, outcome="superseded",
-            outcome_reason="layers=2 superseded")  # fmt: skip
+    _answered(etcd, a.generation, first, seq=1, step=50, previous=2, outcome="superseded")
     ctrl.tick()
     assert json.loads(etcd.get(key) or "{}")["id"] == "q5"
     filed = [e.data["request"]["id"] for e in store.events("job-ft", kinds=["freeze_requested"])]
@@ -851,10 +861,7 @@ def test_a_freeze_request_read_again_before_it_was_retired_keeps_its_first_answe
     _join(etcd, 2, ["a:1", "b:2"])
     a = ctrl.answer_join()
     for seq, (step, previous, outcome) in enumerate([(40, 0, "applied"), (50, 2, "superseded")]):
-        _report(etcd, a.generation, 0, "freeze", seq=seq, step=step, previous=previous,
-                boundary=2, source="manual" if outcome == "applied" else "auto",
-                reason="decision", request=request, outcome=outcome,
-                outcome_reason=f"layers=2 {outcome}")  # fmt: skip
+        _answered(etcd, a.generation, request, seq, step, previous, outcome)
     ctrl.tick()
     fates = [e.kind for e in store.events("job-ft") if e.kind.startswith("freeze_") and
              e.kind != "freeze_requested"]  # fmt: skip
