@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -49,6 +50,7 @@ TARGET = "trainer.worker"  # imported by the server, its main(argv) run by each 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
 _PR_SET_PDEATHSIG = 1
+_WAKE = object()  # the selector key of the server's own wake-up pipe
 STOP_GRACE_S = 30.0  # after a SIGTERM, how long workers may take to leave before being killed
 
 
@@ -219,11 +221,22 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
     short: torchrun stops them gracefully through their clients at the same time, so the server
     takes no new clients and exits once they are gone (after STOP_GRACE_S it kills them)."""
     stopping: list[float] = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.monotonic()))
-    importlib.import_module(target)
     server_pid = os.getpid()
+    # the handler wakes the select below at once (retried after a signal, it would sleep on)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+
+    def on_sigterm(*_: object) -> None:
+        stopping.append(time.monotonic())
+        if os.getpid() == server_pid:  # not a forked worker before it resets the handler
+            with contextlib.suppress(OSError):
+                os.write(wake_w, b"x")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    importlib.import_module(target)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, None)
+    sel.register(wake_r, selectors.EVENT_READ, _WAKE)
     workers: dict[int, _Worker] = {}  # by pidfd
     while True:
         if stopping:
@@ -231,13 +244,18 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
                 sel.unregister(listener)
                 listener.close()
             if not workers:
+                # the interpreter's last collection over the target's objects (torch's) takes
+                # a second; nothing they hold needs it
+                gc.freeze()
                 sys.exit(0)
             if time.monotonic() - stopping[0] > STOP_GRACE_S:
                 for w in workers.values():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(w.pid, signal.SIGKILL)
         for key, _ in sel.select(timeout=0.5):
-            if key.fileobj is listener:
+            if key.data is _WAKE:
+                os.read(wake_r, 64)
+            elif key.fileobj is listener:
                 conn, _ = listener.accept()
                 request = _accept(conn, target)
                 if request is None:
@@ -253,6 +271,8 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
                 if pid == 0:
                     os.close(go_w)
                     sel.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
                     listener.close()
                     for w in workers.values():
                         w.conn.close()

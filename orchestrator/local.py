@@ -27,6 +27,7 @@ from orchestrator import admission, forkserver
 from orchestrator.controller import Controller, job_dir
 from orchestrator.errors import UsageError
 from orchestrator.etcd_server import EmbeddedEtcd
+from orchestrator.gpus import cuda_device_count
 from orchestrator.launch import job_secret_file, torchrun_command, worker_env
 from orchestrator.procs import tied_to_parent
 from orchestrator.progress import ProgressView
@@ -66,20 +67,18 @@ def job_etcd(
 
 def gpu_memory(spec: JobSpec) -> int | None:
     """The smallest GPU's memory when this machine's workers will compute on CUDA, else None."""
-    import torch
-
-    gpus = torch.cuda.device_count()
+    gpus = cuda_device_count()
     if not gpus or local_device_type(spec.runtime.device, spec.parallel.world_size, gpus) != "cuda":
         return None
+    import torch  # imported by cuda_device_count already
+
     return min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
 
 
 def machine_gpu_shortfall(spec: JobSpec) -> str | None:
     """Why this machine cannot give each of a node's workers its own GPU when the spec asks for
     CUDA (`run` puts every node on this machine)."""
-    import torch
-
-    return gpu_shortfall(spec.runtime.device, spec.parallel.world_size, torch.cuda.device_count())
+    return gpu_shortfall(spec.runtime.device, spec.parallel.world_size, cuda_device_count())
 
 
 def admission_problems(spec: JobSpec, here: bool) -> list[tuple[str, str]]:
@@ -106,10 +105,8 @@ def node_gpus(node: int, per_node: int, visible: str | None = None) -> str:
     machine's visible GPUs (of $CUDA_VISIBLE_DEVICES when set), so that worker k of each node,
     on cuda:k, has a GPU of its own."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
-    import torch
-
     ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
-    ids = ids or [str(i) for i in range(torch.cuda.device_count())]
+    ids = ids or [str(i) for i in range(cuda_device_count())]
     return ",".join(ids[node * per_node : (node + 1) * per_node])
 
 
@@ -118,9 +115,7 @@ def node_devices(spec: JobSpec, nodes: int) -> list[dict[str, str]]:
     machine: on CUDA each gets its own slice of the GPUs (worker k of a node computes on its
     cuda:k); when `runtime.device: auto` comes out as the CPU for the machine as a whole, the GPUs
     are hidden, so that no node decides otherwise on its own."""
-    import torch
-
-    gpus = torch.cuda.device_count()
+    gpus = cuda_device_count()
     if not gpus:
         return [{} for _ in range(nodes)]
     if local_device_type(spec.runtime.device, spec.parallel.world_size, gpus) == "cpu":

@@ -17,6 +17,7 @@ from core.spec import JobSpec, gpu_shortfall
 from orchestrator import forkserver
 from orchestrator.controller import Controller
 from orchestrator.errors import UsageError
+from orchestrator.gpus import cuda_device_count
 from orchestrator.launch import torchrun_command, with_job_secret, worker_env
 from orchestrator.procs import call_forwarding_signals
 
@@ -91,9 +92,7 @@ def serve_node(
         time.sleep(0.5)
     rdzv_id = json.loads(raw)["rdzv_id"]
     spec = JobSpec.model_validate_json(client.get(keys.spec(job_id)) or "{}")
-    import torch  # here: only this role needs to count GPUs
-
-    if problem := gpu_shortfall(spec.runtime.device, nproc_per_node, torch.cuda.device_count()):
+    if problem := gpu_shortfall(spec.runtime.device, nproc_per_node, cuda_device_count()):
         # before torchrun: one clear line in the pod's log, not a traceback per worker; and the
         # controller hears it (it fails the job once refusals spend its restart budget)
         host, pid = socket.gethostname(), os.getpid()

@@ -6,7 +6,11 @@ node. tests/test_cuda.py runs the same code on a GPU."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.spec import JobSpec, ModelSpec, gpu_shortfall, local_device_type
 from core.state import Layout, StageLayout
-from orchestrator import local
+from orchestrator import gpus, local
 from tests.mp import run_distributed
 from trainer import flops, profile
 from trainer.collective import once_per_node
@@ -29,6 +33,7 @@ VIT_B16 = ModelSpec(
     mlp_ratio=4.0, num_classes=1000,
 )  # fmt: skip
 SMALL = ModelSpec(dim=32, depth=4, heads=4, mlp_ratio=2.0)
+REPO = Path(__file__).resolve().parents[1]
 
 
 # -- which device ---------------------------------------------------------------------------------
@@ -56,6 +61,35 @@ def test_run_refuses_a_cuda_spec_this_machine_cannot_seat(monkeypatch, tmp_path:
     assert "has 1 GPU" in local.machine_gpu_shortfall(spec)
     assert local.machine_gpu_shortfall(spec.model_copy(update={"runtime": spec.runtime.model_copy(
         update={"device": "auto"})})) is None  # fmt: skip
+
+
+CHECK_IMPORTS = """
+import json, sys
+from core.spec import JobSpec
+from orchestrator import gpus, local
+if sys.argv[1:]:
+    gpus.GPU_DRIVER_NODES = (sys.argv[1],)
+spec = JobSpec.model_validate({"name": "g", "parallel": {"stages": 2}})
+problems = local.admission_problems(spec, here=True)
+print(json.dumps([problems, local.node_devices(spec, 1), "torch" in sys.modules]))
+"""
+
+
+def test_a_cpu_machine_admits_and_places_a_job_without_importing_torch(tmp_path: Path) -> None:
+    """`run` asks how many GPUs there are: where no GPU driver can be opened the answer is 0
+    without importing torch (2.5 s of every run), and torch is asked where one can."""
+    if any(map(os.path.exists, gpus.GPU_DRIVER_NODES)):
+        pytest.skip("this machine has a GPU driver")
+    cmd = [sys.executable, "-c", CHECK_IMPORTS]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [[], [{}], False]
+    driver = tmp_path / "nvidiactl"  # a driver node to open: torch counts (none here)
+    driver.touch()
+    out = subprocess.run([*cmd, str(driver)], capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [[], [{}], True]
 
 
 def test_simulated_nodes_get_their_own_gpus(monkeypatch) -> None:

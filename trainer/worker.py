@@ -11,6 +11,7 @@ reported first as `failed`, or as `peer_lost` when a peer's death broke a collec
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         watch.stop()
         keepalive.stop(revoke=True)
         dist.destroy_process_group()
+        # the process ends with this function: the interpreter's last collection over torch's
+        # objects would hold the exit (and the agent waiting for it) a second for nothing
+        gc.freeze()
     return code
 
 
