@@ -66,6 +66,9 @@ Measured per size:
                           poll and report on time)
     cpu_cores             CPU used by etcd, the simulated agents and the controller's process,
                           and how busy the whole machine was (others share these cores)
+    controller_rss_growth_mib  what the controller's process grew by from the controller's
+                          creation to the steady window's end (its records of the run included:
+                          an upper bound on what the controller needs at N)
     problems, degraded    what failed (a rendezvous that timed out, an unanswered join, a
                           lapsed lease, an aborted generation, rendezvous heartbeats that failed,
                           nodes dropped from the round, etcd errors, controller errors) and what
@@ -159,6 +162,7 @@ def run(conf: Config, png: Path | None = None) -> dict[str, Any]:
         "etcd_writes_per_s": col("etcd_writes_per_s"),
         "store_rows_per_s": col("store_rows_per_s"),
         "drain_ms_p95": col("drain_ms", "p95"),
+        "controller_rss_growth_mib": col("controller_rss_growth_mib"),
         "report_age_s_p95": col("report_age_s", "p95"),
         "breaks_first": first,
         "breaks_first_sentence": sentence,

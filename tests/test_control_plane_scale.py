@@ -62,6 +62,9 @@ def test_four_participants_rendezvous_report_and_reach_the_store(tmp_path: Path)
     assert row["store_rows_written"] > 0 and row["store_rows_per_s"] > 0
     assert row["store_metric_rows"] > 0
     assert row["cpu_cores"]["etcd"] is not None and row["cpu_cores"]["agents"] is not None
+    # the controller's memory at N: what its process grew by (Linux's /proc)
+    assert isinstance(row["controller_rss_growth_mib"], float)
+    assert line["controller_rss_growth_mib"] == [row["controller_rss_growth_mib"]]
 
 
 def test_what_breaks_first_is_the_first_size_with_a_problem() -> None:

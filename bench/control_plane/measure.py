@@ -44,6 +44,16 @@ def _cpu_times() -> tuple[float, float]:
     return sum(parts) - idle, sum(parts)
 
 
+def _rss_mib() -> float | None:
+    """This process's resident memory (Linux: /proc/self/status), MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kib / 1024, 1)
+
+
 def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str, Any]:
     """One size: returns its row (figures, problems); never raises for a failed phase."""
     row: dict[str, Any] = {
@@ -63,6 +73,7 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
         client = EtcdClient(etcd.endpoint)
         store = Store.open(pg.url() if pg else sqlite_url(tmp / "store.db"))
         counter = StoreCounter(store)
+        rss0 = _rss_mib()  # before the controller: what it adds at N is measured from here
         ctrl = Controller.create(store, client, job_spec(n, conf.lease_ttl_s), tmp, JOB)
         loop = ControllerLoop(ctrl, run_id).start()
         hosts: Hosts | None = None
@@ -228,6 +239,12 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
                 seconds = max(s["backend_s"] for s in stats.values())
                 _backend_figures(row, "steady", [s["backend"] for s in stats.values()], n, seconds)
             row["cpu_cores"] = cpu
+            # the controller runs in this process: what the process grew by since the controller
+            # was created, with the benchmark's own records of the run (an upper bound)
+            rss1 = _rss_mib()
+            row["controller_rss_growth_mib"] = (
+                None if rss0 is None or rss1 is None else round(rss1 - rss0, 1)
+            )
             # the end as the controller sees it: rank 0 reported done before the leases went
             deadline = time.monotonic() + conf.phase_timeout
             while ctrl.progress.outcome is None and time.monotonic() < deadline:
