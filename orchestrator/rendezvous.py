@@ -173,12 +173,19 @@ def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
 
 
 def _create_etcd3_handler_deferred(params: RendezvousParameters) -> RendezvousHandler:
+    # torchrun's agent, ending, would hold its exit (and the launcher waiting on it) a second
+    # in the interpreter's last collection over torch's objects, which nothing needs: the
+    # collector skips whatever exists once the exit handlers run (registered once)
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     return create_etcd3_handler(params)
 
 
+import atexit
 import binascii
 import collections
 import dataclasses
+import gc
 import hashlib
 import hmac
 import io
