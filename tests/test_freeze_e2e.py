@@ -18,11 +18,14 @@ def test_manual_freeze_is_validated_audited_and_applied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
-    # decision points every 5 steps over 6 epochs: the request lands well before the end
+    # decision points every 5 steps. The job must outlast two `freeze` commands after its
+    # second step (each a fresh CLI process: 2 to 3 s alone, more on a loaded machine): over 6
+    # epochs (138 steps, about 6 s alone) it once completed before the second one was filed;
+    # 20 epochs (460 steps) leave it running about 15 s longer
     spec = write_spec(
         tmp_path / "spec.yaml",
         model={"depth": 4},
-        training={"epochs": 6},
+        training={"epochs": 20},
         freeze={"every": 5},
     )
     workdir, log = tmp_path / "runs", tmp_path / "run.log"
