@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:  # `python bench/x.py` works without installing th
     sys.path.insert(0, str(ROOT))
 
 T = TypeVar("T")
+MIB = 1 << 20
 _T0 = time.perf_counter()
 
 
@@ -143,3 +144,46 @@ def run_cli_job(
         text=True,
     )
     return res, time.perf_counter() - t0
+
+
+def _kb_fields(path: str) -> dict[str, int]:
+    """The `Name: N kB` lines of a /proc file, in bytes ({} when the process is gone)."""
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                parts = value.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0]) * 1024
+    except OSError:
+        return {}
+    return out
+
+
+# what is sampled, by name: resident set (status) and proportional set (smaps_rollup: a page
+# shared by k processes counts 1/k in each, so the sum over processes counts it once)
+MEMORY_STATUS = {
+    "rss": "VmRSS",
+    "rss_anon": "RssAnon",
+    "rss_file": "RssFile",
+    "rss_shmem": "RssShmem",
+}
+MEMORY_ROLLUP = {
+    "pss": "Pss",
+    "pss_anon": "Pss_Anon",
+    "pss_file": "Pss_File",
+    "pss_shmem": "Pss_Shmem",
+}
+
+
+def process_memory(pid: int | str) -> dict[str, float]:
+    """One process's resident memory in MiB by kind ({} when it is gone)."""
+    status = _kb_fields(f"/proc/{pid}/status")
+    if not status:
+        return {}
+    rollup = _kb_fields(f"/proc/{pid}/smaps_rollup")
+    one = {k: status.get(name, 0) / MIB for k, name in MEMORY_STATUS.items()}
+    one.update({k: rollup.get(name, 0) / MIB for k, name in MEMORY_ROLLUP.items()})
+    one["hwm"] = status.get("VmHWM", 0) / MIB
+    return one

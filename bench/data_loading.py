@@ -84,7 +84,19 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import yaml  # noqa: E402
-from _common import ROOT, emit, environment, median, out_dir, pin_threads, progress  # noqa: E402
+from _common import (  # noqa: E402
+    MEMORY_ROLLUP,
+    MEMORY_STATUS,
+    MIB,
+    ROOT,
+    emit,
+    environment,
+    median,
+    out_dir,
+    pin_threads,
+    process_memory,
+    progress,
+)
 
 from core.planner import plan_layout  # noqa: E402
 from core.sampler import IGNORE, ElasticSampler  # noqa: E402
@@ -98,7 +110,6 @@ from trainer.relayout import build_training  # noqa: E402
 sys.path.insert(0, str(ROOT / "examples"))
 import assets  # noqa: E402  (examples/assets.py: the example's checkpoint and images)
 
-MIB = 1 << 20
 STALL_GOAL = 0.05
 EXAMPLE = ROOT / "examples" / "hf-vit-images.yaml"
 DEFAULT_WORKDIR = ROOT / "bench" / "out" / "data_loading"
@@ -432,21 +443,6 @@ def memory_spec(root: Path, workers: int, batch: int) -> JobSpec:
     return resolve_submission(parse_spec(raw), ROOT)
 
 
-def _kb_fields(path: str) -> dict[str, int]:
-    """The `Name: N kB` lines of a /proc file, in bytes ({} when the process is gone)."""
-    out = {}
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                parts = value.split()
-                if len(parts) == 2 and parts[1] == "kB":
-                    out[key] = int(parts[0]) * 1024
-    except OSError:
-        return {}
-    return out
-
-
 def _children(pid: int) -> list[int]:
     """`pid`'s descendants (the loader processes and anything they started)."""
     found, todo = [], [pid]
@@ -464,23 +460,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-# what is sampled, by name: resident set (status) and proportional set (smaps_rollup: a page
-# shared by k processes counts 1/k in each, so the sum over processes counts it once)
-STATUS = {"rss": "VmRSS", "rss_anon": "RssAnon", "rss_file": "RssFile", "rss_shmem": "RssShmem"}
-ROLLUP = {"pss": "Pss", "pss_anon": "Pss_Anon", "pss_file": "Pss_File", "pss_shmem": "Pss_Shmem"}
-KINDS = [*STATUS, *ROLLUP]
-
-
-def process_memory(pid: int | str) -> dict[str, float]:
-    """One process's resident memory in MiB by kind ({} when it is gone)."""
-    status = _kb_fields(f"/proc/{pid}/status")
-    if not status:
-        return {}
-    rollup = _kb_fields(f"/proc/{pid}/smaps_rollup")
-    one = {k: status.get(name, 0) / MIB for k, name in STATUS.items()}
-    one.update({k: rollup.get(name, 0) / MIB for k, name in ROLLUP.items()})
-    one["hwm"] = status.get("VmHWM", 0) / MIB
-    return one
+KINDS = [*MEMORY_STATUS, *MEMORY_ROLLUP]
 
 
 class TreeSampler(threading.Thread):

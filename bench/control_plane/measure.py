@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _common import progress
+from _common import process_memory, progress
 
 from core.etcd_client import EtcdClient
 from core.state import Layout
@@ -44,16 +44,6 @@ def _cpu_times() -> tuple[float, float]:
     return sum(parts) - idle, sum(parts)
 
 
-def _rss_mib() -> float | None:
-    """This process's resident memory (Linux: /proc/self/status), MiB."""
-    try:
-        with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return round(kib / 1024, 1)
-
-
 def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str, Any]:
     """One size: returns its row (figures, problems); never raises for a failed phase."""
     row: dict[str, Any] = {
@@ -73,7 +63,8 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
         client = EtcdClient(etcd.endpoint)
         store = Store.open(pg.url() if pg else sqlite_url(tmp / "store.db"))
         counter = StoreCounter(store)
-        rss0 = _rss_mib()  # before the controller: what it adds at N is measured from here
+        # before the controller: what it adds at N is measured from here
+        rss0 = process_memory("self").get("rss")
         ctrl = Controller.create(store, client, job_spec(n, conf.lease_ttl_s), tmp, JOB)
         loop = ControllerLoop(ctrl, run_id).start()
         hosts: Hosts | None = None
@@ -241,7 +232,7 @@ def measure_size(n: int, conf: Config, pg: _Postgres | None = None) -> dict[str,
             row["cpu_cores"] = cpu
             # the controller runs in this process: what the process grew by since the controller
             # was created, with the benchmark's own records of the run (an upper bound)
-            rss1 = _rss_mib()
+            rss1 = process_memory("self").get("rss")
             row["controller_rss_growth_mib"] = (
                 None if rss0 is None or rss1 is None else round(rss1 - rss0, 1)
             )
