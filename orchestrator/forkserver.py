@@ -222,17 +222,11 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
     takes no new clients and exits once they are gone (after STOP_GRACE_S it kills them)."""
     stopping: list[float] = []
     server_pid = os.getpid()
-    # the handler wakes the select below at once (retried after a signal, it would sleep on)
+    # a signal wakes the select below at once (retried after a signal, it would sleep on)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-
-    def on_sigterm(*_: object) -> None:
-        stopping.append(time.monotonic())
-        if os.getpid() == server_pid:  # not a forked worker before it resets the handler
-            with contextlib.suppress(OSError):
-                os.write(wake_w, b"x")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.monotonic()))
     importlib.import_module(target)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, None)
@@ -271,6 +265,7 @@ def serve(listener: socket.socket, target: str = TARGET) -> dict:
                 if pid == 0:
                     os.close(go_w)
                     sel.close()
+                    signal.set_wakeup_fd(-1)
                     os.close(wake_r)
                     os.close(wake_w)
                     listener.close()
