@@ -102,10 +102,13 @@ RUN groupadd --system --gid 10001 pipetransformer \
 
 # PATH: `pipetransformer`, `torchrun` and `python` (what the torchx component runs) are the
 # venv's. PYTHONDONTWRITEBYTECODE: the venv is compiled and not the user's to write.
+# PYTHONSAFEPATH: no `python -m` in the image puts its working directory (a user's mounted
+# project) first on sys.path, where a folder of theirs could replace one of our modules.
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONSAFEPATH=1 \
     HOME=/home/pipetransformer
 
 # The example specs (a spec for `controller`/`run` may come from the image)
@@ -134,7 +137,7 @@ COPY --from=controller-build /opt/venv /opt/venv
 # TensorBoard writer on CPU torch, the Kubernetes scheduler of torchx and PostgreSQL's driver.
 RUN pipetransformer --help >/dev/null \
     && pipetransformer db --help >/dev/null \
-    && python -c "from orchestrator.etcd_server import etcd_binary; import subprocess, sys; \
+    && python -c "from pipetransformer.orchestrator.etcd_server import etcd_binary; import subprocess, sys; \
 subprocess.run([str(etcd_binary()), '--version'], check=True, stdout=sys.stderr)" \
     && python -c "import streamlit, migrations, psycopg, torch; \
 from torch.utils.tensorboard import SummaryWriter; \
@@ -160,7 +163,7 @@ COPY --from=trainer-build /opt/venv /opt/venv
 # wheel), setpriv (util-linux; ties children to their parent), Streamlit, the migrations.
 RUN pipetransformer --help >/dev/null \
     && pipetransformer db --help >/dev/null \
-    && python -c "from orchestrator.etcd_server import etcd_binary; import subprocess, sys; \
+    && python -c "from pipetransformer.orchestrator.etcd_server import etcd_binary; import subprocess, sys; \
 subprocess.run([str(etcd_binary()), '--version'], check=True, stdout=sys.stderr)" \
     && command -v setpriv >/dev/null \
     && command -v torchrun >/dev/null \

@@ -136,7 +136,7 @@ def run_cli_job(
     path.write_text(yaml.safe_dump(spec))
     t0 = time.perf_counter()
     res = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "run", str(path)]
+        [sys.executable, "-m", "pipetransformer.orchestrator.cli", "run", str(path)]
         + ["--workdir", str(workdir / job), "--job-id", job],
         cwd=ROOT,
         env={**os.environ, "COLUMNS": "200", **(env or {})},

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from core.partition import (
+from pipetransformer.core.partition import (
     CostModel,
     Plan,
     PlanError,
@@ -27,8 +27,8 @@ from core.partition import (
     profile_at,
     uniform_partition,
 )
-from core.spec import ModelSpec
-from trainer.profile import measure_profiles
+from pipetransformer.core.spec import ModelSpec
+from pipetransformer.trainer.profile import measure_profiles
 
 # PipeTransformer's AutoPipe weights a frozen layer at 1/6 of an active one
 # (its `frozen_layer_cost_factor`).

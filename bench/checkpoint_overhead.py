@@ -44,11 +44,11 @@ import torch.multiprocessing as mp  # noqa: E402
 import yaml
 from _common import ROOT, emit, environment, out_dir, pin_threads, progress
 
-from core.planner import plan_layout  # noqa: E402
-from core.spec import JobSpec  # noqa: E402
-from trainer.checkpoint import AsyncCheckpointer  # noqa: E402
-from trainer.optim import build_optimizer  # noqa: E402
-from trainer.pipeline import build_rank_pipeline  # noqa: E402
+from pipetransformer.core.planner import plan_layout  # noqa: E402
+from pipetransformer.core.spec import JobSpec  # noqa: E402
+from pipetransformer.trainer.checkpoint import AsyncCheckpointer  # noqa: E402
+from pipetransformer.trainer.optim import build_optimizer  # noqa: E402
+from pipetransformer.trainer.pipeline import build_rank_pipeline  # noqa: E402
 
 WORLD = 2
 MODES = ("none", "async", "sync")

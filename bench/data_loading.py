@@ -98,14 +98,14 @@ from _common import (  # noqa: E402
     progress,
 )
 
-from core.planner import plan_layout  # noqa: E402
-from core.sampler import IGNORE, ElasticSampler  # noqa: E402
-from core.spec import JobSpec, parse_spec  # noqa: E402
-from orchestrator.sources import resolve_submission  # noqa: E402
-from trainer.data import Split, load_dataset  # noqa: E402
-from trainer.feed import PREFETCH, Feed  # noqa: E402
-from trainer.optim import lr_at, set_lr  # noqa: E402
-from trainer.relayout import build_training  # noqa: E402
+from pipetransformer.core.planner import plan_layout  # noqa: E402
+from pipetransformer.core.sampler import IGNORE, ElasticSampler  # noqa: E402
+from pipetransformer.core.spec import JobSpec, parse_spec  # noqa: E402
+from pipetransformer.orchestrator.sources import resolve_submission  # noqa: E402
+from pipetransformer.trainer.data import Split, load_dataset  # noqa: E402
+from pipetransformer.trainer.feed import PREFETCH, Feed  # noqa: E402
+from pipetransformer.trainer.optim import lr_at, set_lr  # noqa: E402
+from pipetransformer.trainer.relayout import build_training  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
 import assets  # noqa: E402  (examples/assets.py: the example's checkpoint and images)

@@ -44,7 +44,7 @@ from pathlib import Path
 import yaml
 from _common import ROOT, emit, environment, out_dir, progress
 
-from store import Store, sqlite_url  # noqa: E402
+from pipetransformer.store import Store, sqlite_url  # noqa: E402
 
 PRETRAIN_SEED = 100  # the pretraining job's training seed: none of the fine-tuning seeds
 FINETUNE_CLASSES = [5, 6, 7, 8, 9]
@@ -95,7 +95,15 @@ def _pretrain(tmp: Path, epochs: int) -> Path:
 
 def _run(workdir: Path, spec: Path, job_id: str, cache: Path) -> None:
     env = {**os.environ, "PIPETRANSFORMER_CACHE": str(cache), "COLUMNS": "200"}
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(spec), "--workdir", str(workdir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipetransformer.orchestrator.cli",
+        "run",
+        str(spec),
+        "--workdir",
+        str(workdir),
+    ]
     res = subprocess.run(
         [*cmd, "--job-id", job_id], cwd=ROOT, env=env, capture_output=True, text=True
     )

@@ -30,9 +30,9 @@ from typing import Any
 
 from _common import emit, environment, progress, rotated
 
-from core.etcd_client import EtcdClient
-from orchestrator import rendezvous as rz
-from orchestrator.etcd_server import EmbeddedEtcd
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.orchestrator import rendezvous as rz
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
 
 RUN = "read-cost"
 KINDS = ("span", "deltas", "count")

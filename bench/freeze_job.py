@@ -23,7 +23,7 @@ from typing import Any
 import job_mfu
 from _common import emit, environment, progress, run_cli_job
 
-from store import Store, sqlite_url
+from pipetransformer.store import Store, sqlite_url
 
 
 def job_spec(name: str, freeze: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -92,12 +92,12 @@ from _common import (  # noqa: E402
     rotated,
 )
 
-from core.spec import ModelSpec, TrainingSpec  # noqa: E402
-from trainer.cache import ActivationCache, FrozenPrefix, choose_memory  # noqa: E402
-from trainer.device import synchronize  # noqa: E402
-from trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
-from trainer.models import StageModule, build_model, num_tokens  # noqa: E402
-from trainer.optim import build_optimizer  # noqa: E402
+from pipetransformer.core.spec import ModelSpec, TrainingSpec  # noqa: E402
+from pipetransformer.trainer.cache import ActivationCache, FrozenPrefix, choose_memory  # noqa: E402
+from pipetransformer.trainer.device import synchronize  # noqa: E402
+from pipetransformer.trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
+from pipetransformer.trainer.models import StageModule, build_model, num_tokens  # noqa: E402
+from pipetransformer.trainer.optim import build_optimizer  # noqa: E402
 
 PERCENTS = (0, 25, 50, 75)
 GOAL_SPEEDUP = 3.5  # the goal: 75 % frozen with the cache >= 3.5x the 0 % rate

@@ -21,7 +21,7 @@ from typing import Any
 
 from _common import emit, environment, progress, run_cli_job
 
-from store import Store, sqlite_url
+from pipetransformer.store import Store, sqlite_url
 
 VIT_B16 = {
     "family": "vit",

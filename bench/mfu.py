@@ -81,11 +81,11 @@ from _common import (  # noqa: E402
 from freeze_scaling import MODELS, _backend_name  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
-from core.spec import ModelSpec, TrainingSpec  # noqa: E402
-from trainer.device import synchronize  # noqa: E402
-from trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
-from trainer.models import StageModule, build_model, num_tokens  # noqa: E402
-from trainer.optim import MasterWeights, build_optimizer  # noqa: E402
+from pipetransformer.core.spec import ModelSpec, TrainingSpec  # noqa: E402
+from pipetransformer.trainer.device import synchronize  # noqa: E402
+from pipetransformer.trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
+from pipetransformer.trainer.models import StageModule, build_model, num_tokens  # noqa: E402
+from pipetransformer.trainer.optim import MasterWeights, build_optimizer  # noqa: E402
 
 
 @dataclass(frozen=True)

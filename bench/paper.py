@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 from _common import ROOT, emit, environment, out_dir, progress, run_cli_job
 
-from store import Store, sqlite_url
+from pipetransformer.store import Store, sqlite_url
 
 sys.path.insert(0, str(ROOT / "examples"))
 from assets import make_vit  # noqa: E402
@@ -189,7 +189,15 @@ def upstream(tmp: Path, epochs: int, cache: Path, device: str = "cpu") -> Path:
     wall = _run(tmp, spec, "upstream", cache)
     exported = tmp / "upstream-export"
     subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "export", "upstream", "--to", str(exported)]
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer.orchestrator.cli",
+            "export",
+            "upstream",
+            "--to",
+            str(exported),
+        ]
         + ["--workdir", str(tmp / "upstream")],
         cwd=ROOT,
         check=True,

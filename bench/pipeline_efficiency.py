@@ -31,9 +31,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from _common import emit, environment, out_dir, pin_threads, progress
 from baselines import balanced_partition  # noqa: E402
 
-from core.spec import SCHEDULES, ModelSpec, schedule_problem  # noqa: E402
-from core.state import Layout  # noqa: E402
-from trainer.pipeline import build_rank_pipeline  # noqa: E402
+from pipetransformer.core.spec import SCHEDULES, ModelSpec, schedule_problem  # noqa: E402
+from pipetransformer.core.state import Layout  # noqa: E402
+from pipetransformer.trainer.pipeline import build_rank_pipeline  # noqa: E402
 
 S = 2
 MICROBATCHES = (2, 4, 8)
@@ -62,7 +62,7 @@ def _layout(model: ModelSpec, schedule: str, m: int) -> Layout | None:
 def _isolated(pipe, model: ModelSpec, m: int, mb: int):
     """A callable running this rank's stages on m micro-batches of `mb` samples, forward and
     backward, with no communication: the compute a pipeline step needs from this rank."""
-    from trainer.models import stage_input_dtype, stage_input_shape
+    from pipetransformer.trainer.models import stage_input_dtype, stage_input_shape
 
     inputs = []
     for stage in pipe.local:

@@ -53,7 +53,7 @@ from baselines import (  # noqa: E402
 )
 from pydantic import ValidationError  # noqa: E402
 
-from core.partition import (  # noqa: E402
+from pipetransformer.core.partition import (  # noqa: E402
     CostModel,
     Plan,
     Profile,
@@ -61,9 +61,9 @@ from core.partition import (  # noqa: E402
     microbatch_candidates,
     plan,
 )
-from core.spec import ModelSpec, load_spec  # noqa: E402
-from trainer.models import build_model, model_input_shape  # noqa: E402
-from trainer.profile import measure_profile, measure_profiles  # noqa: E402
+from pipetransformer.core.spec import ModelSpec, load_spec  # noqa: E402
+from pipetransformer.trainer.models import build_model, model_input_shape  # noqa: E402
+from pipetransformer.trainer.profile import measure_profile, measure_profiles  # noqa: E402
 
 METHODS = ("autopipe", "param_greedy", "uniform")
 # Parameter ratios of the real models the variants imitate (per transformer block).

@@ -37,10 +37,10 @@ from typing import Any
 import yaml
 from _common import ROOT, emit, environment, progress
 
-from core import keys  # noqa: E402
-from core.etcd_client import EtcdClient  # noqa: E402
-from orchestrator.etcd_server import EmbeddedEtcd  # noqa: E402
-from store import EventRow, Store, sqlite_url  # noqa: E402
+from pipetransformer.core import keys  # noqa: E402
+from pipetransformer.core.etcd_client import EtcdClient  # noqa: E402
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd  # noqa: E402
+from pipetransformer.store import EventRow, Store, sqlite_url  # noqa: E402
 
 KINDS = ("worker_kill", "worker_term", "node_loss", "controller_kill", "etcd_restart")
 JOB = "recovery"
@@ -49,7 +49,7 @@ JOB = "recovery"
 def _cli(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", *args],
+            [sys.executable, "-m", "pipetransformer.orchestrator.cli", *args],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -29,8 +29,8 @@ from typing import Any
 import yaml
 from _common import ROOT, emit, environment, out_dir, progress, rotated, run_cli_job
 
-from orchestrator.summary import history_from_store
-from store import Store, sqlite_url
+from pipetransformer.orchestrator.summary import history_from_store
+from pipetransformer.store import Store, sqlite_url
 
 HANDOVERS = ("memory", "checkpoint")
 VIT_L = {  # ViT-L/16's blocks (24 x width 1024, 16 heads) on 64x64 images in 8x8 patches

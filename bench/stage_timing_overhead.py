@@ -31,9 +31,9 @@ import torch
 import yaml
 from _common import ROOT, emit, environment, progress, rotated, run_cli_job
 
-from core.stage_times import PhaseSeconds
-from store import Store, sqlite_url
-from trainer.stage_clock import StageClock
+from pipetransformer.core.stage_times import PhaseSeconds
+from pipetransformer.store import Store, sqlite_url
+from pipetransformer.trainer.stage_clock import StageClock
 
 
 def clock_costs(device: torch.device, n: int = 20_000) -> dict[str, float]:

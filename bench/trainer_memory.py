@@ -47,12 +47,12 @@ def role_of(cmdline: list[str], parent_role: str | None) -> str:
         return "worker"  # forked by the fork server: same command line as it
     if "torch.distributed.run" in text or "torchrun" in text:
         return "agent"
-    if "orchestrator.forkserver" in text and "--serve-fd" in text:
+    if "pipetransformer.orchestrator.forkserver" in text and "--serve-fd" in text:
         return "forkserver"
     if parent_role == "agent":
         # the agent's children: thin clients that have the fork server fork the real worker,
         # or (without a fork server) the workers themselves
-        return "worker_stub" if "orchestrator.forkserver" in text else "worker"
+        return "worker_stub" if "pipetransformer.orchestrator.forkserver" in text else "worker"
     return "controller"
 
 
@@ -142,8 +142,8 @@ def vit_b16_spec(epochs: int, batch: int) -> dict[str, Any]:
 
 
 def measure(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    from core.spec import JobSpec
-    from orchestrator import admission
+    from pipetransformer.core.spec import JobSpec
+    from pipetransformer.orchestrator import admission
 
     job = JobSpec.model_validate(spec)
     path = workdir / f"{job.name}.yaml"
@@ -151,7 +151,7 @@ def measure(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     est = admission.estimate(job)
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "run", str(path)]
+        [sys.executable, "-m", "pipetransformer.orchestrator.cli", "run", str(path)]
         + ["--workdir", str(workdir / job.name)],
         cwd=ROOT,
         env={**os.environ, "COLUMNS": "200"},

@@ -108,7 +108,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from core.spec import FreezeSpec
+from pipetransformer.core.spec import FreezeSpec
 
 Source = Literal["auto", "manual", "none"]
 Criterion = Literal["decay", "noise"]

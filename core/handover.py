@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from core.state import Layout, StageLayout
+from pipetransformer.core.state import Layout, StageLayout
 
 
 def held_units(stages: Sequence[StageLayout], depth: int) -> list[str]:

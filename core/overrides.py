@@ -14,12 +14,16 @@ import uuid
 from pathlib import Path
 from typing import Protocol
 
-from core import keys
-from core.etcd_client import EtcdClient
-from core.freeze import FreezeOverrideError, apply_override, max_boundary  # the pure rule
-from core.protocol import FreezeRequest, TraceRequest, read_trace_request
-from core.spec import JobSpec
-from core.state import Layout
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.freeze import (
+    FreezeOverrideError,
+    apply_override,
+    max_boundary,
+)  # the pure rule
+from pipetransformer.core.protocol import FreezeRequest, TraceRequest, read_trace_request
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout
 
 # Written next to a job's data by a launch with an embedded etcd while it serves, so that
 # `pipetransformer freeze` and the dashboard can find a running job's etcd without being told.

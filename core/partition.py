@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from core.state import Layout, StageLayout
+from pipetransformer.core.state import Layout, StageLayout
 
 
 class PlanError(ValueError):

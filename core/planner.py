@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
-from core.partition import (
+from pipetransformer.core.partition import (
     CostModel,
     Plan,
     PlanError,
@@ -60,8 +60,8 @@ from core.partition import (
     plan,
     uniform_partition,
 )
-from core.spec import SCHEDULES, JobSpec, schedule_problem
-from core.state import Layout
+from pipetransformer.core.spec import SCHEDULES, JobSpec, schedule_problem
+from pipetransformer.core.state import Layout
 
 __all__ = [
     "PlanError",

@@ -34,8 +34,8 @@ from pydantic import (
     model_validator,
 )
 
-from core.stage_times import MAX_TRACE_SPANS, PhaseSeconds, TraceSpan
-from core.state import Layout, TrainingState
+from pipetransformer.core.stage_times import MAX_TRACE_SPANS, PhaseSeconds, TraceSpan
+from pipetransformer.core.state import Layout, TrainingState
 
 # Exit code of a worker that leaves its generation on purpose (aborted by the controller, a lost
 # peer, or re-forming after a graceful SIGTERM): non-zero, so its torchrun agent restarts it into

@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from core.protocol import DataOrigin, SplitOrigin
-from core.spec import DataSpec, JobSpec, ModelSpec
+from pipetransformer.core.protocol import DataOrigin, SplitOrigin
+from pipetransformer.core.spec import DataSpec, JobSpec, ModelSpec
 
 __all__ = [
     "DATA_OPENED",

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from core.specfile import MAX_BYTES, SpecFileError, parse_yaml, read_spec_file
+from pipetransformer.core.specfile import MAX_BYTES, SpecFileError, parse_yaml, read_spec_file
 
 DATASETS = ("digits", "synthetic", "synthetic-text", "image-folder", "table")
 SOURCES = ("image-folder", "table")  # a user's files, read through the model's own preprocessing

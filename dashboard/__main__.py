@@ -1,4 +1,4 @@
-"""`python -m dashboard`: serve the dashboard (what `pipetransformer dashboard` execs).
+"""`python -m pipetransformer.dashboard`: serve the dashboard (what `pipetransformer dashboard` execs).
 
 The CLI checks that the store is readable and hands over its options; this side, which owns the
 page, checks the sign-in configuration, warns before serving beyond loopback without it, and then
@@ -14,13 +14,18 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from dashboard.auth import AuthConfigError, bind_warning, load_credentials, oidc_configured
-from dashboard.launch import DEFAULT_REFRESH_S, streamlit_command
+from pipetransformer.dashboard.auth import (
+    AuthConfigError,
+    bind_warning,
+    load_credentials,
+    oidc_configured,
+)
+from pipetransformer.dashboard.launch import DEFAULT_REFRESH_S, streamlit_command
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dashboard", description=__doc__.splitlines()[0]
+        prog="python -m pipetransformer.dashboard", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--db", required=True, help="SQLAlchemy URL of the store to show")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")

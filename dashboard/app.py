@@ -21,11 +21,11 @@ from datetime import timedelta
 import streamlit as st
 from sqlalchemy.exc import SQLAlchemyError
 
-from dashboard import job_view
-from dashboard.control import freeze_override_control, sign_in_panel, trace_control
-from dashboard.job_view import VIEWS, ChartOptions, job_label
-from dashboard.launch import ENV_DB, Options, options_from, script_args
-from store import JobInfo, Store, sqlite_path
+from pipetransformer.dashboard import job_view
+from pipetransformer.dashboard.control import freeze_override_control, sign_in_panel, trace_control
+from pipetransformer.dashboard.job_view import VIEWS, ChartOptions, job_label
+from pipetransformer.dashboard.launch import ENV_DB, Options, options_from, script_args
+from pipetransformer.store import JobInfo, Store, sqlite_path
 
 TERMINAL = {"completed", "failed", "interrupted"}
 

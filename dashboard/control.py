@@ -19,8 +19,8 @@ from typing import TypeVar
 
 import streamlit as st
 
-from core.etcd_client import EtcdClient, EtcdError
-from core.overrides import (
+from pipetransformer.core.etcd_client import EtcdClient, EtcdError
+from pipetransformer.core.overrides import (
     OverrideError,
     allowed_layers,
     file_freeze_request,
@@ -28,15 +28,15 @@ from core.overrides import (
     live_etcd_endpoint,
     pending_request,
 )
-from dashboard.auth import (
+from pipetransformer.dashboard.auth import (
     HOW_TO_ENABLE,
     AuthConfigError,
     Credentials,
     load_credentials,
     oidc_configured,
 )
-from dashboard.launch import Options
-from store import JobInfo, Store
+from pipetransformer.dashboard.launch import Options
+from pipetransformer.store import JobInfo, Store
 
 R = TypeVar("R")
 

@@ -20,8 +20,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from core.state import Layout
-from dashboard.timeline import (
+from pipetransformer.core.state import Layout
+from pipetransformer.dashboard.timeline import (
     LayoutHistory,
     Rows,
     Timeline,
@@ -34,7 +34,7 @@ from dashboard.timeline import (
     unix,
     utc,
 )
-from store.rows import EvaluationRow, MetricRow
+from pipetransformer.store.rows import EvaluationRow, MetricRow
 
 FROZEN_COLOR = "#c7c7c7"
 STAGE_COLORS = qualitative.Plotly

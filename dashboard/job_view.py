@@ -14,15 +14,15 @@ from typing import Any
 
 import streamlit as st
 
-from core.provenance import DATA_OPENED
-from core.stage_times import chrome_trace, per_rank, pipeline_reading
-from dashboard import figures, views
-from dashboard import pipeline_figures as pf
-from dashboard import timeline as tl
-from dashboard.control import awaited_trace, pending_raw, trace_arrived
-from dashboard.launch import Options
-from dashboard.logs import LINES, log_tail
-from store import JobInfo, StageTimesRow, Store, WorkerRow
+from pipetransformer.core.provenance import DATA_OPENED
+from pipetransformer.core.stage_times import chrome_trace, per_rank, pipeline_reading
+from pipetransformer.dashboard import figures, views
+from pipetransformer.dashboard import pipeline_figures as pf
+from pipetransformer.dashboard import timeline as tl
+from pipetransformer.dashboard.control import awaited_trace, pending_raw, trace_arrived
+from pipetransformer.dashboard.launch import Options
+from pipetransformer.dashboard.logs import LINES, log_tail
+from pipetransformer.store import JobInfo, StageTimesRow, Store, WorkerRow
 
 VIEWS = ["Training", "Layout", "Pipeline", "Freezing", "Workers", "Events", "Spec", "Compare"]
 STATE_ICONS = {

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from store import DB_ENV as ENV_DB
+from pipetransformer.store import DB_ENV as ENV_DB
 
 APP_PATH = Path(__file__).resolve().parent / "app.py"
 ENV_ETCD = "PIPETRANSFORMER_ETCD"
@@ -43,6 +43,7 @@ def streamlit_command(
         app_args += ["--etcd", etcd]
     return [
         sys.executable,
+        "-P",  # safe path: the working directory shadows no module
         "-m",
         "streamlit",
         "run",

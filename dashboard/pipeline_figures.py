@@ -16,17 +16,17 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from core.stage_times import (
+from pipetransformer.core.stage_times import (
     PHASE_LABELS,
     PHASES,
     RankTimes,
     measured_bubble,
     theoretical_bubble,
 )
-from core.state import Layout
-from dashboard.figures import HEIGHT, LEGEND, base_figure, empty_figure, stage_color
-from dashboard.timeline import Band, Timeline, band_label, decorate
-from store.rows import RecordedLayout, StageTimesRow, StepTraceRow
+from pipetransformer.core.state import Layout
+from pipetransformer.dashboard.figures import HEIGHT, LEGEND, base_figure, empty_figure, stage_color
+from pipetransformer.dashboard.timeline import Band, Timeline, band_label, decorate
+from pipetransformer.store.rows import RecordedLayout, StageTimesRow, StepTraceRow
 
 # One colour per phase, the same in every chart: the stage's own work in blues, waiting on a
 # neighbour in red, the rest of the step in its own colours, what no phase measured in grey.

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import plotly.graph_objects as go
 
-from core.state import Layout
-from store.rows import EvaluationRow, GenerationRow, MetricRow, RecordedLayout
+from pipetransformer.core.state import Layout
+from pipetransformer.store.rows import EvaluationRow, GenerationRow, MetricRow, RecordedLayout
 
 XAxis = Literal["step", "time"]  # every series chart can be drawn against optimizer step or time
 Rows = Sequence[MetricRow] | Sequence[EvaluationRow]  # rows placed on the x axis by step or time

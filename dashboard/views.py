@@ -14,13 +14,13 @@ from typing import Any
 
 import yaml
 
-from core.protocol import FreezeOutcome, read_freeze_request
-from core.provenance import origin_of, provenance
-from core.readings import mfu_text, peak_memory_text
-from core.spec import JobSpec
-from core.stage_times import PHASE_LABELS, PHASES, RankTimes
-from core.state import Layout
-from store.rows import EventRow, MetricRow, RecordedLayout, StageTimesRow, WorkerRow
+from pipetransformer.core.protocol import FreezeOutcome, read_freeze_request
+from pipetransformer.core.provenance import origin_of, provenance
+from pipetransformer.core.readings import mfu_text, peak_memory_text
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.stage_times import PHASE_LABELS, PHASES, RankTimes
+from pipetransformer.core.state import Layout
+from pipetransformer.store.rows import EventRow, MetricRow, RecordedLayout, StageTimesRow, WorkerRow
 
 REQUEST_EVENT = "freeze_requested"
 OUTCOME_EVENTS = {f"freeze_{o.value}": o.value for o in FreezeOutcome}

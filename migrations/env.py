@@ -10,7 +10,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from store.tables import Base
+from pipetransformer.store.tables import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -49,7 +49,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    from store import make_engine
+    from pipetransformer.store import make_engine
 
     url = config.get_main_option("sqlalchemy.url")
     if not url:

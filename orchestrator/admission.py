@@ -64,9 +64,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # the pure planner's initial split (the one trainer import orchestrator allows, as the controller)
-from core.planner import initial_ranges
-from core.spec import SCHEDULES, JobSpec, ModelSpec
-from core.state import pipeline_position
+from pipetransformer.core.planner import initial_ranges
+from pipetransformer.core.spec import SCHEDULES, JobSpec, ModelSpec
+from pipetransformer.core.state import pipeline_position
 
 MIB = 1 << 20
 GIB = 1 << 30

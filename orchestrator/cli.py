@@ -25,19 +25,19 @@ from rich.markup import escape
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from core import keys
-from core.etcd_client import EtcdClient, EtcdUnavailable
-from core.overrides import (
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient, EtcdUnavailable
+from pipetransformer.core.overrides import (
     OverrideError,
     file_freeze_request,
     file_trace_request,
     live_etcd_endpoint,
 )
-from core.readings import mfu_text, peak_memory_text
-from core.spec import JobSpec, SpecError, load_spec, spec_from_text
-from core.stage_times import chrome_trace
-from orchestrator import etcd_auth, restarts
-from orchestrator.controller import (
+from pipetransformer.core.readings import mfu_text, peak_memory_text
+from pipetransformer.core.spec import JobSpec, SpecError, load_spec, spec_from_text
+from pipetransformer.core.stage_times import chrome_trace
+from pipetransformer.orchestrator import etcd_auth, restarts
+from pipetransformer.orchestrator.controller import (
     Controller,
     ControllerError,
     HandedOver,
@@ -46,23 +46,23 @@ from orchestrator.controller import (
     job_dir,
     new_job_id,
 )
-from orchestrator.errors import UsageError
-from orchestrator.etcd_server import EmbeddedEtcd
-from orchestrator.exits import (
+from pipetransformer.orchestrator.errors import UsageError
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
+from pipetransformer.orchestrator.exits import (
     EXIT_JOB_FAILED,
     EXIT_SIGTERM,
     EXIT_USAGE,
     exit_status,
     write_termination_log,
 )
-from orchestrator.local import admission_problems, job_etcd, train_here
-from orchestrator.monitoring import JobMetrics, TensorBoardWriter
-from orchestrator.progress import ProgressView
-from orchestrator.report import print_summary, provenance_rows
-from orchestrator.roles import TrainerPods, serve_node
-from orchestrator.sources import resolve_submission
-from orchestrator.summary import pipeline_from_store
-from store import (
+from pipetransformer.orchestrator.local import admission_problems, job_etcd, train_here
+from pipetransformer.orchestrator.monitoring import JobMetrics, TensorBoardWriter
+from pipetransformer.orchestrator.progress import ProgressView
+from pipetransformer.orchestrator.report import print_summary, provenance_rows
+from pipetransformer.orchestrator.roles import TrainerPods, serve_node
+from pipetransformer.orchestrator.sources import resolve_submission
+from pipetransformer.orchestrator.summary import pipeline_from_store
+from pipetransformer.store import (
     DB_ENV,
     JobInfo,
     Store,
@@ -363,10 +363,19 @@ def _check_readable(args: argparse.Namespace) -> None:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    """Check the store, then become `python -m dashboard`, which checks the sign-in settings and
+    """Check the store, then become `python -m pipetransformer.dashboard`, which checks the sign-in settings and
     becomes Streamlit (the CLI never imports the dashboard)."""
     _check_readable(args)  # fail here, clearly, if there is nothing to show
-    cmd = [sys.executable, "-m", "dashboard", "--db", db_url(args), "--host", args.host]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "pipetransformer.dashboard",
+        "--db",
+        db_url(args),
+        "--host",
+        args.host,
+    ]
     cmd += ["--port", str(args.port), "--refresh", str(args.refresh)]
     if args.etcd:
         cmd += ["--etcd", args.etcd]
@@ -452,7 +461,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Find the job's committed checkpoint in the store, then have `python -m trainer.export`
+    """Find the job's committed checkpoint in the store, then have `python -m pipetransformer.trainer.export`
     write it as a directory `transformers` loads (the CLI never imports the data plane, and the
     data plane never reads the store: docs/architecture.md, "Dependency rules")."""
     import subprocess
@@ -483,7 +492,16 @@ def cmd_export(args: argparse.Namespace) -> int:
                 f"committed steps: {steps}"
             )
         ckpt = found[0]
-    cmd = [sys.executable, "-m", "trainer.export", "--checkpoint", ckpt.path, "--to", args.to]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "pipetransformer.trainer.export",
+        "--checkpoint",
+        ckpt.path,
+        "--to",
+        args.to,
+    ]
     cmd += ["--spec-json", job.spec.to_json(), "--checksum", ckpt.checksum]
     cmd += ["--source", f"pipetransformer job {job.id}, step {ckpt.step}"]
     if args.force:

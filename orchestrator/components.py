@@ -52,12 +52,17 @@ from torchx.specs import RetryPolicy, macros
 from torchx.specs.finder import ComponentValidationException
 from torchx.specs.overlays import set_overlay
 
-from core.etcd_client import PASSWORD_ENV, USER_ENV
-from core.keys import ACTIVATION_CACHE_BYTES_ENV, ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
-from core.spec import JobSpec, SpecError, load_spec
-from orchestrator import etcd_auth, sizing, volcano
-from orchestrator.etcd_server import free_port
-from orchestrator.pods import (
+from pipetransformer.core.etcd_client import PASSWORD_ENV, USER_ENV
+from pipetransformer.core.keys import (
+    ACTIVATION_CACHE_BYTES_ENV,
+    ACTIVATION_CACHE_ENV,
+    RDZV_SECRET_ENV,
+    SPEC_ENV,
+)
+from pipetransformer.core.spec import JobSpec, SpecError, load_spec
+from pipetransformer.orchestrator import etcd_auth, sizing, volcano
+from pipetransformer.orchestrator.etcd_server import free_port
+from pipetransformer.orchestrator.pods import (
     CACHE_DIR,
     PodVolumes,
     etcd_client_env,
@@ -444,7 +449,7 @@ def _role(
         name=name,
         image=image or opts.image,
         entrypoint=opts.python,
-        args=["-m", "orchestrator.cli", *args],
+        args=["-P", "-m", "pipetransformer.orchestrator.cli", *args],  # -P: the cwd shadows nothing
         num_replicas=replicas,
         min_replicas=min_replicas,
         resource=resource,

@@ -38,11 +38,16 @@ from typing import Any, NamedTuple, Protocol
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
 
-from core import keys
-from core.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
-from core.manifest import CheckpointError, meta_boundary, read_meta, verify_checkpoint
-from core.planner import PlanError, plan_layout
-from core.protocol import (
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
+from pipetransformer.core.manifest import (
+    CheckpointError,
+    meta_boundary,
+    read_meta,
+    verify_checkpoint,
+)
+from pipetransformer.core.planner import PlanError, plan_layout
+from pipetransformer.core.protocol import (
     Aborted,
     Assignment,
     BadReport,
@@ -78,14 +83,14 @@ from core.protocol import (
     parse_event,
     read_freeze_request,
 )
-from core.provenance import DATA_OPENED, data_text
-from core.spec import JobSpec
-from core.state import Layout, TrainingState
-from orchestrator.generations import Generation, Generations
-from orchestrator.postmortem import PostMortem, describe_status
-from orchestrator.roster import Roster
-from orchestrator.sources import resolve_submission
-from store import CheckpointInfo, Store, StoreUnavailable
+from pipetransformer.core.provenance import DATA_OPENED, data_text
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout, TrainingState
+from pipetransformer.orchestrator.generations import Generation, Generations
+from pipetransformer.orchestrator.postmortem import PostMortem, describe_status
+from pipetransformer.orchestrator.roster import Roster
+from pipetransformer.orchestrator.sources import resolve_submission
+from pipetransformer.store import CheckpointInfo, Store, StoreUnavailable
 
 log = logging.getLogger("pipetransformer.controller")
 

@@ -57,9 +57,9 @@ import grpc
 from pyetcd.etcdrpc import auth_pb2, rpc_pb2
 from pyetcd.utils import prefix_range_end
 
-from core import keys
-from core.etcd_client import EtcdClient, EtcdError, EtcdPermissionDenied
-from orchestrator.errors import UsageError
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient, EtcdError, EtcdPermissionDenied
+from pipetransformer.orchestrator.errors import UsageError
 
 __all__ = [
     "CONTROLLER_USER",

@@ -13,13 +13,13 @@ status to the target's `on_worker_exit` hook (trainer.worker reports abnormal on
 controller, which tells the rank that died from the ranks that only lost it as a peer). If the
 client dies (SIGKILL from torchrun), the server kills its worker; if the server dies, its
 workers die with it (parent-death signal). Without a server (none given, none
-reachable, or not Linux) the client simply execs `python -m trainer.worker`.
+reachable, or not Linux) the client simply execs `python -m pipetransformer.trainer.worker`.
 
 Multiprocessing's own forkserver does not fit: torchrun starts workers as commands, not as
 Python callables of a `multiprocessing` context.
 
     start(env)                                          # per node, by its launcher
-    python -m orchestrator.forkserver --server NAME trainer.worker ARGS...   # per worker
+    python -m pipetransformer.orchestrator.forkserver --server NAME pipetransformer.trainer.worker ARGS...   # per worker
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ import uuid
 from pathlib import Path
 from typing import NoReturn
 
-from core.keys import AGENT_PID_ENV
-from orchestrator.procs import tied_to_parent
+from pipetransformer.core.keys import AGENT_PID_ENV
+from pipetransformer.orchestrator.procs import tied_to_parent
 
-TARGET = "trainer.worker"  # imported by the server, its main(argv) run by each forked worker
+TARGET = "pipetransformer.trainer.worker"  # imported by the server, its main(argv) run by each forked worker
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
 _PR_SET_PDEATHSIG = 1
@@ -75,7 +75,15 @@ def start(
         listener.bind(_address(name))
         listener.listen(64)  # clients arriving while the server imports torch wait here
         fd = str(listener.fileno())
-        cmd = [sys.executable, "-m", "orchestrator.forkserver", "--serve-fd", fd, target]
+        cmd = [
+            sys.executable,
+            "-P",
+            "-m",
+            "pipetransformer.orchestrator.forkserver",
+            "--serve-fd",
+            fd,
+            target,
+        ]
         out = stack.enter_context(open(log, "ab")) if log else None  # noqa: SIM115
         proc = subprocess.Popen(
             tied_to_parent(cmd),
@@ -93,7 +101,7 @@ def client_args(name: str | None, target: str = TARGET) -> list[str]:
     one is given."""
     if name is None:
         return ["-m", target]
-    return ["-m", "orchestrator.forkserver", "--server", name, target]
+    return ["-m", "pipetransformer.orchestrator.forkserver", "--server", name, target]
 
 
 def _address(name: str) -> str:
@@ -131,7 +139,7 @@ def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
 
 def _exec_directly(target: str, argv: list[str]) -> NoReturn:
     os.environ[AGENT_PID_ENV] = str(os.getppid())
-    os.execv(sys.executable, [sys.executable, "-m", target, *argv])
+    os.execv(sys.executable, [sys.executable, "-P", "-m", target, *argv])
 
 
 def client(name: str, target: str, argv: list[str]) -> int:

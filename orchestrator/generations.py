@@ -19,10 +19,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from core.protocol import Aborted, Assignment, Failed, PeerLost, RankEndReport, WorkerExit
-from orchestrator.postmortem import PostMortem, RankEnd
-from orchestrator.roster import Roster
-from store import Store
+from pipetransformer.core.protocol import (
+    Aborted,
+    Assignment,
+    Failed,
+    PeerLost,
+    RankEndReport,
+    WorkerExit,
+)
+from pipetransformer.orchestrator.postmortem import PostMortem, RankEnd
+from pipetransformer.orchestrator.roster import Roster
+from pipetransformer.store import Store
 
 # How a rank's end reads as a store event; leaving as told is not an event.
 _END_EVENTS = {

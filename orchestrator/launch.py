@@ -7,9 +7,9 @@ import secrets
 import sys
 from pathlib import Path
 
-from core import keys
-from orchestrator.controller import job_dir
-from orchestrator.forkserver import client_args
+from pipetransformer.core import keys
+from pipetransformer.orchestrator.controller import job_dir
+from pipetransformer.orchestrator.forkserver import client_args
 
 # Rendezvous timing: a round waits this long for more nodes once `min` have joined. Short, since
 # recovery time counts; a node that misses a round joins the next one and the job widens.
@@ -52,7 +52,7 @@ def torchrun_command(
     python: str | None = None,
     forkserver: str | None = None,
 ) -> list[str]:
-    """`torchrun --rdzv-backend etcd3 ... -m trainer.worker` for one launch of a job's workers.
+    """`torchrun --rdzv-backend etcd3 ... -m pipetransformer.trainer.worker` for one launch of a job's workers.
 
     Every agent of one launch meets at `rdzv_id` (a finished rendezvous is closed for good, so a
     resumed job uses a fresh id). With `nnodes` MIN:MAX and `max_restarts` > 0 the agents are
@@ -62,6 +62,7 @@ def torchrun_command(
     torch already imported, instead of starting a fresh Python."""
     return [
         python or sys.executable,
+        "-P",  # safe path: the job's working directory shadows no module (worker_env for workers)
         "-m",
         "torch.distributed.run",
         "--nnodes",
@@ -97,6 +98,10 @@ def worker_env(threads: int) -> dict[str, str]:
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
         PYTHONUNBUFFERED="1",
+        # torchrun starts each worker as `python -u -m ...` from the job's working directory:
+        # safe-path mode keeps that directory off sys.path, so a user's own `core/`, `trainer/`
+        # or `torch/` folder there never replaces a module the worker imports
+        PYTHONSAFEPATH="1",
         TORCH_CPP_LOG_LEVEL=env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
     )
     return env

@@ -19,18 +19,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from core import keys
-from core.etcd_client import EtcdClient, EtcdUnavailable
-from core.overrides import endpoint_file
-from core.spec import JobSpec, gpu_shortfall, local_device_type
-from orchestrator import admission, forkserver
-from orchestrator.controller import Controller, job_dir
-from orchestrator.errors import UsageError
-from orchestrator.etcd_server import EmbeddedEtcd
-from orchestrator.gpus import cuda_device_count
-from orchestrator.launch import job_secret_file, torchrun_command, worker_env
-from orchestrator.procs import tied_to_parent
-from orchestrator.progress import ProgressView
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient, EtcdUnavailable
+from pipetransformer.core.overrides import endpoint_file
+from pipetransformer.core.spec import JobSpec, gpu_shortfall, local_device_type
+from pipetransformer.orchestrator import admission, forkserver
+from pipetransformer.orchestrator.controller import Controller, job_dir
+from pipetransformer.orchestrator.errors import UsageError
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
+from pipetransformer.orchestrator.gpus import cuda_device_count
+from pipetransformer.orchestrator.launch import job_secret_file, torchrun_command, worker_env
+from pipetransformer.orchestrator.procs import tied_to_parent
+from pipetransformer.orchestrator.progress import ProgressView
 
 # -- the job's etcd ------------------------------------------------------------------------------
 

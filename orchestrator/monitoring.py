@@ -32,14 +32,20 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from core.protocol import Evaluated, LayoutPlanned, Metrics, StageTimes
-from core.stage_times import measured_bubble, per_rank, theoretical_bubble
-from store import JOB_STATES, WORKER_STATES, Store
+from pipetransformer.core.protocol import Evaluated, LayoutPlanned, Metrics, StageTimes
+from pipetransformer.core.stage_times import measured_bubble, per_rank, theoretical_bubble
+from pipetransformer.store import JOB_STATES, WORKER_STATES, Store
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from store import CheckpointInfo, GenerationRow, JobStatus, StageTimesRow, WorkerRow
+    from pipetransformer.store import (
+        CheckpointInfo,
+        GenerationRow,
+        JobStatus,
+        StageTimesRow,
+        WorkerRow,
+    )
 
 log = logging.getLogger("pipetransformer.monitoring")
 

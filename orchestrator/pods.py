@@ -28,7 +28,7 @@ ETCD_CERT_FILES = ("ca.crt", "tls.crt", "tls.key")
 
 def etcd_client_env() -> dict[str, str]:
     """The variables that point core.etcd_client at the certificate in `ETCD_CERT_DIR`."""
-    from core.etcd_client import CACERT_ENV, CERT_ENV, KEY_ENV
+    from pipetransformer.core.etcd_client import CACERT_ENV, CERT_ENV, KEY_ENV
 
     return {
         CACERT_ENV: f"{ETCD_CERT_DIR}/ca.crt",

@@ -22,7 +22,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.protocol import is_abnormal
+from pipetransformer.core.protocol import is_abnormal
 
 EndKind = Literal["failed", "died", "vanished", "peer_lost", "left"]
 CAUSES: tuple[EndKind, ...] = ("failed", "died", "vanished")

@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from core.readings import held_out_text, mfu_text, peak_memory_text
-from core.state import Layout
-from orchestrator.controller import Progress as JobProgress
+from pipetransformer.core.readings import held_out_text, mfu_text, peak_memory_text
+from pipetransformer.core.state import Layout
+from pipetransformer.orchestrator.controller import Progress as JobProgress
 
 
 def _fmt(p: JobProgress, layout: Layout) -> str:

@@ -235,9 +235,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from core import keys
-from core.etcd_client import EtcdClient, EtcdConfigError, EtcdError, Lease, LeaseExpired
-from core.protocol import RendezvousRefused
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import (
+    EtcdClient,
+    EtcdConfigError,
+    EtcdError,
+    Lease,
+    LeaseExpired,
+)
+from pipetransformer.core.protocol import RendezvousRefused
 
 __all__ = [
     "ALIVE",

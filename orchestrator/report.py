@@ -12,16 +12,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from core.provenance import DATA_OPENED, origin_of, provenance
-from core.readings import held_out_text
-from orchestrator.summary import (
+from pipetransformer.core.provenance import DATA_OPENED, origin_of, provenance
+from pipetransformer.core.readings import held_out_text
+from pipetransformer.orchestrator.summary import (
     bought_line,
     cache_line,
     history_from_store,
     history_table,
     pipeline_from_store,
 )
-from store import JobInfo, Store
+from pipetransformer.store import JobInfo, Store
 
 
 def provenance_rows(store: Store, job: JobInfo) -> list[tuple[str, str]]:

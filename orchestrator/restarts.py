@@ -13,8 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from orchestrator.exits import EXIT_COMPLETED, EXIT_JOB_FAILED, EXIT_SIGTERM, EXIT_STOPPED
-from store.rows import EventRow, JobInfo
+from pipetransformer.orchestrator.exits import (
+    EXIT_COMPLETED,
+    EXIT_JOB_FAILED,
+    EXIT_SIGTERM,
+    EXIT_STOPPED,
+)
+from pipetransformer.store.rows import EventRow, JobInfo
 
 STARTED, EXITED, CRASHED = "controller_started", "controller_exited", "controller_crashed"
 KINDS = (STARTED, EXITED, CRASHED)

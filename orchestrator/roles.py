@@ -10,16 +10,16 @@ import os
 import socket
 import time
 
-from core import keys
-from core.etcd_client import EtcdClient, EtcdUnavailable
-from core.protocol import TrainerRefused
-from core.spec import JobSpec, gpu_shortfall
-from orchestrator import forkserver
-from orchestrator.controller import Controller
-from orchestrator.errors import UsageError
-from orchestrator.gpus import cuda_device_count
-from orchestrator.launch import torchrun_command, with_job_secret, worker_env
-from orchestrator.procs import call_forwarding_signals
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient, EtcdUnavailable
+from pipetransformer.core.protocol import TrainerRefused
+from pipetransformer.core.spec import JobSpec, gpu_shortfall
+from pipetransformer.orchestrator import forkserver
+from pipetransformer.orchestrator.controller import Controller
+from pipetransformer.orchestrator.errors import UsageError
+from pipetransformer.orchestrator.gpus import cuda_device_count
+from pipetransformer.orchestrator.launch import torchrun_command, with_job_secret, worker_env
+from pipetransformer.orchestrator.procs import call_forwarding_signals
 
 # how long a refusing trainer waits for the controller to count its refusal before it exits
 REFUSAL_ACK_TIMEOUT = 30.0

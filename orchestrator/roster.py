@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from core.protocol import Finished, JoinRequest, Leaving, Started, WorkerEvent
-from core.state import Layout
-from orchestrator.postmortem import RankEnd
-from store import Store
+from pipetransformer.core.protocol import Finished, JoinRequest, Leaving, Started, WorkerEvent
+from pipetransformer.core.state import Layout
+from pipetransformer.orchestrator.postmortem import RankEnd
+from pipetransformer.store import Store
 
 # the post-mortem's end kinds as worker states (it folds `aborted` into `left`: see `ended`)
 _END_STATES = {

@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.spec import JobSpec
-from orchestrator import admission
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.orchestrator import admission
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from core.hf_config import HFArchitecture, fingerprint, read_architecture
-from core.spec import JobSpec, ModelSpec, SpecError, parse_spec
-from orchestrator.pretrained import resolve_init
+from pipetransformer.core.hf_config import HFArchitecture, fingerprint, read_architecture
+from pipetransformer.core.spec import JobSpec, ModelSpec, SpecError, parse_spec
+from pipetransformer.orchestrator.pretrained import resolve_init
 
 DEFAULT_SEQ_LEN = 128
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")

@@ -47,11 +47,18 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from core.stage_times import PipelineReading, per_rank, pipeline_reading
-from core.state import Layout
+from pipetransformer.core.stage_times import PipelineReading, per_rank, pipeline_reading
+from pipetransformer.core.state import Layout
 
 if TYPE_CHECKING:
-    from store import EventRow, GenerationRow, MetricRow, RecordedLayout, StageTimesRow, Store
+    from pipetransformer.store import (
+        EventRow,
+        GenerationRow,
+        MetricRow,
+        RecordedLayout,
+        StageTimesRow,
+        Store,
+    )
 
 __all__ = [
     "Bought",

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from orchestrator.exits import EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_USAGE
+from pipetransformer.orchestrator.exits import EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_USAGE
 
 VOLCANO_METADATA = "pipetransformer/volcano"  # a role's metadata key: {"policies": [...]}
 

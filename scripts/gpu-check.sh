@@ -33,7 +33,7 @@ echo "[gpu-check] 1/4 CUDA tests"
 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_cuda_cache.py
 
 echo "[gpu-check] 2/4 examples/vit-gpu.yaml on one GPU"
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$PY" -m orchestrator.cli run examples/vit-gpu.yaml \
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$PY" -P -m pipetransformer.orchestrator.cli run examples/vit-gpu.yaml \
   --workdir "$WORK/one-gpu"
 
 if [ "$GPUS" -ge 2 ]; then
@@ -46,7 +46,7 @@ spec["parallel"] = {"stages": 2, "replicas": 1, "microbatches": 4}
 spec["freeze"]["keep_trainable"] = 2  # 8 blocks: the last two fit one stage -> 1x2
 open(sys.argv[1], "w").write(yaml.safe_dump(spec))
 EOF
-  "$PY" -m orchestrator.cli run "$WORK/two-gpus.yaml" --workdir "$WORK/two-gpus"
+  "$PY" -P -m pipetransformer.orchestrator.cli run "$WORK/two-gpus.yaml" --workdir "$WORK/two-gpus"
 else
   echo "[gpu-check] 3/4 skipped: one GPU (NCCL cannot put two ranks on one GPU)"
 fi

@@ -21,8 +21,8 @@ The package is split by what it stores: `engine` (URLs, engines, alembic, retrie
 
 from __future__ import annotations
 
-from store.checkpoints import CheckpointsMixin
-from store.engine import (
+from pipetransformer.store.checkpoints import CheckpointsMixin
+from pipetransformer.store.engine import (
     DB_ENV,
     DEFAULT_RETRY_S,
     MIGRATIONS_DIR,
@@ -35,13 +35,19 @@ from store.engine import (
     unreachable,
     url_problem,
 )
-from store.errors import JobExists, NotFound, StoreConflict, StoreUnavailable, UnknownJob
-from store.events import EventsMixin
-from store.generations import GenerationsMixin
-from store.jobs import JobsMixin
-from store.layouts import LayoutsMixin
-from store.metrics import PEAK_LOOKBACK_STEPS, MetricsMixin
-from store.rows import (
+from pipetransformer.store.errors import (
+    JobExists,
+    NotFound,
+    StoreConflict,
+    StoreUnavailable,
+    UnknownJob,
+)
+from pipetransformer.store.events import EventsMixin
+from pipetransformer.store.generations import GenerationsMixin
+from pipetransformer.store.jobs import JobsMixin
+from pipetransformer.store.layouts import LayoutsMixin
+from pipetransformer.store.metrics import PEAK_LOOKBACK_STEPS, MetricsMixin
+from pipetransformer.store.rows import (
     CheckpointInfo,
     EvaluationRow,
     EventRow,
@@ -57,16 +63,16 @@ from store.rows import (
     StepTraceRow,
     WorkerRow,
 )
-from store.stage_times import StageTimesMixin
-from store.status import StatusMixin
-from store.tables import (
+from pipetransformer.store.stage_times import StageTimesMixin
+from pipetransformer.store.status import StatusMixin
+from pipetransformer.store.tables import (
     CHECKPOINT_STATES,
     GENERATION_STATES,
     JOB_STATES,
     LEASE_STATES,
     WORKER_STATES,
 )
-from store.workers import WorkersMixin
+from pipetransformer.store.workers import WorkersMixin
 
 __all__ = [
     "CHECKPOINT_STATES",

@@ -14,9 +14,9 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from store.engine import DEFAULT_RETRY_S, alembic_config, make_engine, retrying
-from store.errors import NotFound, UnknownJob
-from store.tables import Generation, Job
+from pipetransformer.store.engine import DEFAULT_RETRY_S, alembic_config, make_engine, retrying
+from pipetransformer.store.errors import NotFound, UnknownJob
+from pipetransformer.store.tables import Generation, Job
 
 T = TypeVar("T")
 

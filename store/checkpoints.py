@@ -5,11 +5,11 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from store.base import StoreBase
-from store.errors import NotFound
-from store.rows import CheckpointInfo
-from store.tables import CHECKPOINT_STATES, CHECKSUM_MAX_CHARS, Checkpoint, utcnow
-from store.values import check_state
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.errors import NotFound
+from pipetransformer.store.rows import CheckpointInfo
+from pipetransformer.store.tables import CHECKPOINT_STATES, CHECKSUM_MAX_CHARS, Checkpoint, utcnow
+from pipetransformer.store.values import check_state
 
 
 def checkpoint_info(row: Checkpoint) -> CheckpointInfo:

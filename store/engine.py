@@ -17,8 +17,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.pool import StaticPool
 
-import migrations
-from store.errors import StoreUnavailable
+import pipetransformer.migrations as migrations
+from pipetransformer.store.errors import StoreUnavailable
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
 # The database URL when no --db is given (how containers pass it: from a Secret, never as an

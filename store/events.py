@@ -10,10 +10,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from store.base import StoreBase
-from store.rows import EventRow
-from store.tables import EVENT_KEY_MAX_CHARS, Event, utcnow
-from store.values import from_unix, json_safe, unix
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.rows import EventRow
+from pipetransformer.store.tables import EVENT_KEY_MAX_CHARS, Event, utcnow
+from pipetransformer.store.values import from_unix, json_safe, unix
 
 
 class EventsMixin(StoreBase):

@@ -6,10 +6,10 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.base import StoreBase
-from store.rows import GenerationRow
-from store.tables import GENERATION_STATES, Generation, utcnow
-from store.values import check_state
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.rows import GenerationRow
+from pipetransformer.store.tables import GENERATION_STATES, Generation, utcnow
+from pipetransformer.store.values import check_state
 
 
 class GenerationsMixin(StoreBase):

@@ -8,13 +8,13 @@ from typing import Any
 from sqlalchemy import ScalarSelect, Select, delete, select
 from sqlalchemy.orm import Session
 
-from core.spec import JobSpec
-from core.state import Layout, TrainingState
-from store.base import StoreBase
-from store.errors import JobExists
-from store.rows import JobInfo
-from store.tables import JOB_STATES, Job, LayoutRow, utcnow
-from store.values import check_state
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout, TrainingState
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.errors import JobExists
+from pipetransformer.store.rows import JobInfo
+from pipetransformer.store.tables import JOB_STATES, Job, LayoutRow, utcnow
+from pipetransformer.store.values import check_state
 
 
 def current_layout_json(job_id: Any) -> ScalarSelect[str]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.state import Layout
-from store.base import StoreBase
-from store.errors import StoreConflict
-from store.rows import RecordedLayout
-from store.tables import LayoutRow, utcnow
+from pipetransformer.core.state import Layout
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.errors import StoreConflict
+from pipetransformer.store.rows import RecordedLayout
+from pipetransformer.store.tables import LayoutRow, utcnow
 
 
 class LayoutsMixin(StoreBase):

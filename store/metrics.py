@@ -13,12 +13,12 @@ from typing import Any
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from core.protocol import Metrics
-from core.spec import MAX_CONTROL_EVERY
-from store.base import StoreBase
-from store.rows import EvaluationRow, MetricRow, PeakMemory
-from store.tables import Evaluation, Metric, utcnow
-from store.values import finite_or_none, from_unix, unix
+from pipetransformer.core.protocol import Metrics
+from pipetransformer.core.spec import MAX_CONTROL_EVERY
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.rows import EvaluationRow, MetricRow, PeakMemory
+from pipetransformer.store.tables import Evaluation, Metric, utcnow
+from pipetransformer.store.values import finite_or_none, from_unix, unix
 
 # How far back (in metric rows) `latest_peak_memory` looks: workers send peaks at every control
 # point, at most MAX_CONTROL_EVERY steps apart, so a job still reporting them has one in there;

@@ -14,9 +14,9 @@ from typing import Annotated, Any, NoReturn
 
 from pydantic import BaseModel, ConfigDict, PlainSerializer
 
-from core.spec import JobSpec
-from core.stage_times import PhaseSeconds, TraceSpan
-from core.state import Layout
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.stage_times import PhaseSeconds, TraceSpan
+from pipetransformer.core.state import Layout
 
 # `datetime.isoformat()` in JSON ("...+00:00"), as `pipetransformer status --json` always
 # printed it (pydantic's own JSON would write "Z" and drop zero microseconds differently).

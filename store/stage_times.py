@@ -15,12 +15,12 @@ from typing import Any
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
-from core.protocol import StageTimes, StepTrace
-from core.stage_times import PHASES, PhaseSeconds, TraceSpan
-from store.base import StoreBase
-from store.rows import StageTimesRow, StepTraceRow
-from store.tables import StageTime, StepTraceRecord
-from store.values import from_unix, unix
+from pipetransformer.core.protocol import StageTimes, StepTrace
+from pipetransformer.core.stage_times import PHASES, PhaseSeconds, TraceSpan
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.rows import StageTimesRow, StepTraceRow
+from pipetransformer.store.tables import StageTime, StepTraceRecord
+from pipetransformer.store.values import from_unix, unix
 
 # Intervals looked up per statement: keeps under the databases' bind-parameter limits.
 _CHUNK = 500

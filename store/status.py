@@ -6,13 +6,13 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.state import Layout
-from store.base import StoreBase
-from store.jobs import current_layout_json, job_info
-from store.metrics import latest_peak
-from store.rows import JobStatus, StatusCheckpoint, StatusMetrics
-from store.tables import Checkpoint, Metric
-from store.values import unix
+from pipetransformer.core.state import Layout
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.jobs import current_layout_json, job_info
+from pipetransformer.store.metrics import latest_peak
+from pipetransformer.store.rows import JobStatus, StatusCheckpoint, StatusMetrics
+from pipetransformer.store.tables import Checkpoint, Metric
+from pipetransformer.store.values import unix
 
 
 class StatusMixin(StoreBase):

@@ -20,10 +20,10 @@ from pydantic import (
 from sqlalchemy import and_, case, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 
-from store.base import StoreBase
-from store.rows import WorkerRow
-from store.tables import LEASE_STATES, WORKER_STATES, UTCDateTime, Worker, utcnow
-from store.values import check_ranks, finite_time, from_unix, problems, unix
+from pipetransformer.store.base import StoreBase
+from pipetransformer.store.rows import WorkerRow
+from pipetransformer.store.tables import LEASE_STATES, WORKER_STATES, UTCDateTime, Worker, utcnow
+from pipetransformer.store.values import check_ranks, finite_time, from_unix, problems, unix
 
 # (generation, rank) pairs per statement in `touch_workers`: under bind-parameter limits
 _TOUCH_CHUNK = 200

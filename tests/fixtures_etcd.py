@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from core.etcd_client import EtcdClient
-from orchestrator.etcd_server import EmbeddedEtcd
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from store import Store, sqlite_url
+from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_store import StoreRun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def cli(*args: str, timeout: float = 240, **kw: Any) -> subprocess.CompletedProc
     """Run the `pipetransformer` CLI as a user would, in a fresh process."""
     env = {**os.environ, "COLUMNS": "200"}
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "pipetransformer.orchestrator.cli", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -59,7 +59,7 @@ def start_cli(*args: str, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "COLUMNS": "200"}
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", *args],
+            [sys.executable, "-m", "pipetransformer.orchestrator.cli", *args],
             cwd=REPO,
             env=env,
             stdout=out,

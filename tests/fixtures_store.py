@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from core.protocol import Metrics
-from core.spec import JobSpec
-from core.state import Layout, StageLayout, TrainingState
-from store import Store, sqlite_url
+from pipetransformer.core.protocol import Metrics
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout, StageLayout, TrainingState
+from pipetransformer.store import Store, sqlite_url
 
 STORE_BACKENDS = ("sqlite", "postgresql")
 POPULATED_JOB_ID = "vit-digits-3f2a1c"

@@ -156,7 +156,7 @@ def require_services() -> None:
     (as every PostgreSQL test does, tests/fixtures_postgres.py)."""
     import pytest
 
-    from orchestrator.etcd_server import EtcdStartError, etcd_binary
+    from pipetransformer.orchestrator.etcd_server import EtcdStartError, etcd_binary
     from tests.fixtures_postgres import in_ci, require_postgres
 
     require_postgres()
@@ -781,7 +781,7 @@ class Cluster:
     def start_etcd(self) -> Pod:
         """etcd as k8s/base/etcd.yaml configures it, one member (etcd-0), on the pod's address
         only: nothing listens on its loopback. Its data is on the pod's own folder."""
-        from orchestrator.etcd_server import etcd_binary
+        from pipetransformer.orchestrator.etcd_server import etcd_binary
 
         name = "etcd-0"
         peer = f"http://{name}.etcd-peers.{NAMESPACE}.svc"
@@ -817,7 +817,7 @@ class Cluster:
         return pod
 
     def wait_etcd(self, pod: Pod, timeout: float) -> None:
-        from core.etcd_client import EtcdClient
+        from pipetransformer.core.etcd_client import EtcdClient
 
         def ready() -> bool:
             if pod.poll() is not None:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from core.spec import JobSpec, ModelSpec, load_spec, parse_spec
-from orchestrator.admission import (
+from pipetransformer.core.spec import JobSpec, ModelSpec, load_spec, parse_spec
+from pipetransformer.orchestrator.admission import (
     GIB,
     activation_element_bytes,
     admit,
@@ -23,8 +23,8 @@ from orchestrator.admission import (
     host_memory_bytes,
     model_params,
 )
-from trainer.data import load_dataset
-from trainer.models import Block, build_model, num_tokens
+from pipetransformer.trainer.data import load_dataset
+from pipetransformer.trainer.models import Block, build_model, num_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 

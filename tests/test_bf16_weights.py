@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.sampler import IGNORE
-from core.spec import JobSpec
-from store import Store, sqlite_url
+from pipetransformer.core.sampler import IGNORE
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.store import Store, sqlite_url
+from pipetransformer.trainer.checkpoint import _optimizer_tensors, _SafeReader, save_checkpoint
+from pipetransformer.trainer.models import build_model
+from pipetransformer.trainer.relayout import build_training
 from tests.fixtures_run import cli, write_spec
 from tests.mp import run_distributed
 from tests.test_relayout import PLAN, SPEC, _batches, _data, _reference
-from trainer.checkpoint import _optimizer_tensors, _SafeReader, save_checkpoint
-from trainer.models import build_model
-from trainer.relayout import build_training
 
 BF16 = JobSpec.model_validate(
     {**SPEC.model_dump(), "training": {**SPEC.training.model_dump(), "precision": "bf16-weights"}}

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.spec import ModelSpec
-from trainer.cache import (
+from pipetransformer.core.spec import ModelSpec
+from pipetransformer.trainer.cache import (
     ActivationCache,
     CachePolicy,
     FrozenPrefix,
@@ -28,7 +28,7 @@ from trainer.cache import (
     decide_cache,
     measure_prefix_costs,
 )
-from trainer.models import (
+from pipetransformer.trainer.models import (
     StageModule,
     build_model,
     build_stage,
@@ -375,7 +375,7 @@ def test_later_boundaries_measure_only_the_recomputation(
 
 
 def test_a_tensor_digest_tells_values_apart_not_copies() -> None:
-    from trainer.cache.prefix import tensor_digest
+    from pipetransformer.trainer.cache.prefix import tensor_digest
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 48, generator=g)

@@ -20,13 +20,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from core.manifest import CheckpointError, read_meta, verify_checkpoint
-from core.planner import plan_layout
-from core.spec import CheckpointSpec, JobSpec
-from orchestrator.controller import Controller
-from store import Store
-from tests.mp import _entry, run_distributed
-from trainer.checkpoint import (
+from pipetransformer.core.manifest import CheckpointError, read_meta, verify_checkpoint
+from pipetransformer.core.planner import plan_layout
+from pipetransformer.core.spec import CheckpointSpec, JobSpec
+from pipetransformer.orchestrator.controller import Controller
+from pipetransformer.store import Store
+from pipetransformer.trainer.checkpoint import (
     AsyncCheckpointer,
     CheckpointWriteError,
     _MetadataUnpickler,
@@ -35,9 +34,10 @@ from trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from trainer.models import build_model
-from trainer.optim import build_optimizer
-from trainer.pipeline import build_rank_pipeline
+from pipetransformer.trainer.models import build_model
+from pipetransformer.trainer.optim import build_optimizer
+from pipetransformer.trainer.pipeline import build_rank_pipeline
+from tests.mp import _entry, run_distributed
 
 SPEC = JobSpec(
     name="ckpt-test",
@@ -366,7 +366,7 @@ def test_writer_killed_mid_write_leaves_nothing_sealed(tmp_path: Path) -> None:
 
 def _shard_lost_before_seal(rank: int, world: int, spec_json: str, root: str):
     """Rank 1's shard vanishes after DCP wrote (and this rank hashed) it, before the seal."""
-    import trainer.checkpoint as checkpoint
+    import pipetransformer.trainer.checkpoint as checkpoint
 
     spec = JobSpec.model_validate_json(spec_json)
     pipe, opt = _pipeline(spec, rank)
@@ -451,7 +451,7 @@ def test_objects_stored_as_bytes_are_refused(single_process_checkpoint: Path) ->
 def test_optimizer_tensors_match_torch_flattening() -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from trainer.checkpoint import _OPTIONS
+    from pipetransformer.trainer.checkpoint import _OPTIONS
 
     module = build_model(SPEC.model, seed=0)
     for p in module.blocks["0"].parameters():  # a frozen block has no optimizer state

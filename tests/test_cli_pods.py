@@ -11,8 +11,8 @@ import pytest
 import yaml
 from alembic.script import ScriptDirectory
 
-from core.keys import SPEC_ENV
-from store import DB_ENV, Store, alembic_config, sqlite_url
+from pipetransformer.core.keys import SPEC_ENV
+from pipetransformer.store import DB_ENV, Store, alembic_config, sqlite_url
 from tests.fixtures_run import REPO, cli
 
 HEAD_REVISION = ScriptDirectory.from_config(alembic_config()).get_current_head()
@@ -61,7 +61,7 @@ def test_status_reads_the_store_url_from_the_environment(tmp_path: Path) -> None
 
 
 def test_controller_reads_its_spec_from_the_environment(tmp_path: Path) -> None:
-    from orchestrator.cli import UsageError, _read_spec
+    from pipetransformer.orchestrator.cli import UsageError, _read_spec
 
     spec = yaml.safe_load((REPO / "examples" / "vit-digits.yaml").read_text())
     os.environ[SPEC_ENV] = yaml.safe_dump(spec)

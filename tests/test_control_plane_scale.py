@@ -122,7 +122,11 @@ def test_a_node_whose_view_dropped_participants_is_named_with_what_it_knew() -> 
         _RendezvousState,
     )
 
-    from orchestrator.rendezvous import EtcdRendezvousBackend, encode_state, sign_state
+    from pipetransformer.orchestrator.rendezvous import (
+        EtcdRendezvousBackend,
+        encode_state,
+        sign_state,
+    )
 
     nodes = [_NodeDesc("10.0.0.1", 100, i) for i in range(3)]
     stored = _RendezvousState()

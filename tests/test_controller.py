@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event, text
 
-from core import keys
-from core.etcd_client import EtcdClient
-from core.manifest import build_manifest, manifest_checksum
-from core.planner import plan_layout
-from core.protocol import (
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.manifest import build_manifest, manifest_checksum
+from pipetransformer.core.planner import plan_layout
+from pipetransformer.core.protocol import (
     EXIT_REFORM,
     Assignment,
     Finished,
@@ -29,12 +29,12 @@ from core.protocol import (
     WorkerExit,
     parse_event,
 )
-from core.provenance import DATA_OPENED, describe_data, origin_of
-from core.spec import JobSpec
-from core.state import Layout, StageLayout
-from orchestrator.controller import Controller
-from orchestrator.etcd_server import EmbeddedEtcd
-from store import Store
+from pipetransformer.core.provenance import DATA_OPENED, describe_data, origin_of
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.orchestrator.controller import Controller
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
+from pipetransformer.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -305,8 +305,8 @@ def test_abort_watch_exits_the_worker_at_once(etcd_server: EmbeddedEtcd, etcd) -
     script = textwrap.dedent(
         f"""
         import time
-        from core.etcd_client import EtcdClient
-        from trainer.process import AbortWatch
+        from pipetransformer.core.etcd_client import EtcdClient
+        from pipetransformer.trainer.process import AbortWatch
         AbortWatch(EtcdClient({etcd_server.endpoint!r}), "job-ft", 7, every=0.05).start()
         print("ready", flush=True)
         time.sleep(60)
@@ -394,7 +394,7 @@ def test_sigterm_starts_the_grace_timer_even_inside_a_collective(tmp_path: Path)
         )
         if rank == 1:
             time.sleep(60)
-        from trainer.process import LeaveRequest
+        from pipetransformer.trainer.process import LeaveRequest
         LeaveRequest(grace_s=1.0).install()
         print("ready", flush=True)
         dist.recv(torch.zeros(1), src=1)
@@ -727,8 +727,8 @@ def test_a_refused_rendezvous_state_becomes_an_event(
 ) -> None:
     """An agent's rendezvous backend reports a state it refused (orchestrator/rendezvous.py,
     "Trust"); the controller records it once, in the store, and drops the key."""
-    from core.protocol import RendezvousRefused
-    from orchestrator import controller
+    from pipetransformer.core.protocol import RendezvousRefused
+    from pipetransformer.orchestrator import controller
 
     monkeypatch.setattr(controller, "ALERT_POLL_S", 0.0)  # every drain looks (1 s otherwise)
 
@@ -758,7 +758,7 @@ def test_etcd_not_answering_the_pods_count_is_ridden_out_while_supervising(
     is it while the controller waits for the pods' launchers to leave after the end."""
     import threading
 
-    from orchestrator.roles import TrainerPods
+    from pipetransformer.orchestrator.roles import TrainerPods
 
     server = etcd_factory()
     with EtcdClient(server.endpoint, retry_timeout=0.3, timeout=0.3) as etcd:

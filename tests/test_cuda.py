@@ -17,15 +17,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.spec import DataSpec, ModelSpec, TrainingSpec
-from core.state import Layout, StageLayout
-from store import Store, sqlite_url
+from pipetransformer.core.spec import DataSpec, ModelSpec, TrainingSpec
+from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.store import Store, sqlite_url
+from pipetransformer.trainer.data import Dataset, load_dataset, onto_device
+from pipetransformer.trainer.device import Compute
+from pipetransformer.trainer.models import StageModule, init_unit
+from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
+from pipetransformer.trainer.pipeline import build_rank_pipeline
 from tests.fixtures_run import cli, write_spec
-from trainer.data import Dataset, load_dataset, onto_device
-from trainer.device import Compute
-from trainer.models import StageModule, init_unit
-from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.pipeline import build_rank_pipeline
 
 CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.spec import ModelSpec
-from trainer.cache import ActivationCache, FrozenPrefix, choose_memory
-from trainer.models import (
+from pipetransformer.core.spec import ModelSpec
+from pipetransformer.trainer.cache import ActivationCache, FrozenPrefix, choose_memory
+from pipetransformer.trainer.models import (
     StageModule,
     build_model,
     build_stage,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard.launch import (
+from pipetransformer.dashboard.launch import (
     APP_PATH,
     DEFAULT_REFRESH_S,
     ENV_DB,
@@ -19,7 +19,7 @@ from dashboard.launch import (
     script_args,
     streamlit_command,
 )
-from store import Store, sqlite_url
+from pipetransformer.store import Store, sqlite_url
 
 TIMEOUT_S = 30  # first run imports plotly/pandas; generous for 2 slow cores
 
@@ -206,9 +206,9 @@ def test_streamlit_command() -> None:
     cmd = streamlit_command(
         "sqlite:////tmp/x.db", host="0.0.0.0", port=8600, etcd="10.0.0.5:2379", refresh_s=2
     )
-    assert cmd[:5] == [sys.executable, "-m", "streamlit", "run", str(APP_PATH)]
-    assert Path(cmd[4]).is_file()
-    opts = cmd[5 : cmd.index("--")]
+    assert cmd[:6] == [sys.executable, "-P", "-m", "streamlit", "run", str(APP_PATH)]
+    assert Path(cmd[5]).is_file()
+    opts = cmd[6 : cmd.index("--")]
     assert dict(zip(opts[::2], opts[1::2], strict=True)) == {
         "--server.headless": "true",
         "--server.address": "0.0.0.0",
@@ -247,7 +247,7 @@ TOKEN = "s3cret-token-for-tests"
 def running_job(store: Store, db_url: str, etcd, etcd_server, monkeypatch: pytest.MonkeyPatch):
     """A job the store says is running, with its layout, and the etcd it coordinates through
     (found by the dashboard through PIPETRANSFORMER_ETCD)."""
-    from core.spec import parse_spec
+    from pipetransformer.core.spec import parse_spec
     from tests.fixtures_store import two_stage_layout
 
     spec = parse_spec({"name": "live", "model": {"depth": 6}, "parallel": {"stages": 2}})
@@ -273,8 +273,8 @@ def file_request(at: AppTest, layers: int, reason: str) -> AppTest:
 def test_freeze_override_needs_a_signed_in_user(
     monkeypatch: pytest.MonkeyPatch, running_job: str, etcd, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from core import keys
-    from core.protocol import FreezeRequest
+    from pipetransformer.core import keys
+    from pipetransformer.core.protocol import FreezeRequest
 
     monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN", TOKEN)
     monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_USER", "alice")
@@ -326,7 +326,7 @@ def test_freeze_override_needs_a_signed_in_user(
 def test_without_credentials_nothing_can_be_filed(
     monkeypatch: pytest.MonkeyPatch, running_job: str, etcd, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from core import keys
+    from pipetransformer.core import keys
 
     monkeypatch.delenv("PIPETRANSFORMER_DASHBOARD_TOKEN", raising=False)
     monkeypatch.delenv("PIPETRANSFORMER_DASHBOARD_TOKEN_FILE", raising=False)
@@ -341,7 +341,7 @@ def test_without_credentials_nothing_can_be_filed(
 def test_a_form_left_open_after_sign_out_files_nothing(
     monkeypatch: pytest.MonkeyPatch, running_job: str, etcd
 ) -> None:
-    from core import keys
+    from pipetransformer.core import keys
 
     monkeypatch.setenv("PIPETRANSFORMER_DASHBOARD_TOKEN", TOKEN)
     at = show(run_app(monkeypatch, running_job, job="live-1"), "Freezing")
@@ -366,8 +366,8 @@ def test_cli_warns_before_serving_beyond_loopback_without_credentials(
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
-    import dashboard.__main__ as dashboard_main
-    from orchestrator import cli
+    import pipetransformer.dashboard.__main__ as dashboard_main
+    from pipetransformer.orchestrator import cli
 
     served: list[list[str]] = []
 
@@ -376,14 +376,14 @@ def test_cli_warns_before_serving_beyond_loopback_without_credentials(
         raise SystemExit(0)  # instead of becoming the next program
 
     def serve(argv: list[str]) -> int:
-        """`pipetransformer dashboard ARGS`, then the `python -m dashboard` it becomes, in
+        """`pipetransformer dashboard ARGS`, then the `python -m pipetransformer.dashboard` it becomes, in
         this process: the CLI hands over without importing the dashboard."""
         try:
             return cli.main(argv)
         except SystemExit:
             handed = served[-1]
-            assert handed[1:3] == ["-m", "dashboard"], handed
-            return dashboard_main.main(handed[3:])
+            assert handed[1:4] == ["-P", "-m", "pipetransformer.dashboard"], handed
+            return dashboard_main.main(handed[4:])
 
     monkeypatch.setattr(cli.os, "execv", execv)
     monkeypatch.setattr(dashboard_main.os, "execv", execv)

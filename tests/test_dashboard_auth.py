@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard.auth import (
+from pipetransformer.dashboard.auth import (
     DEFAULT_USER,
     ENV_TOKEN,
     ENV_TOKEN_FILE,

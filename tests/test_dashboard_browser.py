@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
-from core.protocol import StageTimes, StepTrace
-from core.stage_times import PhaseSeconds, TraceSpan
-from orchestrator.etcd_server import free_port
-from store import Store, sqlite_url
+from pipetransformer.core.protocol import StageTimes, StepTrace
+from pipetransformer.core.stage_times import PhaseSeconds, TraceSpan
+from pipetransformer.orchestrator.etcd_server import free_port
+from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_run import REPO, RealRun, start_cli, store_probe, wait_for, write_spec
 from tests.fixtures_store import POPULATED_JOB_ID, populate
 
@@ -103,7 +103,7 @@ def dashboards(workdir: Path, logs: Path, *envs: dict[str, str]) -> Iterator[lis
             port, log = free_port(), logs / f"dashboard-{i}.log"
             env = {k: v for k, v in os.environ.items() if "DASHBOARD_TOKEN" not in k}
             cmd = [
-                sys.executable, "-m", "orchestrator.cli", "dashboard",
+                sys.executable, "-m", "pipetransformer.orchestrator.cli", "dashboard",
                 "--workdir", str(workdir), "--port", str(port), "--host", "127.0.0.1",
                 "--refresh", str(REFRESH_S),
             ]  # fmt: skip

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import yaml
 
-from core.protocol import DataOpened, FreezeRequest
-from core.provenance import DATA_OPENED, describe_data
-from core.spec import parse_spec
-from dashboard.views import (
+from pipetransformer.core.protocol import DataOpened, FreezeRequest
+from pipetransformer.core.provenance import DATA_OPENED, describe_data
+from pipetransformer.core.spec import parse_spec
+from pipetransformer.dashboard.views import (
     FREEZE_REQUEST_KINDS,
     device_use,
     event_rows,
@@ -20,7 +20,7 @@ from dashboard.views import (
     spec_yaml,
     worker_rows,
 )
-from store.rows import EventRow, MetricRow, RecordedLayout, WorkerRow
+from pipetransformer.store.rows import EventRow, MetricRow, RecordedLayout, WorkerRow
 from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 1_800_000_000.0

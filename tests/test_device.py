@@ -18,15 +18,21 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from core.spec import JobSpec, ModelSpec, gpu_shortfall, local_device_type
-from core.state import Layout, StageLayout
-from orchestrator import gpus, local
+from pipetransformer.core.spec import JobSpec, ModelSpec, gpu_shortfall, local_device_type
+from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.orchestrator import gpus, local
+from pipetransformer.trainer import flops, profile
+from pipetransformer.trainer.collective import once_per_node
+from pipetransformer.trainer.device import Compute, DeviceError, resolve_device
+from pipetransformer.trainer.models import (
+    build_model,
+    build_stage,
+    init_unit,
+    unit_names,
+    unit_seed,
+)
+from pipetransformer.trainer.pipeline import RankModel, build_rank_pipeline
 from tests.mp import run_distributed
-from trainer import flops, profile
-from trainer.collective import once_per_node
-from trainer.device import Compute, DeviceError, resolve_device
-from trainer.models import build_model, build_stage, init_unit, unit_names, unit_seed
-from trainer.pipeline import RankModel, build_rank_pipeline
 
 VIT_B16 = ModelSpec(
     family="vit", image_size=224, patch_size=16, channels=3, dim=768, depth=12, heads=12,
@@ -65,8 +71,8 @@ def test_run_refuses_a_cuda_spec_this_machine_cannot_seat(monkeypatch, tmp_path:
 
 CHECK_IMPORTS = """
 import json, sys
-from core.spec import JobSpec
-from orchestrator import gpus, local
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.orchestrator import gpus, local
 if sys.argv[1:]:
     gpus.GPU_DRIVER_NODES = (sys.argv[1],)
 spec = JobSpec.model_validate({"name": "g", "parallel": {"stages": 2}})

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from core.manifest import verify_checkpoint
-from store import Store, sqlite_url
+from pipetransformer.core.manifest import verify_checkpoint
+from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_run import (
     STEPS_PER_EPOCH,
     RealRun,

@@ -14,14 +14,14 @@ from typing import Any
 import grpc
 import pytest
 
-from core.etcd_client import (
+from pipetransformer.core.etcd_client import (
     EtcdClient,
     EtcdError,
     EtcdUnavailable,
     LeaseExpired,
     parse_endpoint,
 )
-from orchestrator.etcd_server import EmbeddedEtcd, EtcdStartError, free_port
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd, EtcdStartError, free_port
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
@@ -421,7 +421,7 @@ class _FakeKeepAlives:
 
 
 def _fake_stream(answered: set[int], timeout: float) -> tuple[Any, list[_FakeKeepAlives]]:
-    from core.etcd_client import _KeepAliveStream
+    from pipetransformer.core.etcd_client import _KeepAliveStream
 
     opened: list[_FakeKeepAlives] = []
 

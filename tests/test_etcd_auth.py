@@ -28,8 +28,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
 )
 
-from core import keys
-from core.etcd_client import (
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import (
     CACERT_ENV,
     CERT_ENV,
     KEY_ENV,
@@ -44,13 +44,18 @@ from core.etcd_client import (
     EtcdTlsRefused,
     EtcdUnavailable,
 )
-from core.overrides import file_freeze_request, file_trace_request
-from core.spec import JobSpec, load_spec
-from orchestrator import cli, etcd_auth
-from orchestrator.errors import UsageError
-from orchestrator.etcd_server import etcd_binary, free_port
-from orchestrator.procs import tied_to_parent
-from orchestrator.rendezvous import create_backend, state_key, store_prefix, verify_state
+from pipetransformer.core.overrides import file_freeze_request, file_trace_request
+from pipetransformer.core.spec import JobSpec, load_spec
+from pipetransformer.orchestrator import cli, etcd_auth
+from pipetransformer.orchestrator.errors import UsageError
+from pipetransformer.orchestrator.etcd_server import etcd_binary, free_port
+from pipetransformer.orchestrator.procs import tied_to_parent
+from pipetransformer.orchestrator.rendezvous import (
+    create_backend,
+    state_key,
+    store_prefix,
+    verify_state,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "make-etcd-certs.sh"

@@ -18,15 +18,15 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors import safe_open
 
-from core.manifest import CheckpointError
-from core.spec import JobSpec
-from store import Store, sqlite_url
+from pipetransformer.core.manifest import CheckpointError
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.store import Store, sqlite_url
+from pipetransformer.trainer.checkpoint import _MetadataUnpickler
+from pipetransformer.trainer.export import ExportError, export
+from pipetransformer.trainer.hf.load import load_units
+from pipetransformer.trainer.hf.units import stack_text_inputs
+from pipetransformer.trainer.units import architecture
 from tests.fixtures_run import REPO, cli
-from trainer.checkpoint import _MetadataUnpickler
-from trainer.export import ExportError, export
-from trainer.hf.load import load_units
-from trainer.hf.units import stack_text_inputs
-from trainer.units import architecture
 
 sys.path.insert(0, str(REPO / "examples"))
 import assets  # noqa: E402  (examples/assets.py, shared with the CPU examples)
@@ -290,7 +290,7 @@ def test_the_exported_config_names_the_class_the_job_trained(
 ) -> None:
     """`transformers` builds the head from `architectures` and `id2label`: they must be what the
     job trained, not what the pretrained checkpoint was (else loading fails on the head's shape)."""
-    from trainer.export import export_config
+    from pipetransformer.trainer.export import export_config
 
     original = {
         "model_type": model["family"],

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from core import keys
-from core.etcd_client import EtcdClient
-from core.manifest import verify_checkpoint
-from core.spec import JobSpec
-from store import Store, sqlite_url
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.manifest import verify_checkpoint
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_run import STEPS_PER_EPOCH, cli, start_cli, store_probe, wait_for, write_spec
 
 pytestmark = pytest.mark.slow

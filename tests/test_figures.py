@@ -12,10 +12,10 @@ import plotly.graph_objects as go
 import pytest
 from plotly.subplots import make_subplots
 
-from core.protocol import Metrics
-from core.spec import JobSpec
-from core.state import Layout, StageLayout
-from dashboard.figures import (
+from pipetransformer.core.protocol import Metrics
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.dashboard.figures import (
     EMPTY_TEXT,
     FROZEN_COLOR,
     accuracy_figure,
@@ -33,7 +33,7 @@ from dashboard.figures import (
     stage_color,
     throughput_figure,
 )
-from dashboard.timeline import (
+from pipetransformer.dashboard.timeline import (
     BAND_FILLS,
     GENERATION_COLOR,
     RECOVERY_COLOR,
@@ -44,8 +44,8 @@ from dashboard.timeline import (
     timeline,
     unix,
 )
-from store import Store
-from store.rows import EvaluationRow, GenerationRow, MetricRow, RecordedLayout
+from pipetransformer.store import Store
+from pipetransformer.store.rows import EvaluationRow, GenerationRow, MetricRow, RecordedLayout
 from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 1_700_000_000.0

@@ -14,20 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.manifest import CheckpointError, manifest_checksum
-from core.planner import plan_layout
-from core.spec import JobSpec, SpecError, parse_spec
-from orchestrator.controller import Controller
-from orchestrator.exits import EXIT_JOB_FAILED
-from orchestrator.pretrained import resolve_init
-from store import Store, sqlite_url
+from pipetransformer.core.manifest import CheckpointError, manifest_checksum
+from pipetransformer.core.planner import plan_layout
+from pipetransformer.core.spec import JobSpec, SpecError, parse_spec
+from pipetransformer.orchestrator.controller import Controller
+from pipetransformer.orchestrator.exits import EXIT_JOB_FAILED
+from pipetransformer.orchestrator.pretrained import resolve_init
+from pipetransformer.store import Store, sqlite_url
+from pipetransformer.trainer.checkpoint import AsyncCheckpointer, load_weights
+from pipetransformer.trainer.data import load_dataset
+from pipetransformer.trainer.models import build_model
+from pipetransformer.trainer.optim import build_optimizer
+from pipetransformer.trainer.relayout import build_training
 from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec
 from tests.mp import run_distributed
-from trainer.checkpoint import AsyncCheckpointer, load_weights
-from trainer.data import load_dataset
-from trainer.models import build_model
-from trainer.optim import build_optimizer
-from trainer.relayout import build_training
 
 MODEL = {"depth": 4, "dim": 32, "heads": 4}
 SOURCE = JobSpec(name="source", model=MODEL, training={"global_batch_size": 16})

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import forkserver
+from pipetransformer.orchestrator import forkserver
 
 pytestmark = pytest.mark.skipif(not forkserver.available(), reason="fork servers need Linux")
 
@@ -152,7 +152,7 @@ def test_a_dead_server_takes_its_workers_and_fails_their_clients(server):
 # client the worker's pid (a second later: long enough for a worker that did not wait to run).
 _DIES_BEFORE_NAMING_THE_WORKER = """
 import os, signal, sys, time
-from orchestrator import forkserver
+from pipetransformer.orchestrator import forkserver
 send = forkserver._send
 def dying(sock, message, fds=None):
     if "pid" in message:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.freeze import (
+from pipetransformer.core.freeze import (
     FreezeDecision,
     FreezeOverrideError,
     FreezeState,
@@ -27,7 +27,7 @@ from core.freeze import (
     settled_prefix,
     update_peaks,
 )
-from core.spec import FreezeSpec, SpecError, parse_spec
+from pipetransformer.core.spec import FreezeSpec, SpecError, parse_spec
 
 NAN = math.nan
 

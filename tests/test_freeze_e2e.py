@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from store import Store, sqlite_url
+from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec
 
 pytestmark = pytest.mark.slow
@@ -67,9 +67,9 @@ def test_manual_freeze_is_validated_audited_and_applied(
 
 
 def test_freeze_requests_are_validated_before_anything_is_filed(store, etcd) -> None:
-    from core import keys
-    from core.overrides import OverrideError, file_freeze_request
-    from core.spec import parse_spec
+    from pipetransformer.core import keys
+    from pipetransformer.core.overrides import OverrideError, file_freeze_request
+    from pipetransformer.core.spec import parse_spec
 
     spec = parse_spec({"name": "x", "model": {"depth": 6}, "freeze": {"keep_trainable": 2}})
     store.create_job("j", spec, "/tmp")

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from trainer.freezing import GradientDrift
+from pipetransformer.trainer.freezing import GradientDrift
 
 
 def _step(meter: GradientDrift, grads: dict[str, torch.Tensor], blocks: int) -> None:

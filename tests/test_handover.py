@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.handover import Move, held_units, plan_handover, rank_units, trains
-from core.sampler import IGNORE, ElasticSampler
-from core.spec import JobSpec
-from core.state import Layout
+from pipetransformer.core.handover import Move, held_units, plan_handover, rank_units, trains
+from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer.checkpoint import save_checkpoint, state_tensors
+from pipetransformer.trainer.device import Compute
+from pipetransformer.trainer.handover import Previous, handover_group
+from pipetransformer.trainer.relayout import build_training
 from tests.mp import run_distributed
-from trainer.checkpoint import save_checkpoint, state_tensors
-from trainer.device import Compute
-from trainer.handover import Previous, handover_group
-from trainer.relayout import build_training
 
 DEPTH = 8
 SPEC = JobSpec(

@@ -27,16 +27,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from core.partition import uniform_partition
-from core.sampler import IGNORE, ElasticSampler
-from core.spec import JobSpec, parse_spec
-from core.state import Layout
-from orchestrator.sources import resolve_submission
+from pipetransformer.core.partition import uniform_partition
+from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.core.spec import JobSpec, parse_spec
+from pipetransformer.core.state import Layout
+from pipetransformer.orchestrator.sources import resolve_submission
+from pipetransformer.trainer.cache import ActivationCache
+from pipetransformer.trainer.data import load_dataset
+from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
+from pipetransformer.trainer.pipeline import build_rank_pipeline
 from tests.mp import run_distributed
-from trainer.cache import ActivationCache
-from trainer.data import load_dataset
-from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.pipeline import build_rank_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import assets  # noqa: E402  (examples/assets.py, shared with the CPU examples)

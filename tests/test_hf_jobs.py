@@ -16,13 +16,13 @@ import pytest
 import torch
 import yaml
 
-from core.spec import SpecError, parse_spec
-from core.state import StageLayout
-from orchestrator.sources import resolve_submission
-from store import Store, sqlite_url
+from pipetransformer.core.spec import SpecError, parse_spec
+from pipetransformer.core.state import StageLayout
+from pipetransformer.orchestrator.sources import resolve_submission
+from pipetransformer.store import Store, sqlite_url
+from pipetransformer.trainer.pipeline import RankModel
+from pipetransformer.trainer.units import CheckpointChanged, architecture
 from tests.fixtures_run import REPO, cli
-from trainer.pipeline import RankModel
-from trainer.units import CheckpointChanged, architecture
 
 sys.path.insert(0, str(REPO / "examples"))
 import assets  # noqa: E402  (examples/assets.py, shared with the CPU examples)
@@ -356,7 +356,7 @@ def test_bad_data_fails_the_job_with_the_file_and_row(
 
 
 def _qa_splits(made: dict[str, Path], **data: object):
-    from trainer.data import load_dataset
+    from pipetransformer.trainer.data import load_dataset
 
     raw = _spec(
         {"pretrained": str(made["bert"]), "task": "question-answering"}, _squad_data(made, **data)
@@ -374,7 +374,7 @@ def test_squad_rows_become_windows_scored_by_exact_match_and_f1(
     is scored against its answers as SQuAD does."""
     import numpy as np
 
-    from trainer.sources.qa import best_spans
+    from pipetransformer.trainer.sources.qa import best_spans
 
     monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
     spec, data = _qa_splits(made, doc_stride=8)
@@ -441,7 +441,7 @@ def test_bad_squad_rows_are_named(
 ) -> None:
     import datasets
 
-    from trainer.sources import DataError
+    from pipetransformer.trainer.sources import DataError
 
     monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
     rows = assets.squad_rows(8, seed=5)
@@ -502,8 +502,8 @@ def test_a_recipe_resolves_against_its_checkpoint_s_architecture(
     its data paths are the cluster's, so they are named as missing."""
     from transformers import AutoConfig, BertForMaskedLM, ViTModel
 
-    from core.spec import load_spec
-    from orchestrator.sources import resolve_pretrained
+    from pipetransformer.core.spec import load_spec
+    from pipetransformer.orchestrator.sources import resolve_pretrained
 
     spec = load_spec(recipe)
     source = spec.model.pretrained.source

@@ -28,10 +28,10 @@ from transformers import (
     ViTModel,
 )
 
-import trainer.hf.load as hf_load
-from core.hf_config import HFArchitecture, read_architecture
-from trainer.hf.load import load_units
-from trainer.hf.units import stack_text_inputs
+import pipetransformer.trainer.hf.load as hf_load
+from pipetransformer.core.hf_config import HFArchitecture, read_architecture
+from pipetransformer.trainer.hf.load import load_units
+from pipetransformer.trainer.hf.units import stack_text_inputs
 
 SIZES = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64)
 IMAGE = dict(image_size=16, patch_size=4, num_channels=3)

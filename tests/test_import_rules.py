@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "store", "orchestrator", "trainer", "dashboard")
+PACKAGE = "pipetransformer"
 CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
 NAMES = {contract["id"]: contract["name"] for contract in CONFIG["contracts"]}
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
@@ -40,11 +40,11 @@ def lint(root: Path, *contracts: str) -> tuple[int, str]:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """A copy of the packages and pyproject.toml, to break."""
-    for package in PACKAGES:
-        shutil.copytree(
-            ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
-        )
+    """A copy of the package (its folders, through its links, copied as plain folders) and
+    pyproject.toml, to break."""
+    shutil.copytree(
+        ROOT / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__")
+    )
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
 
@@ -62,7 +62,7 @@ def add_line(root: Path, module: str, line: str) -> int:
 
 def test_config_names_every_contract():
     assert LINT_IMPORTS.exists(), "import-linter is missing: pip install -e '.[test]'"
-    assert set(CONFIG["root_packages"]) == set(PACKAGES)
+    assert CONFIG["root_packages"] == [PACKAGE]
     assert all(NAMES.values()) and len(NAMES) == len(CONFIG["contracts"])
 
 
@@ -77,72 +77,106 @@ def test_real_tree_keeps_every_contract():
 VIOLATIONS = [
     (
         "freeze imports the SQL store",
-        [("core.freeze", "import store")],
+        [("pipetransformer.core.freeze", "import pipetransformer.store")],
         [
-            ("pure-cores", "core.freeze -> store (l.{n})"),
-            ("layers", "core.freeze -> store (l.{n})"),
+            ("pure-cores", "pipetransformer.core.freeze -> pipetransformer.store (l.{n})"),
+            ("layers", "pipetransformer.core.freeze -> pipetransformer.store (l.{n})"),
         ],
     ),
     (
         "sampler imports the controller",
-        [("core.sampler", "from orchestrator import controller")],
+        [("pipetransformer.core.sampler", "from pipetransformer.orchestrator import controller")],
         [
-            ("pure-cores", "core.sampler -> orchestrator.controller (l.{n})"),
-            ("layers", "core.sampler -> orchestrator.controller (l.{n})"),
+            (
+                "pure-cores",
+                "pipetransformer.core.sampler -> pipetransformer.orchestrator.controller (l.{n})",
+            ),
+            (
+                "layers",
+                "pipetransformer.core.sampler -> pipetransformer.orchestrator.controller (l.{n})",
+            ),
         ],
     ),
     (
         "a pure core reaches a subprocess through a new module",
-        [("core.spawn", "import subprocess"), ("core.partition", "import core.spawn")],
-        [("pure-cores", "core.partition -> core.spawn (l.{n}) core.spawn -> subprocess (l.1)")],
+        [
+            ("pipetransformer.core.spawn", "import subprocess"),
+            ("pipetransformer.core.partition", "import pipetransformer.core.spawn"),
+        ],
+        [
+            (
+                "pure-cores",
+                "pipetransformer.core.partition -> pipetransformer.core.spawn (l.{n}) pipetransformer.core.spawn -> subprocess (l.1)",
+            )
+        ],
     ),
     (
         "the planner is a pure core",
-        [("core.planner", "import trainer.cache")],
+        [("pipetransformer.core.planner", "import pipetransformer.trainer.cache")],
         [
-            ("pure-cores", "core.planner -> trainer.cache (l.{n})"),
-            ("layers", "core.planner -> trainer.cache (l.{n})"),
+            ("pure-cores", "pipetransformer.core.planner -> pipetransformer.trainer.cache (l.{n})"),
+            ("layers", "pipetransformer.core.planner -> pipetransformer.trainer.cache (l.{n})"),
         ],
     ),
     (
         "the control plane imports the data plane",
-        [("orchestrator.admission", "import trainer.worker")],
-        [("layers", "orchestrator.admission -> trainer.worker (l.{n})")],
+        [("pipetransformer.orchestrator.admission", "import pipetransformer.trainer.worker")],
+        [
+            (
+                "layers",
+                "pipetransformer.orchestrator.admission -> pipetransformer.trainer.worker (l.{n})",
+            )
+        ],
     ),
     (
         "the data plane imports the control plane",
-        [("trainer.optim", "import orchestrator.controller")],
-        [("layers", "trainer.optim -> orchestrator.controller (l.{n})")],
+        [("pipetransformer.trainer.optim", "import pipetransformer.orchestrator.controller")],
+        [
+            (
+                "layers",
+                "pipetransformer.trainer.optim -> pipetransformer.orchestrator.controller (l.{n})",
+            )
+        ],
     ),
     (
         "the data plane writes SQL",
-        [("trainer.data", "from store import Store")],
-        [("workers-write-no-sql", "trainer.data -> store (l.{n})")],
+        [("pipetransformer.trainer.data", "from pipetransformer.store import Store")],
+        [("workers-write-no-sql", "pipetransformer.trainer.data -> pipetransformer.store (l.{n})")],
     ),
     (
         "the dashboard reads past the store",
-        [("dashboard.figures", "import orchestrator.controller")],
-        [("layers", "dashboard.figures -> orchestrator.controller (l.{n})")],
+        [("pipetransformer.dashboard.figures", "import pipetransformer.orchestrator.controller")],
+        [
+            (
+                "layers",
+                "pipetransformer.dashboard.figures -> pipetransformer.orchestrator.controller (l.{n})",
+            )
+        ],
     ),
     (
         "the CLI imports the dashboard",
-        [("orchestrator.cli", "import dashboard.launch")],
-        [("layers", "orchestrator.cli -> dashboard.launch (l.{n})")],
+        [("pipetransformer.orchestrator.cli", "import pipetransformer.dashboard.launch")],
+        [
+            (
+                "layers",
+                "pipetransformer.orchestrator.cli -> pipetransformer.dashboard.launch (l.{n})",
+            )
+        ],
     ),
     (
         "the store imports the control plane",
-        [("store.tables", "import orchestrator.roster")],
-        [("layers", "store.tables -> orchestrator.roster (l.{n})")],
+        [("pipetransformer.store.tables", "import pipetransformer.orchestrator.roster")],
+        [("layers", "pipetransformer.store.tables -> pipetransformer.orchestrator.roster (l.{n})")],
     ),
     (
         "trainer imports tests",
-        [("trainer.optim", "from tests import mp")],
-        [("no-tests-or-bench", "trainer.optim -> tests (l.{n})")],
+        [("pipetransformer.trainer.optim", "from tests import mp")],
+        [("no-tests-or-bench", "pipetransformer.trainer.optim -> tests (l.{n})")],
     ),
     (
         "dashboard imports bench",
-        [("dashboard.figures", "import bench._common")],
-        [("no-tests-or-bench", "dashboard.figures -> bench (l.{n})")],
+        [("pipetransformer.dashboard.figures", "import bench._common")],
+        [("no-tests-or-bench", "pipetransformer.dashboard.figures -> bench (l.{n})")],
     ),
 ]
 
@@ -165,23 +199,33 @@ def test_a_forbidden_import_breaks_its_contract(tree, added, broken):
 def test_a_module_added_later_is_placed_by_its_folder(tree):
     """No list names the modules: a new control-plane module is forbidden to the data plane
     because of the folder it is in."""
-    (tree / "orchestrator" / "novelty.py").write_text('"""A module added after the rules."""\n')
-    n = add_line(tree, "trainer.optim", "import orchestrator.novelty")
+    (tree / PACKAGE / "orchestrator" / "novelty.py").write_text(
+        '"""A module added after the rules."""\n'
+    )
+    n = add_line(
+        tree, "pipetransformer.trainer.optim", "import pipetransformer.orchestrator.novelty"
+    )
     rc, out = lint(tree, "layers")
     assert rc != 0, out
     assert f"{NAMES['layers']} BROKEN" in out, out
-    assert f"trainer.optim -> orchestrator.novelty (l.{n})" in out, out
+    assert (
+        f"pipetransformer.trainer.optim -> pipetransformer.orchestrator.novelty (l.{n})" in out
+    ), out
 
 
 def test_the_core_opens_no_way_between_the_planes(tree):
-    """trainer.checkpoint imports core.manifest. If manifest imported the launcher, the data
+    """`pipetransformer.trainer.checkpoint` imports `core.manifest`. If manifest imported the launcher, the data
     plane would reach the control plane through the core: broken at the import that opens the
     way."""
-    n = add_line(tree, "core.manifest", "import orchestrator.launch")
+    n = add_line(
+        tree, "pipetransformer.core.manifest", "import pipetransformer.orchestrator.launch"
+    )
     rc, out = lint(tree, "layers")
     assert rc != 0, out
     assert f"{NAMES['layers']} BROKEN" in out, out
-    assert f"core.manifest -> orchestrator.launch (l.{n})" in out, out
+    assert f"pipetransformer.core.manifest -> pipetransformer.orchestrator.launch (l.{n})" in out, (
+        out
+    )
 
 
 # Run in a fresh interpreter with the tree's root as its working directory (grimp finds packages
@@ -255,13 +299,19 @@ def test_pure_cores_never_touch_torch_distributed():
 @pytest.mark.parametrize(
     "added, where",
     [
-        ([("core.sampler", "import torch.distributed as dist")], "core/sampler.py"),
+        (
+            [("pipetransformer.core.sampler", "import torch.distributed as dist")],
+            "pipetransformer/core/sampler.py",
+        ),
         (
             [
-                ("trainer.reduce", "import torch\n\nreduce = torch.distributed.all_reduce"),
-                ("trainer.models", "from trainer import reduce"),
+                (
+                    "pipetransformer.trainer.reduce",
+                    "import torch\n\nreduce = torch.distributed.all_reduce",
+                ),
+                ("pipetransformer.trainer.models", "from pipetransformer.trainer import reduce"),
             ],
-            "trainer/reduce.py:3",
+            "pipetransformer/trainer/reduce.py:3",
         ),
     ],
     ids=["directly", "through a new module, as an attribute"],

@@ -473,7 +473,7 @@ def test_cert_manager_example_makes_the_documented_secrets() -> None:
     """k8s/cert-manager, apart from the base (cert-manager's CRDs may not exist): a CA and,
     signed by it, each etcd Secret the manifests and the pods use, with the CN etcd takes for
     the user (orchestrator/etcd_auth.py) and the members' DNS names."""
-    from orchestrator import etcd_auth
+    from pipetransformer.orchestrator import etcd_auth
 
     objects = render(K8S / "cert-manager")
     for name in RENDERS:
@@ -963,8 +963,8 @@ def test_readme_documents_the_secrets_overlays_and_steps() -> None:
 def test_postgres_init_script_makes_a_read_only_role_for_later_tables(private_postgres) -> None:
     import psycopg
 
-    from core.spec import load_spec
-    from store import Store
+    from pipetransformer.core.spec import load_spec
+    from pipetransformer.store import Store
 
     server = private_postgres
     env = {

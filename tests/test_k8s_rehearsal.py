@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 
-from core import keys
-from core.etcd_client import EtcdClient
-from core.manifest import verify_checkpoint
-from orchestrator.components import train
-from orchestrator.rendezvous import read_rendezvous
-from store import Store
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.manifest import verify_checkpoint
+from pipetransformer.orchestrator.components import train
+from pipetransformer.orchestrator.rendezvous import read_rendezvous
+from pipetransformer.store import Store
 from tests import rehearsal
 from tests.fixtures_run import STEPS_PER_EPOCH, write_spec
 
@@ -460,9 +460,9 @@ def test_a_stopped_job_and_a_failed_one_end_their_volcano_jobs_and_release_their
     restart budget: the job fails with the reason in the store, the controller exits 3
     (TerminateJob) before Volcano's maxRetry is spent. Either way every pod stops: GPUs
     released."""
-    from core import keys
-    from core.etcd_client import EtcdClient
-    from core.protocol import Control
+    from pipetransformer.core import keys
+    from pipetransformer.core.etcd_client import EtcdClient
+    from pipetransformer.core.protocol import Control
 
     with rehearsal.explained(cluster):
         etcd = cluster.start_etcd()

@@ -10,15 +10,15 @@ import hashlib
 import pytest
 import torch
 
-from core.partition import uniform_partition
-from core.sampler import IGNORE, ElasticSampler
-from core.spec import SCHEDULES, ModelSpec, TrainingSpec
-from core.state import Layout
+from pipetransformer.core.partition import uniform_partition
+from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.core.spec import SCHEDULES, ModelSpec, TrainingSpec
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer.checkpoint import _optimizer_tensors
+from pipetransformer.trainer.models import build_model
+from pipetransformer.trainer.optim import build_optimizer
+from pipetransformer.trainer.pipeline import build_rank_pipeline
 from tests.mp import run_distributed
-from trainer.checkpoint import _optimizer_tensors
-from trainer.models import build_model
-from trainer.optim import build_optimizer
-from trainer.pipeline import build_rank_pipeline
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)
 pytestmark = pytest.mark.numerics

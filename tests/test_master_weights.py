@@ -1,4 +1,4 @@
-"""trainer.optim.MasterWeights (bf16 parameters, float32 master copies in AdamW;
+"""pipetransformer.trainer.optim.MasterWeights (bf16 parameters, float32 master copies in AdamW;
 `training.precision: bf16-weights` and bench/mfu.py's `bf16w` configurations, issue 29): the
 masters start as the float32 weights under the model's own names, one step equals AdamW on
 float32 weights given the same gradients, the model's weights are the rounded masters, and a
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.spec import DataSpec, ModelSpec, TrainingSpec
-from trainer.data import load_dataset
-from trainer.models import StageModule, init_unit
-from trainer.optim import MasterWeights, build_optimizer, lr_at, set_lr
+from pipetransformer.core.spec import DataSpec, ModelSpec, TrainingSpec
+from pipetransformer.trainer.data import load_dataset
+from pipetransformer.trainer.models import StageModule, init_unit
+from pipetransformer.trainer.optim import MasterWeights, build_optimizer, lr_at, set_lr
 
 CUDA = torch.cuda.is_available()
 

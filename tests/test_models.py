@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from core.spec import DataSpec, ModelSpec, SpecError, parse_spec
-from trainer.data import load_dataset, synthetic_text
-from trainer.models import (
+from pipetransformer.core.spec import DataSpec, ModelSpec, SpecError, parse_spec
+from pipetransformer.trainer.data import load_dataset, synthetic_text
+from pipetransformer.trainer.models import (
     Block,
     PatchEmbed,
     TextEmbed,
@@ -278,8 +278,8 @@ def test_recompute_is_off_outside_training() -> None:
 
 
 def test_digits_are_cached_and_read_back_identically(tmp_path, monkeypatch) -> None:
-    from core.spec import DataSpec, ModelSpec
-    from trainer.data import load_dataset
+    from pipetransformer.core.spec import DataSpec, ModelSpec
+    from pipetransformer.trainer.data import load_dataset
 
     monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path))
     first = load_dataset(DataSpec(), ModelSpec())

@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.protocol import Evaluated, LayoutPlanned, Metrics, StageTimes
-from core.stage_times import PHASES, PhaseSeconds
-from orchestrator.monitoring import (
+from pipetransformer.core.protocol import Evaluated, LayoutPlanned, Metrics, StageTimes
+from pipetransformer.core.stage_times import PHASES, PhaseSeconds
+from pipetransformer.orchestrator.monitoring import (
     INSTALL_HINT,
     METRICS,
     JobMetrics,
     TensorBoardMissing,
     TensorBoardWriter,
 )
-from store import Store, sqlite_url
+from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_store import POPULATED_JOB_ID, T0, StoreRun, packed_layout, two_stage_layout
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.partition import PlanError, uniform_partition
-from core.planner import plan_layout, recompute_flags
-from core.spec import JobSpec
-from core.state import Layout
+from pipetransformer.core.partition import PlanError, uniform_partition
+from pipetransformer.core.planner import plan_layout, recompute_flags
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from baselines import balanced_partition  # noqa: E402  (a benchmark-only split)

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.partition import uniform_partition
-from core.sampler import IGNORE
-from core.spec import SCHEDULES, ModelSpec, schedule_problem
-from core.state import Layout
+from pipetransformer.core.partition import uniform_partition
+from pipetransformer.core.sampler import IGNORE
+from pipetransformer.core.spec import SCHEDULES, ModelSpec, schedule_problem
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer.models import build_model
+from pipetransformer.trainer.pipeline import build_rank_pipeline
 from tests.mp import run_distributed
-from trainer.models import build_model
-from trainer.pipeline import build_rank_pipeline
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)
 pytestmark = pytest.mark.numerics

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from core import keys
-from core.protocol import StageTimes, StepTrace, TraceRequest
-from core.spec import parse_spec
-from core.stage_times import (
+from pipetransformer.core import keys
+from pipetransformer.core.protocol import StageTimes, StepTrace, TraceRequest
+from pipetransformer.core.spec import parse_spec
+from pipetransformer.core.stage_times import (
     PHASE_LABELS,
     PHASES,
     PhaseSeconds,
@@ -25,11 +25,11 @@ from core.stage_times import (
     chrome_trace,
     per_rank,
 )
-from core.state import Layout
-from dashboard import logs
-from dashboard.launch import ENV_ETCD
-from dashboard.logs import LINES, log_tail
-from dashboard.pipeline_figures import (
+from pipetransformer.core.state import Layout
+from pipetransformer.dashboard import logs
+from pipetransformer.dashboard.launch import ENV_ETCD
+from pipetransformer.dashboard.logs import LINES, log_tail
+from pipetransformer.dashboard.pipeline_figures import (
     NO_TIMINGS_TEXT,
     NO_TRACE_TEXT,
     PHASE_COLORS,
@@ -43,9 +43,9 @@ from dashboard.pipeline_figures import (
     trace_lanes,
     version_spans,
 )
-from dashboard.timeline import band_label
-from dashboard.views import fmt_time, measured_parts, phase_rows, worker_rows
-from store.rows import RecordedLayout, StageTimesRow, StepTraceRow, WorkerRow
+from pipetransformer.dashboard.timeline import band_label
+from pipetransformer.dashboard.views import fmt_time, measured_parts, phase_rows, worker_rows
+from pipetransformer.store.rows import RecordedLayout, StageTimesRow, StepTraceRow, WorkerRow
 from tests.fixtures_store import StoreRun, packed_layout, two_stage_layout
 from tests.test_dashboard import TOKEN, button, chart_titles, page_text, run_app, show
 
@@ -611,7 +611,7 @@ def test_log_tail_reads_only_the_end_of_a_big_file(
 def test_log_tail_says_how_to_get_a_log_it_cannot_read(tmp_path: Path) -> None:
     from torchx.schedulers.kubernetes_scheduler import LABEL_ROLE_NAME, LABEL_UNIQUE_NAME
 
-    from orchestrator.components import TRAINER_ROLE
+    from pipetransformer.orchestrator.components import TRAINER_ROLE
 
     missing = log_tail(str(tmp_path / "gone.log"))
     assert missing.text is None and "gone.log" in missing.reason

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.partition import (
+from pipetransformer.core.partition import (
     BlockProfile,
     CostModel,
     PlanError,
@@ -27,11 +27,11 @@ from core.partition import (
     profile_at,
     uniform_partition,
 )
-from core.spec import ModelSpec
-from core.state import Layout
-from trainer import profile as profile_mod
-from trainer.models import init_unit
-from trainer.profile import measure_profile, measure_profiles, profile_cache_dir
+from pipetransformer.core.spec import ModelSpec
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer import profile as profile_mod
+from pipetransformer.trainer.models import init_unit
+from pipetransformer.trainer.profile import measure_profile, measure_profiles, profile_cache_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from baselines import (  # noqa: E402  (benchmark-only baselines live in bench/)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from core import planner
-from core.partition import BlockProfile, CostModel, PlanError, Profile, plan
-from core.planner import Planned, plan_layout, profile_sizes
-from core.spec import JobSpec
-from core.state import Layout
-from trainer import profile as profile_mod
+from pipetransformer.core import planner
+from pipetransformer.core.partition import BlockProfile, CostModel, PlanError, Profile, plan
+from pipetransformer.core.planner import Planned, plan_layout, profile_sizes
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer import profile as profile_mod
 
 
 def _spec(depth: int = 8, freeze: dict | None = None, **parallel) -> JobSpec:

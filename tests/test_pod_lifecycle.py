@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from core.spec import JobSpec, load_spec
-from orchestrator import exits, restarts, sizing, volcano
-from store import Store, sqlite_url
-from store.rows import EventRow
+from pipetransformer.core.spec import JobSpec, load_spec
+from pipetransformer.orchestrator import exits, restarts, sizing, volcano
+from pipetransformer.store import Store, sqlite_url
+from pipetransformer.store.rows import EventRow
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,7 +104,14 @@ def test_exit_status_of_each_job_end_and_the_termination_message(tmp_path: Path)
 
 
 def controller(workdir: Path, job_id: str, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "orchestrator.cli", "controller", "--workdir", str(workdir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipetransformer.orchestrator.cli",
+        "controller",
+        "--workdir",
+        str(workdir),
+    ]
     cmd += ["--job-id", job_id, "--etcd", "127.0.0.1:9", "--join-timeout", "5", *args]
     env = {**os.environ, "PIPETRANSFORMER_SPEC": (REPO / "examples/vit-digits.yaml").read_text()}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
@@ -135,7 +142,14 @@ def test_a_crash_looping_controller_fails_its_job_with_the_reason_and_a_terminal
 def test_a_bad_spec_is_a_terminal_status_for_the_controller(tmp_path: Path) -> None:
     spec = yaml.safe_load((REPO / "examples/vit-digits.yaml").read_text())
     spec["training"]["epochs"] = -1
-    cmd = [sys.executable, "-m", "orchestrator.cli", "controller", "--workdir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipetransformer.orchestrator.cli",
+        "controller",
+        "--workdir",
+        str(tmp_path),
+    ]
     cmd += ["--job-id", "bad", "--etcd", "127.0.0.1:9"]
     env = {**os.environ, "PIPETRANSFORMER_SPEC": yaml.safe_dump(spec)}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
@@ -210,8 +224,8 @@ def test_pod_sizes_follow_the_spec_and_are_guaranteed() -> None:
 
 
 def test_the_cache_files_stay_inside_the_volume_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from core.keys import ACTIVATION_CACHE_BYTES_ENV
-    from trainer.trainer import cache_disk_budget
+    from pipetransformer.core.keys import ACTIVATION_CACHE_BYTES_ENV
+    from pipetransformer.trainer.trainer import cache_disk_budget
 
     monkeypatch.delenv(ACTIVATION_CACHE_BYTES_ENV, raising=False)
     assert cache_disk_budget() is None

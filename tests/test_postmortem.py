@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from core.protocol import is_abnormal
-from orchestrator.postmortem import PostMortem, describe_status
+from pipetransformer.core.protocol import is_abnormal
+from pipetransformer.orchestrator.postmortem import PostMortem, describe_status
 
 GONE = "Connection closed by peer [127.0.0.1]:16110"
 

@@ -33,7 +33,7 @@ CHILD = textwrap.dedent(
 LAUNCHER = textwrap.dedent(
     """
     import sys
-    from orchestrator.procs import call_forwarding_signals
+    from pipetransformer.orchestrator.procs import call_forwarding_signals
     sys.exit(call_forwarding_signals([sys.executable, *sys.argv[1:]]))
     """
 )

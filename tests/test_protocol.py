@@ -9,7 +9,7 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from core.protocol import (
+from pipetransformer.core.protocol import (
     BadReport,
     CheckpointWritten,
     Control,
@@ -20,7 +20,7 @@ from core.protocol import (
     parse_event,
     read_freeze_request,
 )
-from core.state import Layout, TrainingState
+from pipetransformer.core.state import Layout, TrainingState
 
 
 def test_events_round_trip_into_their_own_type() -> None:

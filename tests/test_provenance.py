@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from core.protocol import DataOpened, DataOrigin, SplitOrigin, parse_event
-from core.provenance import (
+from pipetransformer.core.protocol import DataOpened, DataOrigin, SplitOrigin, parse_event
+from pipetransformer.core.provenance import (
     DATA_OPENED,
     data_text,
     describe_data,
@@ -20,10 +20,10 @@ from core.provenance import (
     origin_of,
     provenance,
 )
-from core.spec import DataSpec, JobSpec, parse_spec
-from orchestrator.cli import main
-from orchestrator.report import print_summary
-from store import Store, sqlite_url
+from pipetransformer.core.spec import DataSpec, JobSpec, parse_spec
+from pipetransformer.orchestrator.cli import main
+from pipetransformer.orchestrator.report import print_summary
+from pipetransformer.store import Store, sqlite_url
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 FINGERPRINT = "fedcba9876543210fedcba9876543210"

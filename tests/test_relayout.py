@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.planner import plan_layout
-from core.sampler import IGNORE, ElasticSampler
-from core.spec import JobSpec
-from core.state import Layout
+from pipetransformer.core.planner import plan_layout
+from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer.checkpoint import _optimizer_tensors, save_checkpoint
+from pipetransformer.trainer.models import build_model
+from pipetransformer.trainer.optim import build_optimizer
+from pipetransformer.trainer.relayout import build_training
 from tests.mp import run_distributed
-from trainer.checkpoint import _optimizer_tensors, save_checkpoint
-from trainer.models import build_model
-from trainer.optim import build_optimizer
-from trainer.relayout import build_training
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)
 pytestmark = pytest.mark.numerics

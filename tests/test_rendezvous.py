@@ -29,10 +29,10 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from core import keys
-from core.etcd_client import EtcdClient
-from orchestrator.etcd_server import EmbeddedEtcd, free_port
-from orchestrator.rendezvous import (
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd, free_port
+from pipetransformer.orchestrator.rendezvous import (
     EtcdRendezvousBackend,
     EtcdStore,
     create_etcd3_handler,
@@ -67,7 +67,7 @@ def params(endpoint: str, rid: str, min_nodes: int = 1, max_nodes: int = 1, **co
 
 def test_entry_point_is_discoverable_and_builds_our_handler(etcd_server: EmbeddedEtcd) -> None:
     (ep,) = [ep for ep in entry_points(group="torchrun.handlers") if ep.name == "etcd3"]
-    assert ep.value == "orchestrator.rendezvous:handler_factory"
+    assert ep.value == "pipetransformer.orchestrator.rendezvous:handler_factory"
     # torch calls the loaded object with no arguments and registers what it returns.
     creator = ep.load()()
     assert callable(creator)
@@ -85,7 +85,7 @@ def test_entry_point_registers_even_when_we_import_torch_rendezvous_first(
     # if our module is what triggers that import, the entry point must still resolve.
     code = textwrap.dedent(
         f"""
-        import orchestrator.rendezvous
+        import pipetransformer.orchestrator.rendezvous
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
         p = RendezvousParameters("etcd3", "{etcd_server.endpoint}", "fresh", 1, 1)
@@ -192,7 +192,7 @@ def test_a_forged_state_is_refused_before_torch_unpickles_it(
 ) -> None:
     import pickle
 
-    from core.protocol import RendezvousRefused
+    from pipetransformer.core.protocol import RendezvousRefused
 
     rid, marker = run_id(), tmp_path / "pwned"
     monkeypatch.setenv(keys.RDZV_SECRET_ENV, SECRET.decode())
@@ -391,7 +391,7 @@ def test_the_launch_command_gives_the_first_round_a_longer_call(
     etcd_server: EmbeddedEtcd,
 ) -> None:
     """What `pipetransformer run` and the trainer pods start torchrun with."""
-    from orchestrator.launch import FIRST_CALL_S, torchrun_command
+    from pipetransformer.orchestrator.launch import FIRST_CALL_S, torchrun_command
 
     cmd = torchrun_command(etcd_server.endpoint, "job", run_id(), 1, "1:2")
     conf = dict(kv.split("=", 1) for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
@@ -559,7 +559,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
     _RendezvousState,
 )
 
-from orchestrator.rendezvous import (  # noqa: E402
+from pipetransformer.orchestrator.rendezvous import (  # noqa: E402
     ALIVE,
     DELTA_SLOTS,
     MEMBERSHIP_ACTIONS,
@@ -676,7 +676,7 @@ def test_completing_a_round_ranks_its_nodes_as_torch_does() -> None:
         _DistributedRendezvousOpExecutor,
     )
 
-    from orchestrator.rendezvous import _NO_HOLDER, _quiet, apply_action
+    from pipetransformer.orchestrator.rendezvous import _NO_HOLDER, _quiet, apply_action
 
     rng = random.Random(7)
     nodes = list(
@@ -820,7 +820,7 @@ def test_a_round_taking_its_wait_list_and_its_ranks_are_named_in_the_delta_not_l
     that completes ranks its participants) are named in the delta, not listed node by node
     (each of a thousand nodes read ~150 kB of them); what they do not cover is listed, and
     the delta still turns the state before into the state after."""
-    import orchestrator.rendezvous as rdzv
+    import pipetransformer.orchestrator.rendezvous as rdzv
 
     s = settings(1, 300)
     old = _RendezvousState()
@@ -1297,7 +1297,7 @@ def test_joins_are_combined_into_few_state_writes(etcd_server: EmbeddedEtcd) -> 
 def test_a_forged_intent_is_dropped_unapplied_and_a_stuck_change_is_withdrawn(
     etcd_server: EmbeddedEtcd, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from orchestrator.rendezvous import node_id
+    from pipetransformer.orchestrator.rendezvous import node_id
 
     monkeypatch.setenv(keys.RDZV_SECRET_ENV, SECRET.decode())
     rid = run_id()
@@ -1459,7 +1459,7 @@ def test_large_jobs_heartbeat_at_torchs_interval_small_ones_every_second() -> No
     """torchrun's rendezvous conf from `torchrun_command`: 1 s heartbeats up to 64 nodes (a lost
     node is noticed in 3 s), torch's 5 s beyond (a false loss re-forms the whole job, and its
     chance grows with the node count)."""
-    from orchestrator.launch import torchrun_command
+    from pipetransformer.orchestrator.launch import torchrun_command
 
     def conf(nnodes: str) -> dict[str, str]:
         cmd = torchrun_command("127.0.0.1:2379", "job", "rdzv", 1, nnodes=nnodes)

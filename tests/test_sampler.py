@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.sampler import ElasticSampler
+from pipetransformer.core.sampler import ElasticSampler
 
 
 def _consume_epoch(sampler: ElasticSampler, epoch: int, replica_plan: list[int]) -> list[int]:

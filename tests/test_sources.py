@@ -16,25 +16,25 @@ import pytest
 import torch
 from PIL import Image
 
-from core.sampler import IGNORE, ElasticSampler
-from trainer.sources import DataError
-from trainer.sources import dataset as dataset_module
-from trainer.sources.dataset import (
+from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.trainer.sources import DataError
+from pipetransformer.trainer.sources import dataset as dataset_module
+from pipetransformer.trainer.sources.dataset import (
     ElasticBatches,
     EpochBatches,
     SampleKey,
     SourceDataset,
     elastic_loader,
 )
-from trainer.sources.image_folder import (
+from pipetransformer.trainer.sources.image_folder import (
     Augmentation,
     ImagePreprocessor,
     decode_image,
     open_image_folder,
     preprocess,
 )
-from trainer.sources.tabular import Columns, open_split, open_splits
-from trainer.sources.text import (
+from pipetransformer.trainer.sources.tabular import Columns, open_split, open_splits
+from pipetransformer.trainer.sources.text import (
     TextEncoder,
     check_fast_tokenizer,
     squad_metrics,
@@ -441,8 +441,8 @@ def test_a_training_reader_runs_on_across_epochs(
     reads every batch the sampler hands out, each epoch in its own order; without `epochs` a
     reader reads one epoch; a resume mid-epoch starts a reader from the cursor. Batches reach
     the loop as one tensor of inputs with ids and labels inline (numpy)."""
-    from trainer.feed import Feed
-    from trainer.sources.splits import SourceSplit
+    from pipetransformer.trainer.feed import Feed
+    from pipetransformer.trainer.sources.splits import SourceSplit
 
     ds = open_image_folder(_mixed_folder(tmp_path / "mixed"), cache_dir=tmp_path / "cache")
     src = SourceDataset(ds, Columns(image="image"), image=ImagePreprocessor(model_dir))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.spec import JobSpec, SpecError, load_spec, parse_spec
+from pipetransformer.core.spec import JobSpec, SpecError, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -394,7 +394,11 @@ def test_yaml_files_parse_as_a_person_means_them(tmp_path: Path) -> None:
 
 def _pipetransformer() -> list[str]:
     script = Path(sys.executable).parent / "pipetransformer"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
+    return (
+        [str(script)]
+        if script.exists()
+        else [sys.executable, "-m", "pipetransformer.orchestrator.cli"]
+    )
 
 
 def _jobs_stored(workdir: Path) -> int:

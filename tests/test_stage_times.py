@@ -11,8 +11,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from core.protocol import BadReport, StageTimes, parse_event
-from core.stage_times import (
+from pipetransformer.core.protocol import BadReport, StageTimes, parse_event
+from pipetransformer.core.stage_times import (
     PHASES,
     PhaseSeconds,
     measured_bubble,
@@ -20,7 +20,7 @@ from core.stage_times import (
     pipeline_reading,
     theoretical_bubble,
 )
-from trainer.stage_clock import StageClock
+from pipetransformer.trainer.stage_clock import StageClock
 
 
 def test_theoretical_bubble_follows_the_schedules_formulas() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from core.stage_times import PHASES
-from store import Store, sqlite_url
+from pipetransformer.core.stage_times import PHASES
+from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_run import (
     STEPS_PER_EPOCH,
     RealRun,

@@ -12,11 +12,11 @@ from alembic import command
 from sqlalchemy import event, func, inspect, select, text
 from sqlalchemy.exc import OperationalError
 
-from core.protocol import Metrics, StageTimes
-from core.spec import JobSpec
-from core.stage_times import PHASES, PhaseSeconds, per_rank
-from store import StageTimesRow, Store, UnknownJob, alembic_config, make_engine
-from store.tables import StageTime
+from pipetransformer.core.protocol import Metrics, StageTimes
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.stage_times import PHASES, PhaseSeconds, per_rank
+from pipetransformer.store import StageTimesRow, Store, UnknownJob, alembic_config, make_engine
+from pipetransformer.store.tables import StageTime
 from tests.fixtures_store import STORE_BACKENDS
 
 T0 = 1_700_000_000.0

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from core.protocol import Metrics
-from core.readings import largest_peak, mfu_text, peak_memory_text
-from core.spec import JobSpec
-from core.state import Layout
-from orchestrator.cli import main
-from orchestrator.controller import Progress
-from orchestrator.progress import _fmt
-from orchestrator.summary import (
+from pipetransformer.core.protocol import Metrics
+from pipetransformer.core.readings import largest_peak, mfu_text, peak_memory_text
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout
+from pipetransformer.orchestrator.cli import main
+from pipetransformer.orchestrator.controller import Progress
+from pipetransformer.orchestrator.progress import _fmt
+from pipetransformer.orchestrator.summary import (
     bought_line,
     effective_steps,
     history_from_store,
@@ -28,7 +28,14 @@ from orchestrator.summary import (
     short_reason,
     what_it_bought,
 )
-from store import EventRow, GenerationRow, MetricRow, RecordedLayout, Store, sqlite_url
+from pipetransformer.store import (
+    EventRow,
+    GenerationRow,
+    MetricRow,
+    RecordedLayout,
+    Store,
+    sqlite_url,
+)
 from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 10_000.0  # small: unix-sized times would leave step gaps only ~1e-7 s precise
@@ -275,7 +282,7 @@ def test_history_from_store_static_job(store: Store) -> None:
 
 
 def test_the_cache_line_says_what_autocache_decided_at_the_newest_boundary() -> None:
-    from orchestrator.summary import cache_line
+    from pipetransformer.orchestrator.summary import cache_line
 
     def decided(rank: int, boundary: int, use: bool, t: float) -> EventRow:
         reason = f"measured at F={boundary}, batch 32: recompute 2.00 ms vs cache 0.50 ms"

@@ -14,20 +14,20 @@ import pytest
 import yaml
 from torchx.specs import AppDef, macros
 
-from core.keys import RDZV_SECRET_ENV
-from core.spec import SpecError, load_spec
-from orchestrator.components import (
+from pipetransformer.core.keys import RDZV_SECRET_ENV
+from pipetransformer.core.spec import SpecError, load_spec
+from pipetransformer.orchestrator.components import (
     CONTROLLER_ROLE,
     METRICS_PORT_NAME,
     TRAINER_ROLE,
     ComponentArgError,
     train,
 )
-from store import Store, sqlite_url
+from pipetransformer.store import Store, sqlite_url
 
 REPO = Path(__file__).resolve().parents[1]
 COMPONENT_FILE = "orchestrator/components.py:train"
-COMPONENT_MODULE = "orchestrator.components:train"
+COMPONENT_MODULE = "pipetransformer.orchestrator.components:train"
 MAX_STEPS = 6
 
 # examples/vit-digits.yaml, shrunk. Holding out 90% of the digits leaves ~180 training images,
@@ -221,7 +221,11 @@ def test_torchx_dryrun_prints_both_roles(tiny_spec: Path, tmp_path: Path) -> Non
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out
         assert "'name': 'controller'" in out and "'name': 'trainer'" in out, out
-        assert "orchestrator.cli" in out and "'workers'" in out and "'controller'" in out
+        assert (
+            "pipetransformer.orchestrator.cli" in out
+            and "'workers'" in out
+            and "'controller'" in out
+        )
     assert not (tmp_path / "runs").exists()  # a dry run starts nothing
 
 

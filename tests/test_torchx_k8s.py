@@ -18,16 +18,26 @@ from typing import Any
 import pytest
 import yaml
 
-from core.keys import ACTIVATION_CACHE_BYTES_ENV, ACTIVATION_CACHE_ENV, RDZV_SECRET_ENV, SPEC_ENV
-from core.spec import load_spec, spec_from_text
-from orchestrator import sizing
-from orchestrator.components import (
+from pipetransformer.core.keys import (
+    ACTIVATION_CACHE_BYTES_ENV,
+    ACTIVATION_CACHE_ENV,
+    RDZV_SECRET_ENV,
+    SPEC_ENV,
+)
+from pipetransformer.core.spec import load_spec, spec_from_text
+from pipetransformer.orchestrator import sizing
+from pipetransformer.orchestrator.components import (
     METRICS_PORT,
     METRICS_PORT_NAME,
     ComponentArgError,
     train,
 )
-from orchestrator.pods import CACHE_DIR, ETCD_CERT_DIR, POD_LABELS, TORCHX_SHM_VOLUME
+from pipetransformer.orchestrator.pods import (
+    CACHE_DIR,
+    ETCD_CERT_DIR,
+    POD_LABELS,
+    TORCHX_SHM_VOLUME,
+)
 from tests import rehearsal
 from tests.pod_security import restricted_violations
 
@@ -80,7 +90,12 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         pod, c = task["template"]["spec"], container(task)
         command = c["command"]
         # the image's interpreter, the project's CLI; never the submitting machine's paths
-        assert c["image"] == IMAGE and command[:3] == ["python", "-m", "orchestrator.cli"]
+        assert c["image"] == IMAGE and command[:4] == [
+            "python",
+            "-P",
+            "-m",
+            "pipetransformer.orchestrator.cli",
+        ]
         assert not any(str(REPO) in part for part in command), command
         # no loopback address and no secret anywhere in what `ps` or the API shows
         # (torchx's own TORCHX_RANK0_HOST=localhost on the first task is unused here)

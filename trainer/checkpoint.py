@@ -50,14 +50,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from core.manifest import (
+from pipetransformer.core.manifest import (
     MANIFEST,
     META,
     CheckpointError,
     manifest_checksum,
     verify_checkpoint,
 )
-from core.spec import CheckpointSpec
+from pipetransformer.core.spec import CheckpointSpec
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -11,13 +11,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.protocol import CheckpointFailed, CheckpointWritten
-from core.spec import JobSpec
-from core.state import Layout, TrainingState
-from trainer.checkpoint import AsyncCheckpointer, CheckpointWriteError, checkpoint_due
-from trainer.collective import from_rank0
-from trainer.process import Reporter
-from trainer.train_state import TrainState
+from pipetransformer.core.protocol import CheckpointFailed, CheckpointWritten
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout, TrainingState
+from pipetransformer.trainer.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointWriteError,
+    checkpoint_due,
+)
+from pipetransformer.trainer.collective import from_rank0
+from pipetransformer.trainer.process import Reporter
+from pipetransformer.trainer.train_state import TrainState
 
 log = logging.getLogger("pipetransformer.worker")
 

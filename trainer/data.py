@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.spec import DataSpec, ModelSpec
-from trainer.sources import cache_root
+from pipetransformer.core.spec import DataSpec, ModelSpec
+from pipetransformer.trainer.sources import cache_root
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def load_dataset(data: DataSpec, model: ModelSpec) -> Dataset:
     if problem:
         raise ValueError(problem)
     if data.is_source:  # the `hf` extra's libraries: imported only for a job that reads files
-        from trainer.sources.splits import open_source_splits
+        from pipetransformer.trainer.sources.splits import open_source_splits
 
         return Dataset(*open_source_splits(data, model))
     if data.dataset == "digits":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.spec import JobSpec, gpu_shortfall, local_device_type
+from pipetransformer.core.spec import JobSpec, gpu_shortfall, local_device_type
 
 log = logging.getLogger("pipetransformer.worker")
 

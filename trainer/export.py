@@ -3,7 +3,7 @@ a directory `transformers` loads like any other (`from_pretrained`): `config.jso
 pretrained checkpoint's, with the job's label count), `model.safetensors` (every weight of the
 checkpoint) and the tokenizer or image processor files the model came with.
 
-`pipetransformer export` runs this as `python -m trainer.export` once it has found the job and
+`pipetransformer export` runs this as `python -m pipetransformer.trainer.export` once it has found the job and
 its checkpoint in the store (the data plane never reaches the store, and the control plane
 never imports the data plane). It needs no process group.
 
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from core.hf_config import parse_architecture, read_config_json
-from core.manifest import CheckpointError, checkpoint_checksum, verify_checkpoint
-from core.spec import JobSpec
+from pipetransformer.core.hf_config import parse_architecture, read_config_json
+from pipetransformer.core.manifest import CheckpointError, checkpoint_checksum, verify_checkpoint
+from pipetransformer.core.spec import JobSpec
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -115,8 +115,8 @@ def _check_destination(out: Path, force: bool, keep_clear: Iterable[Path]) -> No
 def _checkpoint_tensors(spec: JobSpec, checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of the checkpoint under its checkpoint key (unit prefix removed),
     read without a process group."""
-    from trainer.checkpoint import UnitsDiffer, read_weights
-    from trainer.units import architecture, empty_unit
+    from pipetransformer.trainer.checkpoint import UnitsDiffer, read_weights
+    from pipetransformer.trainer.units import architecture, empty_unit
 
     names = architecture(spec.model).unit_names()
     units = {name: empty_unit(spec.model, name) for name in names}  # meta: names and shapes
@@ -182,7 +182,7 @@ def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
 
 def _original_keys(directory: Path, family: str) -> dict[str, str]:
     """The pretrained checkpoint's keys by the units' names (a base model's get the prefix)."""
-    from trainer.hf.load import checkpoint_index, unit_keys
+    from pipetransformer.trainer.hf.load import checkpoint_index, unit_keys
 
     return unit_keys(checkpoint_index(directory), family)
 
@@ -230,7 +230,7 @@ def export(
     checked against its own manifest. Raises ExportError (or CheckpointError) saying why not."""
     from safetensors.torch import save_file
 
-    from trainer.units import CheckpointChanged
+    from pipetransformer.trainer.units import CheckpointChanged
 
     checkpoint, out = Path(checkpoint), Path(out)
     pretrained = _pretrained_dir(spec)
@@ -277,7 +277,7 @@ def export(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m trainer.export",
+        prog="python -m pipetransformer.trainer.export",
         description="Write a committed checkpoint of a job on a Hugging Face model as a "
         "directory transformers loads (what `pipetransformer export` runs).",
     )

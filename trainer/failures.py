@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 import socket
 
-from core import keys
-from core.protocol import WorkerExit, is_abnormal
+from pipetransformer.core import keys
+from pipetransformer.core.protocol import WorkerExit, is_abnormal
 
 # What gloo (and NCCL, torch's store) say when the other end of a collective went away. gloo
 # raises a plain RuntimeError ("[.../pair.cc:553] Connection closed by peer [127.0.0.1]:16110");
@@ -62,7 +62,9 @@ def report_exit(request: dict, pid: int, exit_code: int) -> None:
     job_id, endpoint = _flag(argv, "--job-id"), _flag(argv, "--etcd")
     if not job_id or not endpoint:
         return
-    from core.etcd_client import EtcdClient  # only on this path, in the throwaway child
+    from pipetransformer.core.etcd_client import (
+        EtcdClient,
+    )  # only on this path, in the throwaway child
 
     rank = env.get("RANK")
     host = socket.gethostname()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.sampler import Batch, ElasticSampler
+from pipetransformer.core.sampler import Batch, ElasticSampler
 
 Position = tuple[int, int, int, int]  # epoch, cursor, replicas, replica
 PREFETCH = 4  # batches each loader process reads ahead
@@ -72,7 +72,7 @@ class Feed:
         return sample.inputs
 
     def _start(self, epoch: int, cursor: int, replicas: int, replica: int) -> None:
-        from trainer.sources.dataset import EpochBatches, elastic_loader
+        from pipetransformer.trainer.sources.dataset import EpochBatches, elastic_loader
 
         self.close()
         end = max(self.epochs or 0, epoch + 1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from core.spec import ModelSpec
+from pipetransformer.core.spec import ModelSpec
 
 PEAK_ENV = "PIPETRANSFORMER_PEAK_TFLOPS"
 

@@ -10,20 +10,20 @@ import math
 import torch
 import torch.distributed as dist
 
-from core import keys
-from core.etcd_client import EtcdClient
-from core.freeze import FreezeDecision, GradNormMeter, decide, settle_criterion
-from core.protocol import (
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.freeze import FreezeDecision, GradNormMeter, decide, settle_criterion
+from pipetransformer.core.protocol import (
     FreezeDecided,
     FreezeRequest,
     UnreadableRequest,
     freeze_request_id,
     read_freeze_request,
 )
-from core.spec import JobSpec
-from trainer.collective import from_rank0
-from trainer.process import Reporter
-from trainer.train_state import TrainState
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.trainer.collective import from_rank0
+from pipetransformer.trainer.process import Reporter
+from pipetransformer.trainer.train_state import TrainState
 
 
 class GradientDrift:

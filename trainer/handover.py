@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.handover import Handover, Move, plan_handover
-from core.state import Layout
-from trainer.cache import FrozenPrefix
-from trainer.checkpoint import state_tensors, unit_of
+from pipetransformer.core.handover import Handover, Move, plan_handover
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer.cache import FrozenPrefix
+from pipetransformer.trainer.checkpoint import state_tensors, unit_of
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.spec import ModelSpec
+from pipetransformer.core.spec import ModelSpec
 
 
 class PatchEmbed(nn.Module):

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from core.spec import TrainingSpec
+from pipetransformer.core.spec import TrainingSpec
 
 
 def build_optimizer(module: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:

@@ -35,22 +35,22 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from core.handover import held_units
-from core.sampler import IGNORE
-from core.spec import SCHEDULES, ModelSpec, schedule_problem
-from core.state import Layout, StageLayout
-from trainer.cache import ActivationCache, FrozenPrefix
-from trainer.device import Compute
-from trainer.models import (
+from pipetransformer.core.handover import held_units
+from pipetransformer.core.sampler import IGNORE
+from pipetransformer.core.spec import SCHEDULES, ModelSpec, schedule_problem
+from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.trainer.cache import ActivationCache, FrozenPrefix
+from pipetransformer.trainer.device import Compute
+from pipetransformer.trainer.models import (
     StageModule,
     stage_input_dtype,
     stage_input_shape,
     stage_output_shape,
     weights_dtype,
 )
-from trainer.optim import MasterWeights
-from trainer.stage_clock import StageClock
-from trainer.units import empty_unit, initial_units
+from pipetransformer.trainer.optim import MasterWeights
+from pipetransformer.trainer.stage_clock import StageClock
+from pipetransformer.trainer.units import empty_unit, initial_units
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,

@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from core import keys
-from core.etcd_client import EtcdClient, EtcdError, KeepAlive
-from core.protocol import EXIT_REFORM, Assignment, JoinRequest, WorkerEvent
-from core.spec import JobSpec
-from trainer.collective import from_rank0
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient, EtcdError, KeepAlive
+from pipetransformer.core.protocol import EXIT_REFORM, Assignment, JoinRequest, WorkerEvent
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.trainer.collective import from_rank0
 
 log = logging.getLogger("pipetransformer.worker")
 

@@ -41,14 +41,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core import planner
-from core.partition import BlockProfile, Profile
-from core.planner import Planned
-from core.spec import JobSpec, ModelSpec
-from core.state import Layout
-from trainer.device import synchronize
-from trainer.models import Precision, autocast, to_weights_dtype, weights_dtype
-from trainer.units import example_input, initial_units
+from pipetransformer.core import planner
+from pipetransformer.core.partition import BlockProfile, Profile
+from pipetransformer.core.planner import Planned
+from pipetransformer.core.spec import JobSpec, ModelSpec
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer.device import synchronize
+from pipetransformer.trainer.models import Precision, autocast, to_weights_dtype, weights_dtype
+from pipetransformer.trainer.units import example_input, initial_units
 
 PROFILE_FORMAT = 4  # bump when what is measured changes, so old stored profiles are not reused
 _MIN_SAMPLE_S = 2e-3  # a timing sample averages calls until it lasts about this long

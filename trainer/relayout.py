@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import torch
 
-from core.manifest import verify_checkpoint
-from core.planner import recompute_flags
-from core.spec import JobSpec
-from core.state import Layout
-from trainer.checkpoint import load_checkpoint, load_weights
-from trainer.collective import once_per_node
-from trainer.device import Compute
-from trainer.handover import Previous, receive_state
-from trainer.optim import build_optimizer
-from trainer.pipeline import RankPipeline, TrainingGroups, UnitSource, build_rank_pipeline
-from trainer.process import node_id
+from pipetransformer.core.manifest import verify_checkpoint
+from pipetransformer.core.planner import recompute_flags
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer.checkpoint import load_checkpoint, load_weights
+from pipetransformer.trainer.collective import once_per_node
+from pipetransformer.trainer.device import Compute
+from pipetransformer.trainer.handover import Previous, receive_state
+from pipetransformer.trainer.optim import build_optimizer
+from pipetransformer.trainer.pipeline import (
+    RankPipeline,
+    TrainingGroups,
+    UnitSource,
+    build_rank_pipeline,
+)
+from pipetransformer.trainer.process import node_id
 
 
 def build_training(

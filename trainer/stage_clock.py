@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from core.stage_times import MAX_TRACE_SPANS, PHASES, PhaseSeconds, TraceSpan, with_waits
+from pipetransformer.core.stage_times import (
+    MAX_TRACE_SPANS,
+    PHASES,
+    PhaseSeconds,
+    TraceSpan,
+    with_waits,
+)
 
 # what the clock times besides the reported phases: the schedule as a whole (split at `take`)
 _SCHEDULE = "schedule"

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from core.freeze import FreezeState
-from core.protocol import Assignment
-from core.spec import JobSpec
-from core.state import Layout, TrainingState
+from pipetransformer.core.freeze import FreezeState
+from pipetransformer.core.protocol import Assignment
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout, TrainingState
 
 
 @dataclass

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from core import keys
-from core.etcd_client import EtcdClient
-from core.freeze import is_decision_point
-from core.manifest import read_meta
-from core.planner import Planned, needs_measurement
-from core.protocol import (
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.freeze import is_decision_point
+from pipetransformer.core.manifest import read_meta
+from pipetransformer.core.planner import Planned, needs_measurement
+from pipetransformer.core.protocol import (
     Assignment,
     CacheDecided,
     Control,
@@ -49,30 +49,40 @@ from core.protocol import (
     StepTrace,
     read_trace_request,
 )
-from core.provenance import describe_data
-from core.sampler import IGNORE, Batch, ElasticSampler
-from core.spec import JobSpec
-from core.state import Layout, StageLayout
-from trainer.cache import DEFAULT_RAM_BYTES, ActivationCache, CachePolicy, choose_memory
-from trainer.checkpointing import Checkpointing
-from trainer.collective import flag_from, from_rank0, ranks_where
-from trainer.data import Split, load_dataset, onto_device
-from trainer.device import Compute, local_placement, peak_memory_mib, reset_peak_memory
-from trainer.feed import Feed
-from trainer.flops import mfu, peak_flops, training_flops_per_sample
-from trainer.freezing import Freezing
-from trainer.handover import Previous, handover_group
-from trainer.optim import lr_at, set_lr
-from trainer.pipeline import RankPipeline, TrainingGroups, masked_loss_sum
-from trainer.process import LeaveRequest, Reporter, node_id, stdout_log
-from trainer.profile import measured_layout
-from trainer.relayout import build_training, verify_once_per_node
-from trainer.stage_clock import StageClock
-from trainer.train_state import TrainState
+from pipetransformer.core.provenance import describe_data
+from pipetransformer.core.sampler import IGNORE, Batch, ElasticSampler
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.trainer.cache import (
+    DEFAULT_RAM_BYTES,
+    ActivationCache,
+    CachePolicy,
+    choose_memory,
+)
+from pipetransformer.trainer.checkpointing import Checkpointing
+from pipetransformer.trainer.collective import flag_from, from_rank0, ranks_where
+from pipetransformer.trainer.data import Split, load_dataset, onto_device
+from pipetransformer.trainer.device import (
+    Compute,
+    local_placement,
+    peak_memory_mib,
+    reset_peak_memory,
+)
+from pipetransformer.trainer.feed import Feed
+from pipetransformer.trainer.flops import mfu, peak_flops, training_flops_per_sample
+from pipetransformer.trainer.freezing import Freezing
+from pipetransformer.trainer.handover import Previous, handover_group
+from pipetransformer.trainer.optim import lr_at, set_lr
+from pipetransformer.trainer.pipeline import RankPipeline, TrainingGroups, masked_loss_sum
+from pipetransformer.trainer.process import LeaveRequest, Reporter, node_id, stdout_log
+from pipetransformer.trainer.profile import measured_layout
+from pipetransformer.trainer.relayout import build_training, verify_once_per_node
+from pipetransformer.trainer.stage_clock import StageClock
+from pipetransformer.trainer.train_state import TrainState
 
 if TYPE_CHECKING:
-    from trainer.sources.qa import QASplit
-    from trainer.sources.splits import SourceSplit
+    from pipetransformer.trainer.sources.qa import QASplit
+    from pipetransformer.trainer.sources.splits import SourceSplit
 
 log = logging.getLogger("pipetransformer.worker")
 

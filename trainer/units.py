@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.hf_config import HFArchitecture, fingerprint, read_architecture
-from core.spec import ModelSpec
-from trainer import models
+from pipetransformer.core.hf_config import HFArchitecture, fingerprint, read_architecture
+from pipetransformer.core.spec import ModelSpec
+from pipetransformer.trainer import models
 
 log = logging.getLogger("pipetransformer.worker")
 
@@ -54,8 +54,8 @@ def empty_unit(spec: ModelSpec, name: str) -> nn.Module:
     if spec.pretrained is None:
         with torch.device("meta"):
             return models.empty_unit(spec, name)
-    from trainer.hf.load import parameters_on_meta
-    from trainer.hf.units import build_unit
+    from pipetransformer.trainer.hf.load import parameters_on_meta
+    from pipetransformer.trainer.hf.units import build_unit
 
     arch = architecture(spec)
     with parameters_on_meta():
@@ -63,7 +63,7 @@ def empty_unit(spec: ModelSpec, name: str) -> nn.Module:
 
 
 def _hf_config(spec: ModelSpec, arch: HFArchitecture):  # noqa: ANN202 (transformers' type)
-    from trainer.hf.units import hf_config
+    from pipetransformer.trainer.hf.units import hf_config
 
     assert spec.pretrained is not None and spec.pretrained.path is not None
     return hf_config(spec.pretrained.path, arch)
@@ -75,7 +75,7 @@ def initial_units(spec: ModelSpec, seed: int, names: Iterable[str]) -> dict[str,
     names = list(names)
     if spec.pretrained is None:
         return {name: models.init_unit(spec, seed, name) for name in names}
-    from trainer.hf.load import load_units
+    from pipetransformer.trainer.hf.load import load_units
 
     arch = architecture(spec)
     assert spec.pretrained.path is not None

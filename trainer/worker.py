@@ -1,4 +1,4 @@
-"""The trainer process: one per accelerator, started by torchrun (`-m trainer.worker`) or forked by
+"""The trainer process: one per accelerator, started by torchrun (`-m pipetransformer.trainer.worker`) or forked by
 its node's fork server (which calls `main` and, when the process ends, `on_worker_exit`).
 
 It reads its job from etcd (spec, then the assignment answering its rendezvous round's join
@@ -19,8 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from core.etcd_client import EtcdClient
-from core.protocol import (
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.protocol import (
     EXIT_REFORM,
     Aborted,
     Failed,
@@ -30,17 +30,25 @@ from core.protocol import (
     Phase,
     RunOutcome,
 )
-from trainer.device import Compute, worker_device
-from trainer.failures import is_peer_loss
-from trainer.failures import report_exit as on_worker_exit  # noqa: F401 (fork-server hook)
-from trainer.process import AbortWatch, LeaveRequest, Reporter, hold, hold_presence, join, read_spec
-from trainer.trainer import Context, Trainer, startup_layout
+from pipetransformer.trainer.device import Compute, worker_device
+from pipetransformer.trainer.failures import is_peer_loss
+from pipetransformer.trainer.failures import report_exit as on_worker_exit  # noqa: F401 (fork-server hook)
+from pipetransformer.trainer.process import (
+    AbortWatch,
+    LeaveRequest,
+    Reporter,
+    hold,
+    hold_presence,
+    join,
+    read_spec,
+)
+from pipetransformer.trainer.trainer import Context, Trainer, startup_layout
 
 log = logging.getLogger("pipetransformer.worker")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trainer.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pipetransformer.trainer.worker", description=__doc__)
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--etcd", required=True, help="etcd endpoint HOST:PORT")
     args = parser.parse_args(argv)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.spec import JobSpec
-from orchestrator.launch import heartbeat_s
+from pipetransformer.core.spec import JobSpec
+from pipetransformer.orchestrator.launch import heartbeat_s
 
 JOB = "cps"
 MONITOR_S = 0.2  # torchrun --monitor-interval in orchestrator.launch.torchrun_command

@@ -9,8 +9,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from core import keys
-from orchestrator.controller import Controller
+from pipetransformer.core import keys
+from pipetransformer.orchestrator.controller import Controller
 
 from .config import CONTROLLER_TICK_S
 from .figures import _dist

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.etcd_client import EtcdClient
-from core.state import Layout
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.state import Layout
 
 from .config import ABORT_POLL_S, MONITOR_S, Config
 from .etcd_metrics import _by, _total
@@ -56,7 +56,7 @@ def _rendezvous_figures(
 ) -> None:
     """A rendezvous phase's figures under `prefix` ("rendezvous", "rerendezvous"): `n` nodes
     expected back, each part's t0 (start) and t_rdzv / t_assigned (back, ranks assigned)."""
-    from orchestrator.rendezvous import state_key
+    from pipetransformer.orchestrator.rendezvous import state_key
 
     start = min(p["t0"] for p in parts)
     done = [p for p in parts if "t_rdzv" in p]

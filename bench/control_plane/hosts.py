@@ -20,11 +20,11 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from core import keys
-from core.etcd_client import EtcdClient
-from core.protocol import Assignment, JoinRequest
-from core.state import Layout
-from orchestrator.launch import FIRST_CALL_S, HEARTBEATS_MISSED, LAST_CALL_S
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.protocol import Assignment, JoinRequest
+from pipetransformer.core.state import Layout
+from pipetransformer.orchestrator.launch import FIRST_CALL_S, HEARTBEATS_MISSED, LAST_CALL_S
 
 from .config import JOB, JOIN_POLL_S, SCHEDULING_THREADS, Config, PhaseFailed
 from .simulate import (
@@ -133,8 +133,8 @@ def _host(
     logging.getLogger().setLevel(logging.WARNING)
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from orchestrator.rendezvous import create_etcd3_handler
-    from trainer.process import Reporter  # noqa: F401  (imported once here, not in a thread)
+    from pipetransformer.orchestrator.rendezvous import create_etcd3_handler
+    from pipetransformer.trainer.process import Reporter  # noqa: F401  (imported once here, not in a thread)
 
     rdzv_conf = {
         "join_timeout": conf.join_timeout,
@@ -252,7 +252,7 @@ def _host(
     # how it ends for the controller: rank 0 reports the end, then every lease goes
     rank0 = [p for p in parts if p.result.get("rank") == 0 and p.reporter is not None]
     if msg[3] and rank0:
-        from core.protocol import Finished
+        from pipetransformer.core.protocol import Finished
 
         rank0[0].call("report", rank0[0].reporter.emit, Finished, kind="done", outcome="done")
     # while steady (what the rendezvous logged before is in its own figures)

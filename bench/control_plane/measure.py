@@ -16,12 +16,12 @@ from typing import Any
 
 from _common import process_memory, progress
 
-from core.etcd_client import EtcdClient
-from core.state import Layout
-from orchestrator.controller import Controller
-from orchestrator.etcd_server import EmbeddedEtcd
-from orchestrator.launch import HEARTBEATS_MISSED
-from store import Store, sqlite_url
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.state import Layout
+from pipetransformer.orchestrator.controller import Controller
+from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
+from pipetransformer.orchestrator.launch import HEARTBEATS_MISSED
+from pipetransformer.store import Store, sqlite_url
 
 from .config import JOB, Config, PhaseFailed, job_spec
 from .controller_loop import ControllerLoop

@@ -10,8 +10,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from core.etcd_client import EtcdClient
-from orchestrator.rendezvous import load_secret, read_rendezvous
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.orchestrator.rendezvous import load_secret, read_rendezvous
 
 
 class RdzvWatch:

@@ -20,10 +20,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from core import keys
-from core.etcd_client import EtcdClient
-from core.protocol import Metrics, Started
-from core.state import Layout
+from pipetransformer.core import keys
+from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.protocol import Metrics, Started
+from pipetransformer.core.state import Layout
 
 from .config import ABORT_POLL_S, AGENT_LEASE_S, MONITOR_S, Config
 
@@ -259,7 +259,7 @@ def _worker_tasks(
 ) -> list[list[Any]]:
     """A worker's start (presence lease, `Started`), then what it does while it trains: abort
     polls and, where it reports, `Metrics` (as periodic tasks)."""
-    from trainer.process import Reporter, hold_presence
+    from pipetransformer.trainer.process import Reporter, hold_presence
 
     rank = p.result["rank"]
     pipe = layout.pipeline_ranks

@@ -8,7 +8,7 @@ import sys
 
 from _common import ROOT
 
-from store import Store
+from pipetransformer.store import Store
 
 
 class StoreCounter:

@@ -10,6 +10,6 @@ from torchx.plugins import register
 
 @register.scheduler(name="kubernetes")
 def kubernetes(session_name: str, **kwargs: Any) -> Any:
-    from orchestrator.volcano import create_scheduler
+    from pipetransformer.orchestrator.volcano import create_scheduler
 
     return create_scheduler(session_name, **kwargs)

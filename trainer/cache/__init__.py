@@ -67,18 +67,18 @@ Concurrency (several processes of one node, e.g. the first-stage ranks of severa
   written through to the files, so other processes (and this one after a restart) see it.
 """
 
-from trainer.cache.memory import DEFAULT_RAM_BYTES, MemoryTier
-from trainer.cache.policy import (
+from pipetransformer.trainer.cache.memory import DEFAULT_RAM_BYTES, MemoryTier
+from pipetransformer.trainer.cache.policy import (
     CacheDecision,
     CacheMode,
     CachePolicy,
     choose_memory,
     decide_cache,
 )
-from trainer.cache.prefix import FrozenPrefix, PrefixRunner
-from trainer.cache.stats import CacheStats
-from trainer.cache.storage import ActivationCache, Indices
-from trainer.cache.timing import PrefixCosts, measure_prefix_costs
+from pipetransformer.trainer.cache.prefix import FrozenPrefix, PrefixRunner
+from pipetransformer.trainer.cache.stats import CacheStats
+from pipetransformer.trainer.cache.storage import ActivationCache, Indices
+from pipetransformer.trainer.cache.timing import PrefixCosts, measure_prefix_costs
 
 __all__ = [
     "DEFAULT_RAM_BYTES",

@@ -16,9 +16,9 @@ from typing import Literal
 
 import torch
 
-from trainer.cache.memory import MemoryTier
-from trainer.cache.prefix import PrefixRunner
-from trainer.cache.timing import PrefixCosts, measure_prefix_costs
+from pipetransformer.trainer.cache.memory import MemoryTier
+from pipetransformer.trainer.cache.prefix import PrefixRunner
+from pipetransformer.trainer.cache.timing import PrefixCosts, measure_prefix_costs
 
 CacheMode = Literal["off", "auto", "on"]
 

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trainer.models import PRECISIONS, Precision, autocast, to_weights_dtype
+from pipetransformer.trainer.models import PRECISIONS, Precision, autocast, to_weights_dtype
 
 
 class PrefixRunner(Protocol):

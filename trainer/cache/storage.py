@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from core.spec import ModelSpec
-from trainer.cache.files import FileTier, Level
-from trainer.cache.memory import (
+from pipetransformer.core.spec import ModelSpec
+from pipetransformer.trainer.cache.files import FileTier, Level
+from pipetransformer.trainer.cache.memory import (
     CURRENT,
     DEFAULT_RAM_BYTES,
     SOURCE,
@@ -30,12 +30,12 @@ from trainer.cache.memory import (
     on,
     resolve_memory,
 )
-from trainer.cache.prefix import PrefixRunner
-from trainer.cache.stats import CacheStats
+from pipetransformer.trainer.cache.prefix import PrefixRunner
+from pipetransformer.trainer.cache.stats import CacheStats
 
 if TYPE_CHECKING:
-    from trainer.cache.policy import CacheDecision, CachePolicy
-    from trainer.cache.timing import PrefixCosts
+    from pipetransformer.trainer.cache.policy import CacheDecision, CachePolicy
+    from pipetransformer.trainer.cache.timing import PrefixCosts
 
 Indices = torch.Tensor | np.ndarray | Sequence[int]
 
@@ -421,7 +421,7 @@ class ActivationCache:
         reused at later boundaries (rows have one shape): a re-layout measures only the
         recomputation of its prefix."""
         # the policy measures scratch caches of this class: imported here, not at the top
-        from trainer.cache.policy import decide_cache
+        from pipetransformer.trainer.cache.policy import decide_cache
 
         decision = decide_cache(
             policy,

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.cache.memory import MemoryTier
-from trainer.cache.prefix import PrefixRunner
-from trainer.cache.storage import ActivationCache
-from trainer.device import synchronize
+from pipetransformer.trainer.cache.memory import MemoryTier
+from pipetransformer.trainer.cache.prefix import PrefixRunner
+from pipetransformer.trainer.cache.storage import ActivationCache
+from pipetransformer.trainer.device import synchronize
 
 
 @dataclass(frozen=True)

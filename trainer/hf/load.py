@@ -29,14 +29,14 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from core.hf_config import (
+from pipetransformer.core.hf_config import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
     HFArchitecture,
     parse_architecture,
     read_config_json,
 )
-from trainer.hf.units import build_unit, hf_config, unit_prefixes
+from pipetransformer.trainer.hf.units import build_unit, hf_config, unit_prefixes
 
 SINGLE_FILE, INDEX_FILE = WEIGHTS_FILE, WEIGHTS_INDEX  # what save_pretrained writes
 

@@ -50,7 +50,7 @@ from transformers.models.roberta.modeling_roberta import (
 )
 from transformers.models.vit.modeling_vit import ViTEmbeddings, ViTLayer
 
-from core.hf_config import HFArchitecture, read_config_json
+from pipetransformer.core.hf_config import HFArchitecture, read_config_json
 
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "vit": ViTConfig,

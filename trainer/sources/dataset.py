@@ -26,11 +26,15 @@ from PIL import Image as PILImage
 from torch.utils.data import DataLoader, Sampler, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
-from core.sampler import IGNORE, ElasticSampler
-from trainer.sources import DataError
-from trainer.sources.image_folder import Augmentation, ImagePreprocessor, decode_image
-from trainer.sources.tabular import Columns
-from trainer.sources.text import TextEncoder
+from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.trainer.sources import DataError
+from pipetransformer.trainer.sources.image_folder import (
+    Augmentation,
+    ImagePreprocessor,
+    decode_image,
+)
+from pipetransformer.trainer.sources.tabular import Columns
+from pipetransformer.trainer.sources.text import TextEncoder
 
 ROWS_PER_READ = 32  # rows read from arrow, and images preprocessed, at once
 DECODED_BYTES_PER_CALL = 64 << 20  # decoded pixels held at most before the processor runs

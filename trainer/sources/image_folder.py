@@ -32,7 +32,7 @@ import torch
 from datasets.arrow_writer import ArrowWriter
 from PIL import Image as PILImage
 
-from trainer.sources import DataError
+from pipetransformer.trainer.sources import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 PROCESSOR_CONFIG = "preprocessor_config.json"

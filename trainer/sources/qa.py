@@ -26,12 +26,17 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-from core.sampler import IGNORE
-from core.spec import DataSpec, ModelSpec
-from trainer.sources import DataError, cache_root
-from trainer.sources.dataset import Sample, SampleKey
-from trainer.sources.tabular import Columns
-from trainer.sources.text import TextEncoder, check_fast_tokenizer, squad_metrics, squad_windows
+from pipetransformer.core.sampler import IGNORE
+from pipetransformer.core.spec import DataSpec, ModelSpec
+from pipetransformer.trainer.sources import DataError, cache_root
+from pipetransformer.trainer.sources.dataset import Sample, SampleKey
+from pipetransformer.trainer.sources.tabular import Columns
+from pipetransformer.trainer.sources.text import (
+    TextEncoder,
+    check_fast_tokenizer,
+    squad_metrics,
+    squad_windows,
+)
 
 FEATURES = datasets.Features(
     {

@@ -12,13 +12,17 @@ import datasets
 import numpy as np
 import torch
 
-from core.spec import DataSpec, ModelSpec
-from trainer.sources import DataError
-from trainer.sources.dataset import SourceDataset
-from trainer.sources.image_folder import Augmentation, ImagePreprocessor, open_image_folder
-from trainer.sources.qa import QASplit, qa_columns, qa_splits
-from trainer.sources.tabular import Columns, open_split, open_splits
-from trainer.sources.text import TextEncoder
+from pipetransformer.core.spec import DataSpec, ModelSpec
+from pipetransformer.trainer.sources import DataError
+from pipetransformer.trainer.sources.dataset import SourceDataset
+from pipetransformer.trainer.sources.image_folder import (
+    Augmentation,
+    ImagePreprocessor,
+    open_image_folder,
+)
+from pipetransformer.trainer.sources.qa import QASplit, qa_columns, qa_splits
+from pipetransformer.trainer.sources.tabular import Columns, open_split, open_splits
+from pipetransformer.trainer.sources.text import TextEncoder
 
 
 @dataclass

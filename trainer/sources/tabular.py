@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trainer.sources import DataError
+from pipetransformer.trainer.sources import DataError
 
 PathLike = str | os.PathLike[str]
 SplitFiles = PathLike | Sequence[PathLike]

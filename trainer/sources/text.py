@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trainer.sources import DataError
+from pipetransformer.trainer.sources import DataError
 
 
 def _model_vocab_size(model_dir: Path) -> int:
