@@ -30,7 +30,7 @@ from typing import Any
 
 from _common import emit, environment, progress, rotated
 
-from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.orchestrator import rendezvous as rz
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
 

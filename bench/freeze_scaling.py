@@ -45,8 +45,8 @@ GPU asynchronously) or `device` (GPU memory: a hit is a gather on the GPU); `aut
 together fit in half of the free GPU memory, else `pinned`, and `host` on the CPU.
 
 MFU per configuration (`mfu`, with `tflops` the achieved model FLOP/s): samples/s x
-`trainer.flops.training_flops_per_sample(spec, F, cached)` over the device's dense peak at the
-precision in use (`trainer.flops.peak_flops`; none on the CPU unless
+`core.flops.training_flops_per_sample(spec, F, cached)` over the device's dense peak at the
+precision in use (`core.flops.peak_flops`; none on the CPU unless
 $PIPETRANSFORMER_PEAK_TFLOPS is set): model FLOPs, so a frozen prefix counts its forward when
 recomputed and nothing when cached.
 
@@ -92,10 +92,10 @@ from _common import (  # noqa: E402
     rotated,
 )
 
+from pipetransformer.core.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
 from pipetransformer.core.spec import ModelSpec, TrainingSpec  # noqa: E402
 from pipetransformer.trainer.cache import ActivationCache, FrozenPrefix, choose_memory  # noqa: E402
 from pipetransformer.trainer.device import synchronize  # noqa: E402
-from pipetransformer.trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
 from pipetransformer.trainer.models import StageModule, build_model, num_tokens  # noqa: E402
 from pipetransformer.trainer.optim import build_optimizer  # noqa: E402
 

@@ -29,7 +29,7 @@ synchronisation on CUDA (wall clock on the CPU); medians. A configuration that f
 without a working compiler, out of memory, a non-finite loss) records its error in its row and the
 others go on.
 
-Counted (trainer/flops.py, `training_flops_per_sample(spec)`): the model FLOPs of a training
+Counted (core/flops.py, `training_flops_per_sample(spec)`): the model FLOPs of a training
 sample, 3x the forward's matrix products and attention (the embedding's patch projection, the
 blocks' q/k/v/output projections, MLP and attention scores, the head), as PaLM defines MFU: what
 the model needs, not what the run executes; norms, softmax, GELU and the optimizer are left out
@@ -81,9 +81,9 @@ from _common import (  # noqa: E402
 from freeze_scaling import MODELS, _backend_name  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
+from pipetransformer.core.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
 from pipetransformer.core.spec import ModelSpec, TrainingSpec  # noqa: E402
 from pipetransformer.trainer.device import synchronize  # noqa: E402
-from pipetransformer.trainer.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
 from pipetransformer.trainer.models import StageModule, build_model, num_tokens  # noqa: E402
 from pipetransformer.trainer.optim import MasterWeights, build_optimizer  # noqa: E402
 

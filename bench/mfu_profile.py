@@ -1,6 +1,6 @@
 """Where the MFU benchmark's training step spends its time: a torch.profiler capture of a few
 steps of bench/mfu.py's configurations, GPU kernel time by category per step, against the FLOP
-count of trainer/flops.py.
+count of core/flops.py.
 
 Each configuration (`--configs`, the names of bench/mfu.py) builds, warms up and is timed as
 bench/mfu.py does it (`--repeats` spans of `--steps` steps, CUDA events, the median: the step
@@ -23,7 +23,7 @@ tested on the CPU):
                 attributed through each kernel's launch
     top         the kernels that took longest, with their category
 
-and against the count (trainer/flops.py): the model FLOPs of a step split into matrix products
+and against the count (core/flops.py): the model FLOPs of a step split into matrix products
 and attention (3 x 4 T^2 d per block per sample), the TFLOP/s each achieves inside its own
 kernels, and `mfu_bound`: the MFU the step would reach if only its matrix products and attention
 ran (every other category and idle at zero), the ceiling that the remainder is measured from.
@@ -61,8 +61,8 @@ import torch  # noqa: E402
 from _common import emit, environment, median, out_dir, progress  # noqa: E402
 from mfu import ATTENTION, CONFIGS, GOAL_MFU, MODELS, Config, resolve_choices, use_attention  # noqa: E402
 
+from pipetransformer.core.flops import peak_flops, training_flops_per_sample  # noqa: E402
 from pipetransformer.trainer.device import synchronize  # noqa: E402
-from pipetransformer.trainer.flops import peak_flops, training_flops_per_sample  # noqa: E402
 from pipetransformer.trainer.models import num_tokens  # noqa: E402
 
 CATEGORIES = ("matmul", "attention", "norm_act", "optimizer", "copy", "other")
@@ -290,7 +290,7 @@ def summarise_cpu(trace: dict | list, *, steps: int, step_ms: float | None, top:
 
 
 def flop_split(spec, batch: int) -> dict[str, float]:
-    """The model FLOPs of one training step (trainer/flops.py), split into attention (scores and
+    """The model FLOPs of one training step (core/flops.py), split into attention (scores and
     their use, 3 x 4 T^2 d per block per sample) and matrix products (the rest)."""
     total = training_flops_per_sample(spec) * batch
     t = num_tokens(spec)

@@ -38,7 +38,7 @@ import yaml
 from _common import ROOT, emit, environment, progress
 
 from pipetransformer.core import keys  # noqa: E402
-from pipetransformer.core.etcd_client import EtcdClient  # noqa: E402
+from pipetransformer.edge.etcd_client import EtcdClient  # noqa: E402
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd  # noqa: E402
 from pipetransformer.store import EventRow, Store, sqlite_url  # noqa: E402
 

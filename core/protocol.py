@@ -115,7 +115,7 @@ class FreezeOutcome(StrEnum):
 
 class FreezeRequest(_Model):
     """A manual request to freeze blocks [0, layers), filed under `keys.freeze_override` by the
-    CLI (`core.overrides.file_freeze_request`; one pending at a time) and applied at the next decision point."""
+    CLI (`edge.overrides.file_freeze_request`; one pending at a time) and applied at the next decision point."""
 
     id: str
     layers: StrictInt  # "4" or 4.0 is a malformed request, not four blocks
@@ -302,7 +302,7 @@ class Metrics(_Event):
     # one gradient L2 norm per transformer block (after the cross-replica all-reduce, before
     # clipping; 0 for frozen blocks); None where not finite. Absent from older workers' reports.
     grad_norms: list[NonNegativeReading] | None = None
-    # model FLOPs per second over the devices' dense peak (trainer/flops.py), a fraction; None
+    # model FLOPs per second over the devices' dense peak (core/flops.py), a fraction; None
     # where the peak is unknown (the CPU, unless PIPETRANSFORMER_PEAK_TFLOPS says it) or not finite
     mfu: NonNegativeReading = None
     # peak GPU memory allocated per rank (MiB; index = rank) since the layout was built, sent at

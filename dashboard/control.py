@@ -2,10 +2,10 @@
 asking its ranks to trace one step.
 
 Reading is open; acting needs a signed-in user (`dashboard.auth`). A freeze request goes through
-`core.overrides.file_freeze_request`, the same validation as `pipetransformer freeze`
+`edge.overrides.file_freeze_request`, the same validation as `pipetransformer freeze`
 (running job, forward only, within the model), before anything is filed in the job's etcd; the
 controller then audits it in the store under the signed-in name. A trace request goes through
-`core.overrides.file_trace_request` (`pipetransformer trace`: a running job that times its
+`edge.overrides.file_trace_request` (`pipetransformer trace`: a running job that times its
 stages). Refused sign-ins and refused requests are logged on the dashboard's stderr with the
 client address, filed ones with the signed-in name.
 """
@@ -19,15 +19,6 @@ from typing import TypeVar
 
 import streamlit as st
 
-from pipetransformer.core.etcd_client import EtcdClient, EtcdError
-from pipetransformer.core.overrides import (
-    OverrideError,
-    allowed_layers,
-    file_freeze_request,
-    file_trace_request,
-    live_etcd_endpoint,
-    pending_request,
-)
 from pipetransformer.dashboard.auth import (
     HOW_TO_ENABLE,
     AuthConfigError,
@@ -36,6 +27,15 @@ from pipetransformer.dashboard.auth import (
     oidc_configured,
 )
 from pipetransformer.dashboard.launch import Options
+from pipetransformer.edge.etcd_client import EtcdClient, EtcdError
+from pipetransformer.edge.overrides import (
+    OverrideError,
+    allowed_layers,
+    file_freeze_request,
+    file_trace_request,
+    live_etcd_endpoint,
+    pending_request,
+)
 from pipetransformer.store import JobInfo, Store
 
 R = TypeVar("R")
@@ -266,7 +266,7 @@ def trace_arrived(job_id: str) -> None:
 
 def trace_control(job: JobInfo, options: Options, actor: str | None) -> None:
     """A button that asks every rank of the running job to trace its next step after a control
-    point (`core.overrides.file_trace_request`, the same rules as `pipetransformer trace`; a
+    point (`edge.overrides.file_trace_request`, the same rules as `pipetransformer trace`; a
     signed-in user's, audited like a freeze request). Nothing for a job that is not running;
     without a signed-in user, or for a job that times nothing (`runtime.stage_timing: false`),
     it says why there is no button. A refused request says why, never with a traceback."""

@@ -26,16 +26,16 @@ from rich.table import Table
 from sqlalchemy.engine import make_url
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient, EtcdUnavailable
-from pipetransformer.core.overrides import (
+from pipetransformer.core.readings import mfu_text, peak_memory_text
+from pipetransformer.core.spec import JobSpec, SpecError, load_spec, spec_from_text
+from pipetransformer.core.stage_times import chrome_trace
+from pipetransformer.edge.etcd_client import EtcdClient, EtcdUnavailable
+from pipetransformer.edge.overrides import (
     OverrideError,
     file_freeze_request,
     file_trace_request,
     live_etcd_endpoint,
 )
-from pipetransformer.core.readings import mfu_text, peak_memory_text
-from pipetransformer.core.spec import JobSpec, SpecError, load_spec, spec_from_text
-from pipetransformer.core.stage_times import chrome_trace
 from pipetransformer.orchestrator import etcd_auth, restarts
 from pipetransformer.orchestrator.controller import (
     Controller,

@@ -52,7 +52,6 @@ from torchx.specs import RetryPolicy, macros
 from torchx.specs.finder import ComponentValidationException
 from torchx.specs.overlays import set_overlay
 
-from pipetransformer.core.etcd_client import PASSWORD_ENV, USER_ENV
 from pipetransformer.core.keys import (
     ACTIVATION_CACHE_BYTES_ENV,
     ACTIVATION_CACHE_ENV,
@@ -60,6 +59,7 @@ from pipetransformer.core.keys import (
     SPEC_ENV,
 )
 from pipetransformer.core.spec import JobSpec, SpecError, load_spec
+from pipetransformer.edge.etcd_client import PASSWORD_ENV, USER_ENV
 from pipetransformer.orchestrator import etcd_auth, sizing, volcano
 from pipetransformer.orchestrator.etcd_server import free_port
 from pipetransformer.orchestrator.pods import (

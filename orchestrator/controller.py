@@ -39,14 +39,8 @@ from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
-from pipetransformer.core.manifest import (
-    CheckpointError,
-    meta_boundary,
-    read_meta,
-    verify_checkpoint,
-)
 from pipetransformer.core.planner import PlanError, plan_layout
+from pipetransformer.core.postmortem import PostMortem, describe_status
 from pipetransformer.core.protocol import (
     Aborted,
     Assignment,
@@ -86,8 +80,14 @@ from pipetransformer.core.protocol import (
 from pipetransformer.core.provenance import DATA_OPENED, data_text
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout, TrainingState
+from pipetransformer.edge.etcd_client import EtcdClient, EtcdUnavailable, KeepAlive
+from pipetransformer.edge.manifest import (
+    CheckpointError,
+    meta_boundary,
+    read_meta,
+    verify_checkpoint,
+)
 from pipetransformer.orchestrator.generations import Generation, Generations
-from pipetransformer.orchestrator.postmortem import PostMortem, describe_status
 from pipetransformer.orchestrator.roster import Roster
 from pipetransformer.orchestrator.sources import resolve_submission
 from pipetransformer.store import CheckpointInfo, Store, StoreUnavailable

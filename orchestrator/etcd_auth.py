@@ -58,7 +58,7 @@ from pyetcd.etcdrpc import auth_pb2, rpc_pb2
 from pyetcd.utils import prefix_range_end
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient, EtcdError, EtcdPermissionDenied
+from pipetransformer.edge.etcd_client import EtcdClient, EtcdError, EtcdPermissionDenied
 from pipetransformer.orchestrator.errors import UsageError
 
 __all__ = [

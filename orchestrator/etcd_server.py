@@ -23,7 +23,7 @@ from importlib.resources import files
 from pathlib import Path
 from types import TracebackType
 
-from pipetransformer.core.etcd_client import EtcdClient, EtcdError
+from pipetransformer.edge.etcd_client import EtcdClient, EtcdError
 from pipetransformer.orchestrator.procs import tied_to_parent
 
 __all__ = ["EmbeddedEtcd", "EtcdStartError", "etcd_binary", "free_port"]

@@ -4,7 +4,7 @@ A generation is a torchrun rendezvous round the controller answered, from the mo
 (`Controller.start_generation`, or `attach` for the one a predecessor opened) until it ends, and
 then while its end is still being explained. `Generation` holds everything the controller knows
 of one: the assignment it published, the post-mortem of its ranks (how each ended,
-orchestrator/postmortem.py), which ranks' leases were seen, whether its row is still open in the
+core/postmortem.py), which ranks' leases were seen, whether its row is still open in the
 store, whether its workers leave on purpose, and the explanation last written for it.
 
 `Generations` keeps them (the newest is `current`; ended ones stay, so late reports and exit
@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pipetransformer.core.postmortem import PostMortem, RankEnd
 from pipetransformer.core.protocol import (
     Aborted,
     Assignment,
@@ -27,7 +28,6 @@ from pipetransformer.core.protocol import (
     RankEndReport,
     WorkerExit,
 )
-from pipetransformer.orchestrator.postmortem import PostMortem, RankEnd
 from pipetransformer.orchestrator.roster import Roster
 from pipetransformer.store import Store
 

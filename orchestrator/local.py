@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient, EtcdUnavailable
-from pipetransformer.core.overrides import endpoint_file
 from pipetransformer.core.spec import JobSpec, gpu_shortfall, local_device_type
+from pipetransformer.edge.etcd_client import EtcdClient, EtcdUnavailable
+from pipetransformer.edge.overrides import endpoint_file
 from pipetransformer.orchestrator import admission, forkserver
 from pipetransformer.orchestrator.controller import Controller, job_dir
 from pipetransformer.orchestrator.errors import UsageError

@@ -27,8 +27,8 @@ ETCD_CERT_FILES = ("ca.crt", "tls.crt", "tls.key")
 
 
 def etcd_client_env() -> dict[str, str]:
-    """The variables that point core.etcd_client at the certificate in `ETCD_CERT_DIR`."""
-    from pipetransformer.core.etcd_client import CACERT_ENV, CERT_ENV, KEY_ENV
+    """The variables that point edge.etcd_client at the certificate in `ETCD_CERT_DIR`."""
+    from pipetransformer.edge.etcd_client import CACERT_ENV, CERT_ENV, KEY_ENV
 
     return {
         CACERT_ENV: f"{ETCD_CERT_DIR}/ca.crt",

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipetransformer.core.manifest import (
+from pipetransformer.core.spec import JobSpec, ModelSpec, SpecError
+from pipetransformer.edge.manifest import (
     MANIFEST,
     CheckpointError,
     checkpoint_checksum,
     read_meta,
     verify_checkpoint,
 )
-from pipetransformer.core.spec import JobSpec, ModelSpec, SpecError
 
 # the fields that decide the shape and meaning of the weights (dropout does not)
 _ARCHITECTURE = {

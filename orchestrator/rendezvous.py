@@ -1,7 +1,7 @@
 """torchrun rendezvous over etcd v3: ``--rdzv-backend etcd3 --rdzv-endpoint HOST:PORT``.
 
 torch ships two etcd backends and both speak the v2 HTTP API, which etcd 3.4+ disables by
-default; this one speaks v3 (gRPC, through :mod:`core.etcd_client`). It plugs into
+default; this one speaks v3 (gRPC, through :mod:`edge.etcd_client`). It plugs into
 torch's own ``DynamicRendezvousHandler``, so join/last-call/heartbeat/close semantics are
 exactly those of the ``c10d`` backend, and it is registered through the
 ``torchrun.handlers`` entry point (``handler_factory``).
@@ -236,14 +236,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import (
+from pipetransformer.core.protocol import RendezvousRefused
+from pipetransformer.edge.etcd_client import (
     EtcdClient,
     EtcdConfigError,
     EtcdError,
     Lease,
     LeaseExpired,
 )
-from pipetransformer.core.protocol import RendezvousRefused
 
 __all__ = [
     "ALIVE",
@@ -2245,7 +2245,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         success: Sequence[pb.RequestOp],
         failure: Sequence[pb.RequestOp] = (),
     ) -> pb.TxnResponse:
-        """One etcd transaction, under the client's retry policy (core/etcd_client.py offers
+        """One etcd transaction, under the client's retry policy (edge/etcd_client.py offers
         no keys-only, count-only or nested reads; this is the one place that goes below it)."""
         request = pb.TxnRequest(compare=compare, success=success, failure=failure)
         return self._rpc("Txn", what, request)
@@ -2664,7 +2664,7 @@ def create_backend(
     rpc_timeout = _positive(params, "rpc_timeout", DEFAULT_RPC_TIMEOUT)
     own = client is None
     if client is None:
-        try:  # TLS and identity from the environment, as every client here (core/etcd_client.py)
+        try:  # TLS and identity from the environment, as every client here (edge/etcd_client.py)
             client = EtcdClient(params.endpoint, timeout=rpc_timeout, retry_timeout=read_timeout)
         except EtcdConfigError as exc:
             raise RendezvousConnectionError(

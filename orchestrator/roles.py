@@ -11,9 +11,9 @@ import socket
 import time
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient, EtcdUnavailable
 from pipetransformer.core.protocol import TrainerRefused
 from pipetransformer.core.spec import JobSpec, gpu_shortfall
+from pipetransformer.edge.etcd_client import EtcdClient, EtcdUnavailable
 from pipetransformer.orchestrator import forkserver
 from pipetransformer.orchestrator.controller import Controller
 from pipetransformer.orchestrator.errors import UsageError

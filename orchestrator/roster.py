@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from pipetransformer.core.postmortem import RankEnd
 from pipetransformer.core.protocol import Finished, JoinRequest, Leaving, Started, WorkerEvent
 from pipetransformer.core.state import Layout
-from pipetransformer.orchestrator.postmortem import RankEnd
 from pipetransformer.store import Store
 
 # the post-mortem's end kinds as worker states (it folds `aborted` into `left`: see `ended`)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
 
 

@@ -817,7 +817,7 @@ class Cluster:
         return pod
 
     def wait_etcd(self, pod: Pod, timeout: float) -> None:
-        from pipetransformer.core.etcd_client import EtcdClient
+        from pipetransformer.edge.etcd_client import EtcdClient
 
         def ready() -> bool:
             if pod.poll() is not None:

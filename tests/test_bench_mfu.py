@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import mfu as bench  # noqa: E402
 
-from pipetransformer.trainer.flops import PEAK_ENV, training_flops_per_sample  # noqa: E402
+from pipetransformer.core.flops import PEAK_ENV, training_flops_per_sample  # noqa: E402
 
 TINY = bench.MODELS["vit-tiny"][0]
 

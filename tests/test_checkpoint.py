@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipetransformer.core.manifest import CheckpointError, read_meta, verify_checkpoint
 from pipetransformer.core.planner import plan_layout
 from pipetransformer.core.spec import CheckpointSpec, JobSpec
+from pipetransformer.edge.manifest import CheckpointError, read_meta, verify_checkpoint
 from pipetransformer.orchestrator.controller import Controller
 from pipetransformer.store import Store
 from pipetransformer.trainer.checkpoint import (

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
-from pipetransformer.core.overrides import endpoint_file
+from pipetransformer.edge.etcd_client import EtcdClient
+from pipetransformer.edge.overrides import endpoint_file
 from pipetransformer.orchestrator.cli import main
 from pipetransformer.store import Store, sqlite_url, url_problem
 from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec

@@ -18,8 +18,6 @@ import pytest
 from sqlalchemy import event, text
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
-from pipetransformer.core.manifest import build_manifest, manifest_checksum
 from pipetransformer.core.planner import plan_layout
 from pipetransformer.core.protocol import (
     EXIT_REFORM,
@@ -32,6 +30,8 @@ from pipetransformer.core.protocol import (
 from pipetransformer.core.provenance import DATA_OPENED, describe_data, origin_of
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.edge.etcd_client import EtcdClient
+from pipetransformer.edge.manifest import build_manifest, manifest_checksum
 from pipetransformer.orchestrator.controller import Controller
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
 from pipetransformer.store import Store
@@ -305,7 +305,7 @@ def test_abort_watch_exits_the_worker_at_once(etcd_server: EmbeddedEtcd, etcd) -
     script = textwrap.dedent(
         f"""
         import time
-        from pipetransformer.core.etcd_client import EtcdClient
+        from pipetransformer.edge.etcd_client import EtcdClient
         from pipetransformer.trainer.process import AbortWatch
         AbortWatch(EtcdClient({etcd_server.endpoint!r}), "job-ft", 7, every=0.05).start()
         print("ready", flush=True)

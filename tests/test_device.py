@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from pipetransformer.core import flops
 from pipetransformer.core.spec import JobSpec, ModelSpec, gpu_shortfall, local_device_type
 from pipetransformer.core.state import Layout, StageLayout
 from pipetransformer.orchestrator import gpus, local
-from pipetransformer.trainer import flops, profile
+from pipetransformer.trainer import profile
 from pipetransformer.trainer.collective import once_per_node
 from pipetransformer.trainer.device import Compute, DeviceError, resolve_device
 from pipetransformer.trainer.models import (

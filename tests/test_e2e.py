@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetransformer.core.manifest import verify_checkpoint
+from pipetransformer.edge.manifest import verify_checkpoint
 from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_run import (
     STEPS_PER_EPOCH,

@@ -1,5 +1,5 @@
 """Who may write the job's keys, against a real etcd started with TLS, client certificates and
-auth (orchestrator/etcd_auth.py, core/etcd_client.py's EtcdTls): each role does its job, each
+auth (orchestrator/etcd_auth.py, edge/etcd_client.py's EtcdTls): each role does its job, each
 write outside its permissions is refused naming the identity and the key, a client without a
 certificate or with a wrong one is refused at the handshake, and a misconfigured client is told
 which variable and path are wrong before it sends anything."""
@@ -29,7 +29,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import (
+from pipetransformer.core.spec import JobSpec, load_spec
+from pipetransformer.edge.etcd_client import (
     CACERT_ENV,
     CERT_ENV,
     KEY_ENV,
@@ -44,8 +45,7 @@ from pipetransformer.core.etcd_client import (
     EtcdTlsRefused,
     EtcdUnavailable,
 )
-from pipetransformer.core.overrides import file_freeze_request, file_trace_request
-from pipetransformer.core.spec import JobSpec, load_spec
+from pipetransformer.edge.overrides import file_freeze_request, file_trace_request
 from pipetransformer.orchestrator import cli, etcd_auth
 from pipetransformer.orchestrator.errors import UsageError
 from pipetransformer.orchestrator.etcd_server import etcd_binary, free_port

@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors import safe_open
 
-from pipetransformer.core.manifest import CheckpointError
 from pipetransformer.core.spec import JobSpec
+from pipetransformer.edge.manifest import CheckpointError
 from pipetransformer.store import Store, sqlite_url
 from pipetransformer.trainer.checkpoint import _MetadataUnpickler
 from pipetransformer.trainer.export import ExportError, export

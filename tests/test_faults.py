@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
-from pipetransformer.core.manifest import verify_checkpoint
 from pipetransformer.core.spec import JobSpec
+from pipetransformer.edge.etcd_client import EtcdClient
+from pipetransformer.edge.manifest import verify_checkpoint
 from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_run import STEPS_PER_EPOCH, cli, start_cli, store_probe, wait_for, write_spec
 

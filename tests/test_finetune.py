@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetransformer.core.manifest import CheckpointError, manifest_checksum
 from pipetransformer.core.planner import plan_layout
 from pipetransformer.core.spec import JobSpec, SpecError, parse_spec
+from pipetransformer.edge.manifest import CheckpointError, manifest_checksum
 from pipetransformer.orchestrator.controller import Controller
 from pipetransformer.orchestrator.exits import EXIT_JOB_FAILED
 from pipetransformer.orchestrator.pretrained import resolve_init

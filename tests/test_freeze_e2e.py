@@ -68,8 +68,8 @@ def test_manual_freeze_is_validated_audited_and_applied(
 
 def test_freeze_requests_are_validated_before_anything_is_filed(store, etcd) -> None:
     from pipetransformer.core import keys
-    from pipetransformer.core.overrides import OverrideError, file_freeze_request
     from pipetransformer.core.spec import parse_spec
+    from pipetransformer.edge.overrides import OverrideError, file_freeze_request
 
     spec = parse_spec({"name": "x", "model": {"depth": 6}, "freeze": {"keep_trainable": 2}})
     store.create_job("j", spec, "/tmp")

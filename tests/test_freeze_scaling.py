@@ -19,7 +19,7 @@ pytestmark = pytest.mark.numerics
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import freeze_scaling as fs  # noqa: E402
 
-from pipetransformer.trainer.flops import PEAK_ENV, training_flops_per_sample  # noqa: E402
+from pipetransformer.core.flops import PEAK_ENV, training_flops_per_sample  # noqa: E402
 
 TINY = fs.MODELS["vit-tiny"][0]
 CHECKS = {

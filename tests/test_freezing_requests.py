@@ -5,14 +5,14 @@ that comes before that must not decide the same request again."""
 from __future__ import annotations
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
 from pipetransformer.core.freeze import FreezeState
 from pipetransformer.core.planner import plan_layout
 from pipetransformer.core.protocol import FreezeRequest
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import TrainingState
+from pipetransformer.core.train_state import TrainState
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.trainer.freezing import Freezing
-from pipetransformer.trainer.train_state import TrainState
 
 
 def test_a_request_is_decided_once_though_it_is_read_again_before_it_is_retired(

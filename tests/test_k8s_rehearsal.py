@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
-from pipetransformer.core.manifest import verify_checkpoint
+from pipetransformer.edge.etcd_client import EtcdClient
+from pipetransformer.edge.manifest import verify_checkpoint
 from pipetransformer.orchestrator.components import train
 from pipetransformer.orchestrator.rendezvous import read_rendezvous
 from pipetransformer.store import Store
@@ -461,8 +461,8 @@ def test_a_stopped_job_and_a_failed_one_end_their_volcano_jobs_and_release_their
     (TerminateJob) before Volcano's maxRetry is spent. Either way every pod stops: GPUs
     released."""
     from pipetransformer.core import keys
-    from pipetransformer.core.etcd_client import EtcdClient
     from pipetransformer.core.protocol import Control
+    from pipetransformer.edge.etcd_client import EtcdClient
 
     with rehearsal.explained(cluster):
         etcd = cluster.start_etcd()

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import mfu_profile as prof  # noqa: E402
 
-from pipetransformer.trainer.flops import PEAK_ENV, training_flops_per_sample  # noqa: E402
+from pipetransformer.core.flops import PEAK_ENV, training_flops_per_sample  # noqa: E402
 
 # (name as the profiler's trace gives it, category): seen on an NVIDIA H100 (torch 2.11, CUDA 13)
 REAL = [

@@ -13,6 +13,7 @@ torchx's plugin namespace. Two ways that used to go wrong are checked for real h
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -90,6 +91,17 @@ def test_a_job_runs_from_a_directory_whose_folders_are_named_like_ours(tmp_path:
         assert job.step == 4
 
 
+def _source_copy(to: Path) -> Path:
+    """What a wheel is built from, copied: setuptools builds in the source tree, and a build/
+    left in the checkout would keep files a later wheel should not have."""
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("pipetransformer", *FOLDERS, "torchx_plugins"):
+        shutil.copytree(REPO / name, to / name, symlinks=True, ignore=skip)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, to / name)
+    return to
+
+
 def _build_wheel(source: Path, out: Path) -> Path:
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
@@ -120,7 +132,7 @@ def test_the_wheel_installs_beside_a_distribution_with_a_top_level_trainer(
         '[tool.setuptools]\npackages = ["trainer"]\n'
     )
     theirs = _build_wheel(other, tmp_path / "theirs")
-    ours = _build_wheel(REPO, tmp_path / "ours")
+    ours = _build_wheel(_source_copy(tmp_path / "source"), tmp_path / "ours")
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

@@ -1,5 +1,5 @@
 """Post-mortems of a generation: the rank that died is told apart from the ranks that only lost
-it as a peer, whatever order the facts arrive in (orchestrator/postmortem.py)."""
+it as a peer, whatever order the facts arrive in (core/postmortem.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
+from pipetransformer.core.postmortem import PostMortem, describe_status
 from pipetransformer.core.protocol import is_abnormal
-from pipetransformer.orchestrator.postmortem import PostMortem, describe_status
 
 GONE = "Connection closed by peer [127.0.0.1]:16110"
 

@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd, free_port
 from pipetransformer.orchestrator.rendezvous import (
     EtcdRendezvousBackend,

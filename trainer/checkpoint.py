@@ -50,14 +50,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from pipetransformer.core.manifest import (
+from pipetransformer.core.spec import CheckpointSpec
+from pipetransformer.edge.manifest import (
     MANIFEST,
     META,
     CheckpointError,
     manifest_checksum,
     verify_checkpoint,
 )
-from pipetransformer.core.spec import CheckpointSpec
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -148,7 +148,7 @@ def _partial(path: Path) -> Path:
 
 
 def _entry(path: Path) -> dict[str, Any]:
-    """A manifest entry, as core.manifest.build_manifest computes it."""
+    """A manifest entry, as edge.manifest.build_manifest computes it."""
     with open(path, "rb") as f:
         return {"size": path.stat().st_size, "sha256": file_digest(f, "sha256").hexdigest()}
 

@@ -14,6 +14,7 @@ from torch import nn
 from pipetransformer.core.protocol import CheckpointFailed, CheckpointWritten
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout, TrainingState
+from pipetransformer.core.train_state import TrainState
 from pipetransformer.trainer.checkpoint import (
     AsyncCheckpointer,
     CheckpointWriteError,
@@ -21,7 +22,6 @@ from pipetransformer.trainer.checkpoint import (
 )
 from pipetransformer.trainer.collective import from_rank0
 from pipetransformer.trainer.process import Reporter
-from pipetransformer.trainer.train_state import TrainState
 
 log = logging.getLogger("pipetransformer.worker")
 

@@ -35,8 +35,8 @@ import torch
 from pydantic import ValidationError
 
 from pipetransformer.core.hf_config import parse_architecture, read_config_json
-from pipetransformer.core.manifest import CheckpointError, checkpoint_checksum, verify_checkpoint
 from pipetransformer.core.spec import JobSpec
+from pipetransformer.edge.manifest import CheckpointError, checkpoint_checksum, verify_checkpoint
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

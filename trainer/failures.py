@@ -4,7 +4,7 @@ A worker whose collective fails because a peer died is not the one that failed; 
 `peer_lost` and leaves to re-form. A worker whose own code raises reports `failed`. A worker
 killed outright cannot report anything: the process that reaps it (its node's fork server) puts
 its exit status in etcd through `report_exit`. The controller puts the three together
-(orchestrator/postmortem.py).
+(core/postmortem.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def report_exit(request: dict, pid: int, exit_code: int) -> None:
     job_id, endpoint = _flag(argv, "--job-id"), _flag(argv, "--etcd")
     if not job_id or not endpoint:
         return
-    from pipetransformer.core.etcd_client import (
+    from pipetransformer.edge.etcd_client import (
         EtcdClient,
     )  # only on this path, in the throwaway child
 

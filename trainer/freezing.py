@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
 from pipetransformer.core.freeze import FreezeDecision, GradNormMeter, decide, settle_criterion
 from pipetransformer.core.protocol import (
     FreezeDecided,
@@ -21,9 +20,10 @@ from pipetransformer.core.protocol import (
     read_freeze_request,
 )
 from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.train_state import TrainState
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.trainer.collective import from_rank0
 from pipetransformer.trainer.process import Reporter
-from pipetransformer.trainer.train_state import TrainState
 
 
 class GradientDrift:

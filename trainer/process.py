@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient, EtcdError, KeepAlive
 from pipetransformer.core.protocol import EXIT_REFORM, Assignment, JoinRequest, WorkerEvent
 from pipetransformer.core.spec import JobSpec
+from pipetransformer.edge.etcd_client import EtcdClient, EtcdError, KeepAlive
 from pipetransformer.trainer.collective import from_rank0
 
 log = logging.getLogger("pipetransformer.worker")

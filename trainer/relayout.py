@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from pipetransformer.core.manifest import verify_checkpoint
 from pipetransformer.core.planner import recompute_flags
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout
+from pipetransformer.edge.manifest import verify_checkpoint
 from pipetransformer.trainer.checkpoint import load_checkpoint, load_weights
 from pipetransformer.trainer.collective import once_per_node
 from pipetransformer.trainer.device import Compute

@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.core.flops import mfu, peak_flops, training_flops_per_sample
 from pipetransformer.core.freeze import is_decision_point
-from pipetransformer.core.manifest import read_meta
 from pipetransformer.core.planner import Planned, needs_measurement
 from pipetransformer.core.protocol import (
     Assignment,
@@ -53,6 +52,9 @@ from pipetransformer.core.provenance import describe_data
 from pipetransformer.core.sampler import IGNORE, Batch, ElasticSampler
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.core.train_state import TrainState
+from pipetransformer.edge.etcd_client import EtcdClient
+from pipetransformer.edge.manifest import read_meta
 from pipetransformer.trainer.cache import (
     DEFAULT_RAM_BYTES,
     ActivationCache,
@@ -69,7 +71,6 @@ from pipetransformer.trainer.device import (
     reset_peak_memory,
 )
 from pipetransformer.trainer.feed import Feed
-from pipetransformer.trainer.flops import mfu, peak_flops, training_flops_per_sample
 from pipetransformer.trainer.freezing import Freezing
 from pipetransformer.trainer.handover import Previous, handover_group
 from pipetransformer.trainer.optim import lr_at, set_lr
@@ -78,7 +79,6 @@ from pipetransformer.trainer.process import LeaveRequest, Reporter, node_id, std
 from pipetransformer.trainer.profile import measured_layout
 from pipetransformer.trainer.relayout import build_training, verify_once_per_node
 from pipetransformer.trainer.stage_clock import StageClock
-from pipetransformer.trainer.train_state import TrainState
 
 if TYPE_CHECKING:
     from pipetransformer.trainer.sources.qa import QASplit

@@ -19,7 +19,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from pipetransformer.core.etcd_client import EtcdClient
 from pipetransformer.core.protocol import (
     EXIT_REFORM,
     Aborted,
@@ -30,6 +29,7 @@ from pipetransformer.core.protocol import (
     Phase,
     RunOutcome,
 )
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.trainer.device import Compute, worker_device
 from pipetransformer.trainer.failures import is_peer_loss
 from pipetransformer.trainer.failures import report_exit as on_worker_exit  # noqa: F401 (fork-server hook)

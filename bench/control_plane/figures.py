@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipetransformer.core.etcd_client import EtcdClient
 from pipetransformer.core.state import Layout
+from pipetransformer.edge.etcd_client import EtcdClient
 
 from .config import ABORT_POLL_S, MONITOR_S, Config
 from .etcd_metrics import _by, _total

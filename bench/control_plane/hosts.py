@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
 from pipetransformer.core.protocol import Assignment, JoinRequest
 from pipetransformer.core.state import Layout
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.orchestrator.launch import FIRST_CALL_S, HEARTBEATS_MISSED, LAST_CALL_S
 
 from .config import JOB, JOIN_POLL_S, SCHEDULING_THREADS, Config, PhaseFailed

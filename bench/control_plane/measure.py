@@ -16,8 +16,8 @@ from typing import Any
 
 from _common import process_memory, progress
 
-from pipetransformer.core.etcd_client import EtcdClient
 from pipetransformer.core.state import Layout
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.orchestrator.controller import Controller
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
 from pipetransformer.orchestrator.launch import HEARTBEATS_MISSED

@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from pipetransformer.core.etcd_client import EtcdClient
+from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.orchestrator.rendezvous import load_secret, read_rendezvous
 
 

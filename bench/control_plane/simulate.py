@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
 from pipetransformer.core.protocol import Metrics, Started
 from pipetransformer.core.state import Layout
+from pipetransformer.edge.etcd_client import EtcdClient
 
 from .config import ABORT_POLL_S, AGENT_LEASE_S, MONITOR_S, Config
 

@@ -68,7 +68,7 @@ def verify_checkpoint(path: str | Path, checksum: str) -> int:
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     """A checkpoint's `meta.json` (epoch, step, sampler cursor, the layout training continues
-    under, AutoFreeze's memory...; `trainer.train_state.TrainState.state_dict`); verify the
+    under, AutoFreeze's memory...; `core.train_state.TrainState.state_dict`); verify the
     checkpoint first, the manifest covers it."""
     return json.loads((Path(path) / META).read_text())
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Protocol
 
 from pipetransformer.core import keys
-from pipetransformer.core.etcd_client import EtcdClient
 from pipetransformer.core.freeze import (
     FreezeOverrideError,
     apply_override,
@@ -24,6 +23,7 @@ from pipetransformer.core.freeze import (
 from pipetransformer.core.protocol import FreezeRequest, TraceRequest, read_trace_request
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout
+from pipetransformer.edge.etcd_client import EtcdClient
 
 # Written next to a job's data by a launch with an embedded etcd while it serves, so that
 # `pipetransformer freeze` and the dashboard can find a running job's etcd without being told.
