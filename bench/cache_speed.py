@@ -37,9 +37,10 @@ pin_threads(1)
 import torch  # noqa: E402
 
 from pipetransformer.core.spec import ModelSpec, load_spec  # noqa: E402
+from pipetransformer.models.seeded import build_model  # noqa: E402
+from pipetransformer.models.stage import num_tokens  # noqa: E402
 from pipetransformer.trainer.cache import CachePolicy, FrozenPrefix, measure_prefix_costs  # noqa: E402
 from pipetransformer.trainer.data import load_dataset  # noqa: E402
-from pipetransformer.trainer.models import build_model, num_tokens  # noqa: E402
 
 FRACTIONS = (25, 50, 75)
 

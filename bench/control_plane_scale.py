@@ -90,7 +90,7 @@ absolute rates are what this machine sustains, not etcd's ceiling; `cpu_cores` a
 say whether the simulators, the controller or etcd ran out first. The load per participant is
 fixed, so requests/s should grow linearly with N (per agent: flat). The rendezvous state is one
 pickled blob of O(N) bytes; heartbeats are leases, changes are combined into few writes of it
-and nodes follow it by deltas (orchestrator/rendezvous.py, "Scale"), but every node still reads
+and nodes follow it by deltas (orchestrator/rendezvous/, "Scale"), but every node still reads
 the O(N) ones: the write that moves a whole wait list into a round, and the one with the ranks.
 """
 

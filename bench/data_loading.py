@@ -10,7 +10,7 @@ much memory a worker needs to train through a data set several times its memory 
     clipping and optimizer step. Two variants, each with its own copy of the model:
 
         image_folder  the folder opened as the job opens it (`trainer.data.load_dataset` ->
-                      `open_source_splits`): PNG files decoded and resized by the model's image
+                      `image_folder_splits`): PNG files decoded and resized by the model's image
                       processor in `loader_workers` DataLoader processes, through `Feed`
         in_memory     the same images decoded once, up front, into a `trainer.data.Split` (one
                       float tensor, the built-in data sets' form), indexed by `Feed`

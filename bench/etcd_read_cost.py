@@ -1,6 +1,6 @@
 """What one rendezvous read costs etcd, by what it ranges over: etcd's own CPU per read (from its
 process's accounting), side by side, for the reads the etcd3 backend makes
-(orchestrator/rendezvous.py, "Scale"):
+(orchestrator/rendezvous/, "Scale"):
 
 - `span`: a node's read after a change, one range over every alive key and the delta ring with a
   mod-revision filter. etcd applies that filter after loading every key in the range (its
@@ -33,6 +33,7 @@ from _common import emit, environment, progress, rotated
 from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.orchestrator import rendezvous as rz
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
+from pipetransformer.orchestrator.rendezvous.wire import _prefix_end, _rng
 
 RUN = "read-cost"
 KINDS = ("span", "deltas", "count")
@@ -58,14 +59,14 @@ def _fill(client: EtcdClient, alive: int, secret: bytes) -> int:
 
 
 def _requests(top: int) -> dict[str, Any]:
-    start, end = rz.state_key(RUN) + ".", rz._prefix_end(rz.delta_prefix(RUN))
+    start, end = rz.state_key(RUN) + ".", _prefix_end(rz.delta_prefix(RUN))
     ring = rz.delta_prefix(RUN)
     # nothing was written after `top`: the filtered reads return no key, as a read that finds
     # one new delta among a thousand unchanged alive keys nearly does
     return {
-        "span": rz._rng(start, end, min_mod=top + 1).request_range,
-        "deltas": rz._rng(ring, rz._prefix_end(ring), min_mod=top + 1).request_range,
-        "count": rz._rng(start, end, count_only=True, serializable=True).request_range,
+        "span": _rng(start, end, min_mod=top + 1).request_range,
+        "deltas": _rng(ring, _prefix_end(ring), min_mod=top + 1).request_range,
+        "count": _rng(start, end, count_only=True, serializable=True).request_range,
     }
 
 

@@ -83,8 +83,9 @@ from torch.profiler import record_function  # noqa: E402
 
 from pipetransformer.core.flops import mfu, peak_flops, training_flops_per_sample  # noqa: E402
 from pipetransformer.core.spec import ModelSpec, TrainingSpec  # noqa: E402
+from pipetransformer.models.seeded import build_model  # noqa: E402
+from pipetransformer.models.stage import StageModule, num_tokens
 from pipetransformer.trainer.device import synchronize  # noqa: E402
-from pipetransformer.trainer.models import StageModule, build_model, num_tokens  # noqa: E402
 from pipetransformer.trainer.optim import MasterWeights, build_optimizer  # noqa: E402
 
 

@@ -62,8 +62,8 @@ from _common import emit, environment, median, out_dir, progress  # noqa: E402
 from mfu import ATTENTION, CONFIGS, GOAL_MFU, MODELS, Config, resolve_choices, use_attention  # noqa: E402
 
 from pipetransformer.core.flops import peak_flops, training_flops_per_sample  # noqa: E402
+from pipetransformer.models.stage import num_tokens  # noqa: E402
 from pipetransformer.trainer.device import synchronize  # noqa: E402
-from pipetransformer.trainer.models import num_tokens  # noqa: E402
 
 CATEGORIES = ("matmul", "attention", "norm_act", "optimizer", "copy", "other")
 PHASES = ("forward", "backward", "clip", "optimizer")

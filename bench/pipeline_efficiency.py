@@ -62,7 +62,7 @@ def _layout(model: ModelSpec, schedule: str, m: int) -> Layout | None:
 def _isolated(pipe, model: ModelSpec, m: int, mb: int):
     """A callable running this rank's stages on m micro-batches of `mb` samples, forward and
     backward, with no communication: the compute a pipeline step needs from this rank."""
-    from pipetransformer.trainer.models import stage_input_dtype, stage_input_shape
+    from pipetransformer.models.stage import stage_input_dtype, stage_input_shape
 
     inputs = []
     for stage in pipe.local:

@@ -62,7 +62,8 @@ from pipetransformer.core.partition import (  # noqa: E402
     plan,
 )
 from pipetransformer.core.spec import ModelSpec, load_spec  # noqa: E402
-from pipetransformer.trainer.models import build_model, model_input_shape  # noqa: E402
+from pipetransformer.models.seeded import build_model  # noqa: E402
+from pipetransformer.models.stage import model_input_shape  # noqa: E402
 from pipetransformer.trainer.profile import measure_profile, measure_profiles  # noqa: E402
 
 METHODS = ("autopipe", "param_greedy", "uniform")

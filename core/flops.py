@@ -2,7 +2,8 @@
 training step needs (not what a run happens to execute: recomputation and padding are not
 counted), per second, over the devices' dense peak. Pure: no I/O beyond reading one variable.
 
-The count, per sample (T tokens, width d, MLP hidden h = mlp_ratio x d, a multiply-add = 2 FLOPs):
+Each model family counts its units (`core.families`); the default, per sample (T tokens, width
+d, MLP hidden h = mlp_ratio x d, a multiply-add = 2 FLOPs):
 
     block forward   2 T (3 d^2 + d^2 + 2 d h)    q/k/v, output projection, the two MLP matrices
                   + 4 T^2 d                      attention scores (Q K^T) and their use (A V)
@@ -45,33 +46,20 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
-def _tokens(spec: ModelSpec) -> int:
-    return spec.tokens
-
-
 def block_forward_flops(spec: ModelSpec) -> float:
-    """Forward FLOPs of one transformer block for one sample."""
-    t, d = _tokens(spec), spec.dim
-    hidden = int(spec.dim * spec.mlp_ratio)
-    matmuls = 2 * t * (4 * d * d + 2 * d * hidden)
-    attention = 4 * t * t * d
-    return float(matmuls + attention)
+    """Forward FLOPs of one transformer block for one sample (the family's count)."""
+    return spec.family_info.block_flops(spec)
 
 
 def embed_forward_flops(spec: ModelSpec) -> float:
-    """Forward FLOPs of the embedding for one sample (a table lookup for BERT: 0)."""
-    if spec.is_text:
-        return 0.0
-    patches = (spec.image_size // spec.patch_size) ** 2
-    return float(2 * patches * spec.channels * spec.patch_size**2 * spec.dim)
+    """Forward FLOPs of the embedding for one sample (a table lookup for text: 0)."""
+    return spec.family_info.embed_flops(spec)
 
 
 def head_forward_flops(spec: ModelSpec) -> float:
-    """Forward FLOPs of the classifier head for one sample (it reads the CLS token only; a
-    question-answering head reads every token)."""
-    if spec.task == "question-answering":
-        return float(2 * spec.dim * 2 * spec.tokens)
-    return float(2 * spec.dim * spec.num_classes)
+    """Forward FLOPs of the head for one sample (a classifier reads the CLS token only; a
+    question-answering head reads every token: `core.tasks`)."""
+    return spec.family_info.head_flops(spec)
 
 
 def training_flops_per_sample(spec: ModelSpec, boundary: int = 0, cached: bool = False) -> float:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from pipetransformer.core.protocol import DataOrigin, SplitOrigin
 from pipetransformer.core.spec import DataSpec, JobSpec, ModelSpec
+from pipetransformer.core.tasks import CLASSIFICATION, Task, task_of
 
 __all__ = [
     "DATA_OPENED",
@@ -40,12 +41,13 @@ def describe_data(
     train_rows: int | None = None,
     test_rows: int | None = None,
     *,
-    question_answering: bool = False,
+    task: Task = CLASSIFICATION,
     windows: tuple[int, int] | None = None,
 ) -> DataOrigin:
     """What to say about a job's data: each split's rows (None where not opened yet), the files
-    or folder it comes from and the columns read, or a built-in data set by its name. Question
-    answering reads its own columns, and its rows become `windows` (train, held-out) samples."""
+    or folder it comes from and the columns its kind reads for the job's `task`, or a built-in
+    data set by its name. Question answering's rows become `windows` (train, held-out)
+    samples."""
     if not data.is_source:
         return DataOrigin(
             dataset=data.dataset,
@@ -53,15 +55,7 @@ def describe_data(
             train=SplitOrigin(rows=train_rows),
             test=SplitOrigin(rows=test_rows),
         )
-    if data.dataset == "image-folder":  # its columns are fixed
-        columns = {"image": "image", "label": "label"}
-    elif question_answering:
-        c = data.columns
-        columns = {"id": c.id, "question": c.question, "context": c.context, "answers": c.answers}
-    else:
-        c = data.columns
-        named = {"image": c.image, "text": c.text, "text_pair": c.text_pair, "label": c.label}
-        columns = {role: name for role, name in named.items() if name is not None}
+    columns = data.kind.columns(data, task) or {}
     if data.path is not None:
         train = SplitOrigin(rows=train_rows, paths=[data.path], split=data.train_split)
         test = SplitOrigin(rows=test_rows, paths=[data.path], split=data.test_split)
@@ -95,8 +89,8 @@ def _short(digest: str | None) -> str | None:
 def _architecture(model: ModelSpec) -> str:
     blocks = f"{model.depth} block{'s' if model.depth != 1 else ''}"
     head = (
-        "question answering"
-        if model.task == "question-answering"
+        model.task.replace("-", " ")
+        if task_of(model).fixed_outputs is not None
         else f"{model.num_classes} classes"
     )
     return f"{model.family}, {blocks} of dim {model.dim}, {head}"
@@ -154,10 +148,8 @@ def columns_text(columns: Mapping[str, str]) -> str:
 
 def _builtin_text(data: DataSpec, origin: DataOrigin) -> str:
     name = f"built-in {origin.dataset}"
-    if data.classes is not None:
-        name += f" (classes {', '.join(map(str, data.classes))})"
-    elif origin.dataset in ("synthetic", "synthetic-text"):
-        name += f" ({data.synthetic_samples:,} samples, seed {data.seed})"
+    if details := data.kind.details(data):
+        name += f" ({details})"
     t, h = origin.train.rows, origin.test.rows
     if t is None or h is None:
         return f"{name}, {_rows(None)}"

@@ -16,7 +16,7 @@ what a spec never needs and a careless or hostile file could use to hang or misl
   an integer of more than `MAX_DIGITS` digits is refused. Dates are not resolved (no spec value is
   one): `2024-01-01` stays a string.
 
-Pure apart from reading the file; no pydantic here (core/spec.py validates the result).
+Pure apart from reading the file; no pydantic here (core/spec/ validates the result).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import streamlit as st
 
 from pipetransformer.core.provenance import DATA_OPENED
 from pipetransformer.core.stage_times import chrome_trace, per_rank, pipeline_reading
+from pipetransformer.core.tasks import task_of
 from pipetransformer.dashboard import figures, views
 from pipetransformer.dashboard import pipeline_figures as pf
 from pipetransformer.dashboard import timeline as tl
@@ -60,13 +61,15 @@ def _chart(fig: Any, key: str) -> None:
 
 
 def _held_out(store: Store, job: JobInfo) -> list[tuple[str, str]]:
-    """The latest held-out result: accuracy; question answering's exact match and F1."""
+    """The latest held-out result in its task's metric (question answering: exact match, and
+    F1)."""
+    task = task_of(job.spec.model)
     acc = "—" if job.accuracy is None else f"{job.accuracy:.1%}"
-    if job.spec.model.task != "question-answering":
-        return [("Accuracy", acc)]
+    if not task.reports_f1:
+        return [(task.metric.capitalize(), acc)]
     evaluations = store.evaluations(job.id)
     f1 = evaluations[-1].f1 if evaluations else None
-    return [("Exact match", acc), ("F1", "—" if f1 is None else f"{f1:.1%}")]
+    return [(task.metric.capitalize(), acc), ("F1", "—" if f1 is None else f"{f1:.1%}")]
 
 
 def header(store: Store, job: JobInfo) -> None:

@@ -7,7 +7,7 @@ are pure and deterministic (no torch); `host_memory_bytes()` is the one function
 the machine. `pipetransformer run` passes this machine's memory shared by all workers; a
 device's memory per worker can be passed instead (`per_worker=True`).
 
-The model (trainer/models.py), float32 throughout
+The seeded models (models/seeded.py; counts by core/families), float32 throughout
 -------------------------------------------------
 d = model.dim, H = int(d x mlp_ratio), h = heads, k = num_classes, t = tokens between blocks
 (vit: (image_size / patch_size)^2 + 1; bert: seq_len + 1), b = samples in one micro-batch
@@ -58,10 +58,11 @@ placed on ranks as the schedule expects.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from pipetransformer.core.datasets import DataSize
 
 # the pure planner's initial split (the one trainer import orchestrator allows, as the controller)
 from pipetransformer.core.planner import initial_ranges
@@ -78,15 +79,13 @@ NODE_BYTES = 512 * MIB
 BASE_BYTES = 256 * MIB
 CACHE_RAM_BYTES = 256 * MIB  # AutoCache's RAM tier per first-stage worker (trainer/cache/)
 LOAD_FACTOR = 3  # data held while generating and splitting, over data held after
-# scikit-learn's digits per class (1797 images; a fixed data set since 1998)
-DIGITS_PER_CLASS = (178, 182, 177, 183, 181, 182, 181, 179, 174, 180)
 
 
 # -- parameters and activations -----------------------------------------------------------------
 
 
 def hidden(m: ModelSpec) -> int:
-    return int(m.dim * m.mlp_ratio)
+    return m.family_info.hidden(m)
 
 
 def tokens(m: ModelSpec) -> int:
@@ -95,19 +94,15 @@ def tokens(m: ModelSpec) -> int:
 
 
 def block_params(m: ModelSpec) -> int:
-    d, h = m.dim, hidden(m)
-    return 4 * d * d + 2 * d * h + 8 * d + h
+    return m.family_info.block_params(m)
 
 
 def embed_params(m: ModelSpec) -> int:
-    d = m.dim
-    if m.is_text:
-        return (m.vocab_size or 0) * d + d + tokens(m) * d + 2 * d
-    return m.channels * m.patch_size**2 * d + d + d + tokens(m) * d
+    return m.family_info.embed_params(m)
 
 
 def head_params(m: ModelSpec) -> int:
-    return 2 * m.dim + m.dim * m.num_classes + m.num_classes
+    return m.family_info.head_params(m)
 
 
 def model_params(m: ModelSpec) -> int:
@@ -158,38 +153,9 @@ def input_bytes_per_sample(m: ModelSpec) -> int:
 # -- the data set --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class DataSize:
-    samples: int  # loaded by every worker (before digits' class filter)
-    train: int  # the training split (expected; exact for digits)
-    train_at_least: int  # what the stratified split leaves at worst (every class rounds up)
-    about: str  # where `train` comes from, for messages
-
-
 def data_size(spec: JobSpec) -> DataSize:
-    data = spec.data
-    tf = data.test_fraction
-    if data.is_source:  # read from files a batch at a time: nothing held, size known to workers
-        return DataSize(0, 0, 0, "your files, read as training goes")
-    if data.dataset == "digits":
-        kept = data.classes if data.classes is not None else range(10)
-        # trainer/data.py holds out max(1, round(n_c x test_fraction)) images of each class
-        train = sum(DIGITS_PER_CLASS[c] - max(1, round(DIGITS_PER_CLASS[c] * tf)) for c in kept)
-        return DataSize(
-            sum(DIGITS_PER_CLASS),
-            train,
-            train,
-            f"digits' {sum(DIGITS_PER_CLASS[c] for c in kept)} images of the kept classes "
-            f"less data.test_fraction {tf} of each class",
-        )
-    n = data.synthetic_samples
-    classes = min(n, spec.model.num_classes)
-    return DataSize(
-        n,
-        math.floor(n * (1 - tf)),
-        math.floor(n * (1 - tf) - classes),
-        f"data.synthetic_samples {n} x (1 - data.test_fraction {tf})",
-    )
+    """What every worker holds of the data set, as its kind says."""
+    return spec.data.kind.size(spec.data, spec.model)
 
 
 # -- the estimate --------------------------------------------------------------------------------
@@ -348,7 +314,7 @@ def _what_to_change(spec: JobSpec, est: Estimate, worker: WorkerEstimate) -> tup
         if embed_params(m) > est.params / 4:
             fields.append(
                 f"model.vocab_size ({m.vocab_size})"
-                if m.family == "bert"
+                if m.is_text
                 else f"model.image_size/patch_size ({m.image_size}/{m.patch_size})"
             )
         if head_params(m) > est.params / 4:
@@ -363,7 +329,7 @@ def _what_to_change(spec: JobSpec, est: Estimate, worker: WorkerEstimate) -> tup
     if largest == "activations":
         what = (
             f"model.seq_len ({m.seq_len})"
-            if m.family == "bert"
+            if m.is_text
             else f"model.image_size/patch_size ({m.image_size}/{m.patch_size})"
         )
         return "training.global_batch_size", (

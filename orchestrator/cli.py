@@ -41,10 +41,12 @@ from pipetransformer.orchestrator.controller import (
     Controller,
     ControllerError,
     HandedOver,
+    Submission,
     check_job_id,
     controller_holder,
     job_dir,
     new_job_id,
+    submit,
 )
 from pipetransformer.orchestrator.errors import UsageError
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
@@ -60,7 +62,6 @@ from pipetransformer.orchestrator.monitoring import JobMetrics, TensorBoardWrite
 from pipetransformer.orchestrator.progress import ProgressView
 from pipetransformer.orchestrator.report import print_summary, provenance_rows
 from pipetransformer.orchestrator.roles import TrainerPods, serve_node
-from pipetransformer.orchestrator.sources import resolve_submission
 from pipetransformer.orchestrator.summary import pipeline_from_store
 from pipetransformer.store import (
     DB_ENV,
@@ -191,18 +192,22 @@ def _read_spec(spec_path: str | None) -> JobSpec:
     return spec_from_text(text, f"${keys.SPEC_ENV}")
 
 
-def _new_job(args: argparse.Namespace, spec_path: str | None, fresh: bool = True):
+def _new_job(
+    args: argparse.Namespace, spec_path: str | None, fresh: bool = True
+) -> tuple[JobSpec | Submission, str, Store]:
     """Validate a new job's spec and id before anything is created; then its store. With `fresh`
     (`run`: the job cannot exist yet, and every worker runs on this machine) the machine must
-    seat the job and a fine-tuning spec's checkpoint is checked here too; a controller role that
-    may be continuing its job leaves that to `Controller.create`."""
-    spec = _read_spec(spec_path)  # rejects a bad spec before anything starts
-    if fresh:  # the checkpoints and data it names, before admission sizes the model
-        spec = resolve_submission(spec)
+    seat the job, and what the spec points at is resolved here (a `Submission`, which
+    `Controller.create` stores as it is: resolved once); a controller role that may be
+    continuing its job leaves that to `Controller.create`, which resolves a new job's spec."""
+    read = _read_spec(spec_path)  # rejects a bad spec before anything starts
+    # the checkpoints and data it names, before admission sizes the model
+    spec: JobSpec | Submission = submit(read) if fresh else read
+    checked = spec.spec if isinstance(spec, Submission) else spec
     # a pretrained model's size is known once Controller.create has read its checkpoint
-    if not spec.model.pending and (problems := admission_problems(spec, here=fresh)):
+    if not checked.model.pending and (problems := admission_problems(checked, here=fresh)):
         raise SpecError(problems, spec_path or f"${keys.SPEC_ENV}")
-    job_id = check_job_id(args.job_id) if args.job_id is not None else new_job_id(spec)
+    job_id = check_job_id(args.job_id) if args.job_id is not None else new_job_id(checked)
     if fresh:  # before the workdir is made: nothing is created for a store that cannot be had
         check_reachable(args)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)

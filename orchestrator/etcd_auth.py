@@ -93,7 +93,7 @@ TRAINER_CERT_CN = "pipetransformer-trainer"
 TRAINER_PASSWORD_ENV = "PIPETRANSFORMER_ETCD_TRAINER_PASSWORD"
 
 # The keys of a job its trainer processes write: trainer/process.py (events, worker presence,
-# join), trainer/failures.py (exits), orchestrator/rendezvous.py (alerts), orchestrator/roles.py
+# join), trainer/failures.py (exits), orchestrator/rendezvous/ (alerts), orchestrator/roles.py
 # (agents, refusals), trainer/trainer.py (the trace request, marked served). Everything else of
 # the job they only read. tests/test_etcd_auth.py checks every key of core/keys.py is placed.
 TRAINER_WRITES: tuple[Callable[[str], str], ...] = (

@@ -111,7 +111,7 @@ RDZV_SECRET_FILE = "rdzv.secret"
 
 
 def job_secret_path(workdir: str | Path, job_id: str) -> Path:
-    """Where a job run on this machine keeps its rendezvous secret (orchestrator/rendezvous.py,
+    """Where a job run on this machine keeps its rendezvous secret (orchestrator/rendezvous/,
     "Trust"), beside its etcd data."""
     return job_dir(workdir, job_id) / RDZV_SECRET_FILE
 

@@ -1,7 +1,8 @@
 """What each pod of a job asks Kubernetes for, from the job's spec: CPU, memory, ephemeral
-storage and the AutoCache volume's size. Pure: the torchx component (orchestrator/components.py)
-writes the figures into the pods as requests equal to limits (Guaranteed QoS: the last pods the
-kubelet evicts under node pressure, and CPUs the static CPU manager may pin).
+storage and the AutoCache volume's size. Pure: the torchx component's Kubernetes platform
+(orchestrator/platforms/kubernetes.py) writes the figures into the pods as requests equal to
+limits (Guaranteed QoS: the last pods the kubelet evicts under node pressure, and CPUs the static
+CPU manager may pin).
 
 Host memory of a trainer pod, measured with bench/trainer_memory.py (peak PSS by process, so
 shared pages count once; bench/results/issue25-h200/):

@@ -14,8 +14,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.core.hf_config import HFArchitecture, fingerprint, read_architecture
+from pipetransformer.core.families import Architecture, lookup
 from pipetransformer.core.spec import JobSpec, ModelSpec, SpecError, parse_spec
+from pipetransformer.core.tasks import CLASSIFICATION, task_of
+from pipetransformer.edge.hf_files import fingerprint, read_architecture
 from pipetransformer.orchestrator.pretrained import resolve_init
 
 DEFAULT_SEQ_LEN = 128
@@ -105,15 +107,17 @@ _CONFIG_NAMES = {
 }
 
 
-def pretrained_model(model: ModelSpec, arch: HFArchitecture, source: str) -> dict[str, Any]:
+def pretrained_model(model: ModelSpec, arch: Architecture, source: str) -> dict[str, Any]:
     """The model section with the checkpoint's architecture filled in (pure). Raises SpecError
     naming each field the spec sets to another value than config.json. The spec may choose
     another task or label count than the checkpoint's head (a new head); a checkpoint without a
     usable head (a base model or a pretraining head) needs the label count from the spec."""
+    family = lookup(arch.family, pretrained=True)
+    assert family is not None, arch.family  # parse_architecture read it through the registry
     given = model.model_dump(include=model.model_fields_set - {"pretrained"})
-    decided = arch.spec_fields()
-    task = given.get("task", decided.get("task", "classification"))
-    if arch.task == "body" and task == "classification" and "num_classes" not in given:
+    decided = family.spec_fields(arch)
+    task = given.get("task", decided.get("task", CLASSIFICATION.name))
+    if arch.task == "body" and task_of(task).fixed_outputs is None and "num_classes" not in given:
         raise _problem(
             "model.num_classes",
             f"the checkpoint ({source}: config.json architectures {arch.architecture}) has no "
@@ -135,20 +139,22 @@ def pretrained_model(model: ModelSpec, arch: HFArchitecture, source: str) -> dic
         raise SpecError(problems)
     out = {**decided, **given}
     out["task"] = task
-    if task == "question-answering":
-        if given.get("num_classes", 2) != 2:
+    if task not in family.tasks:
+        raise _problem(
+            "model.task",
+            f"{task} is not available for {family.name} models; choose one of "
+            f"{', '.join(family.tasks)}",
+        )
+    if (fixed := task_of(task).fixed_outputs) is not None:
+        if given.get("num_classes", fixed) != fixed:
             raise _problem(
                 "model.num_classes",
-                f"question answering predicts a start and an end: leave it out or set 2 "
-                f"(got {given['num_classes']})",
+                f"{task} has {fixed} outputs (question answering: a start and an end): leave "
+                f"it out or set {fixed} (got {given['num_classes']})",
             )
-        out["num_classes"] = 2
-        if not arch.is_text:
-            raise _problem(
-                "model.task", f"question answering needs a text model, not {arch.family}"
-            )
-    if arch.is_text:
-        limit = arch.max_seq_len or DEFAULT_SEQ_LEN
+        out["num_classes"] = fixed
+    if family.is_text:
+        limit = family.max_seq_len(arch) or DEFAULT_SEQ_LEN
         seq_len = given.get("seq_len") or min(DEFAULT_SEQ_LEN, limit)
         if seq_len > limit:
             raise _problem(
@@ -197,7 +203,7 @@ def resolve_data(spec: JobSpec, cwd: Path) -> JobSpec:
             path = _absolute(value, cwd)
             if not path.exists():
                 raise _problem(f"data.{field}", f"no such file or directory: {path}")
-            if data.dataset == "image-folder" and not path.is_dir():
+            if data.kind.folders() and not path.is_dir():
                 raise _problem(f"data.{field}", f"{path} is not a folder of <class>/<image> files")
             resolved.append(str(path))
         update[field] = resolved

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from pipetransformer.core.spec import JobSpec, ModelSpec, load_spec, parse_spec
+from pipetransformer.models.seeded import Block, build_model
+from pipetransformer.models.stage import num_tokens
 from pipetransformer.orchestrator.admission import (
     GIB,
     activation_element_bytes,
@@ -24,7 +26,6 @@ from pipetransformer.orchestrator.admission import (
     model_params,
 )
 from pipetransformer.trainer.data import load_dataset
-from pipetransformer.trainer.models import Block, build_model, num_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,9 +15,9 @@ import torch
 
 from pipetransformer.core.sampler import IGNORE
 from pipetransformer.core.spec import JobSpec
+from pipetransformer.models.seeded import build_model
 from pipetransformer.store import Store, sqlite_url
 from pipetransformer.trainer.checkpoint import _optimizer_tensors, _SafeReader, save_checkpoint
-from pipetransformer.trainer.models import build_model
 from pipetransformer.trainer.relayout import build_training
 from tests.fixtures_run import cli, write_spec
 from tests.mp import run_distributed

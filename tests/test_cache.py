@@ -20,6 +20,13 @@ import pytest
 import torch
 
 from pipetransformer.core.spec import ModelSpec
+from pipetransformer.models.seeded import build_model, build_stage, empty_unit
+from pipetransformer.models.stage import (
+    StageModule,
+    num_tokens,
+    stage_input_dtype,
+    stage_input_shape,
+)
 from pipetransformer.trainer.cache import (
     ActivationCache,
     CachePolicy,
@@ -27,15 +34,6 @@ from pipetransformer.trainer.cache import (
     choose_memory,
     decide_cache,
     measure_prefix_costs,
-)
-from pipetransformer.trainer.models import (
-    StageModule,
-    build_model,
-    build_stage,
-    empty_unit,
-    num_tokens,
-    stage_input_dtype,
-    stage_input_shape,
 )
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from pipetransformer.core.planner import plan_layout
 from pipetransformer.core.spec import CheckpointSpec, JobSpec
 from pipetransformer.edge.manifest import CheckpointError, read_meta, verify_checkpoint
+from pipetransformer.models.seeded import build_model
 from pipetransformer.orchestrator.controller import Controller
 from pipetransformer.store import Store
 from pipetransformer.trainer.checkpoint import (
@@ -34,7 +35,6 @@ from pipetransformer.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from pipetransformer.trainer.models import build_model
 from pipetransformer.trainer.optim import build_optimizer
 from pipetransformer.trainer.pipeline import build_rank_pipeline
 from tests.mp import _entry, run_distributed

@@ -137,9 +137,9 @@ def test_a_node_whose_view_dropped_participants_is_named_with_what_it_knew() -> 
     backend = EtcdRendezvousBackend(None, "run", secret)  # fed by hand: no etcd
     settings = RendezvousSettings("run", 3, 3, RendezvousTimeout(), timedelta(seconds=5), 3)
     backend.bind(nodes[0], settings)
-    backend._set_stored(sign_state(secret, backend.key, encode_state(stored)), 5, 1)
-    backend._alive_set = {nodes[0], nodes[1]}
-    view = backend._overlaid(backend._stored())
+    backend._follower.set_stored(sign_state(secret, backend.key, encode_state(stored)), 5, 1)
+    backend._leases.alive = {nodes[0], nodes[1]}
+    view = backend._follower.overlaid(backend._follower.stored())
     assert _view_apart(backend, view) is None  # the same round: nothing to say
 
     del view.participants[nodes[2]]  # what the sanitize of this view does

@@ -32,7 +32,7 @@ from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout, StageLayout
 from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.edge.manifest import build_manifest, manifest_checksum
-from pipetransformer.orchestrator.controller import Controller
+from pipetransformer.orchestrator.controller import Controller, submit
 from pipetransformer.orchestrator.etcd_server import EmbeddedEtcd
 from pipetransformer.store import Store
 
@@ -725,12 +725,12 @@ def test_a_worker_names_the_file_its_stdout_goes_to(tmp_path: Path) -> None:
 def test_a_refused_rendezvous_state_becomes_an_event(
     ctrl: Controller, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An agent's rendezvous backend reports a state it refused (orchestrator/rendezvous.py,
+    """An agent's rendezvous backend reports a state it refused (orchestrator/rendezvous/,
     "Trust"); the controller records it once, in the store, and drops the key."""
     from pipetransformer.core.protocol import RendezvousRefused
-    from pipetransformer.orchestrator import controller
+    from pipetransformer.orchestrator.controller import reports
 
-    monkeypatch.setattr(controller, "ALERT_POLL_S", 0.0)  # every drain looks (1 s otherwise)
+    monkeypatch.setattr(reports, "ALERT_POLL_S", 0.0)  # every drain looks (1 s otherwise)
 
     alert = RendezvousRefused(
         run_id="job-ft-rdzv",
@@ -867,3 +867,95 @@ def test_a_freeze_request_read_again_before_it_was_retired_keeps_its_first_answe
              e.kind != "freeze_requested"]  # fmt: skip
     assert fates == ["freeze_applied"]
     assert etcd.get(keys.freeze_override("job-ft")) is None
+
+
+# -- the submission: what a spec points at is resolved once per job ------------------------------
+
+
+@pytest.fixture
+def resolutions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the specs resolved (orchestrator/sources.py), one entry per resolution:
+    `resolve_submission` starts each one with `resolve_pretrained`, whoever called it."""
+    from pipetransformer.orchestrator import sources
+
+    seen: list[str] = []
+    real = sources.resolve_pretrained
+
+    def counted(spec: JobSpec, cwd: Path) -> JobSpec:
+        seen.append(spec.name)
+        return real(spec, cwd)
+
+    monkeypatch.setattr(sources, "resolve_pretrained", counted)
+    return seen
+
+
+def test_run_resolves_the_spec_once(
+    resolutions: list[str], etcd: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pipetransformer run` resolves what the spec points at before admission sizes the model,
+    and `Controller.create` stores that resolution as it is: a second one would read the
+    checkpoints again (a fine-tuning checkpoint is hashed whole to pin it)."""
+    from pipetransformer.orchestrator import cli
+    from tests.fixtures_run import write_spec
+
+    created: list[str] = []
+
+    def no_workers(ctrl: Controller, *_: object) -> str:  # the job created, then ended at once
+        created.append(ctrl.job_id)
+        return ctrl.finish(0)
+
+    monkeypatch.setattr(cli, "job_etcd", lambda *_, **__: contextlib.nullcontext(etcd))
+    monkeypatch.setattr(cli, "train_here", no_workers)
+    spec = write_spec(tmp_path / "spec.yaml")
+    cli.main(["run", str(spec), "--workdir", str(tmp_path / "runs"), "--job-id", "once"])
+    assert created == ["once"]
+    assert resolutions == ["tiny"]
+
+
+def test_the_controller_role_resolves_a_new_jobs_spec_once(
+    resolutions: list[str], etcd: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torchx controller role reads its spec unresolved (it may be continuing its job):
+    `Controller.create` resolves a new job's, once; a restarted role finds the job and resolves
+    nothing."""
+    from pipetransformer.orchestrator import cli
+    from tests.fixtures_run import write_spec
+
+    class NoPods:  # trainer pods that never came
+        def __init__(self, *_: object) -> None:
+            pass
+
+        def poll(self) -> int:
+            return 1
+
+        def detail(self, code: int | None) -> str:
+            return ""
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli, "job_etcd", lambda *_, **__: contextlib.nullcontext(etcd))
+    monkeypatch.setattr(cli, "TrainerPods", NoPods)
+    spec = write_spec(tmp_path / "spec.yaml")
+    argv = ["controller", str(spec), "--workdir", str(tmp_path / "runs"), "--job-id", "role"]
+    sigterm = signal.getsignal(signal.SIGTERM)  # the role installs its own handler
+    try:
+        for _ in range(2):  # a new job, then the role restarted
+            cli.main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert resolutions == ["tiny"]
+
+
+def test_create_resolves_only_what_is_not_resolved_yet(
+    resolutions: list[str], store: Store, etcd: EtcdClient, tmp_path: Path
+) -> None:
+    """A spec handed to `Controller.create` as read is resolved there; a `Submission` was
+    resolved when `submit` made it, and is stored as it is."""
+    Controller.create(store, etcd, _spec(), tmp_path, "job-read")
+    assert resolutions == ["ft"]
+    submission = submit(_spec())
+    assert submit(submission) is submission and resolutions == ["ft", "ft"]
+    Controller.create(store, etcd, submission, tmp_path, "job-submitted")
+    assert resolutions == ["ft", "ft"]
+    assert store.get_job("job-submitted").spec == submission.spec

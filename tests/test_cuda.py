@@ -19,10 +19,11 @@ import torch.nn.functional as F
 
 from pipetransformer.core.spec import DataSpec, ModelSpec, TrainingSpec
 from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.models.seeded import init_unit
+from pipetransformer.models.stage import StageModule
 from pipetransformer.store import Store, sqlite_url
 from pipetransformer.trainer.data import Dataset, load_dataset, onto_device
 from pipetransformer.trainer.device import Compute
-from pipetransformer.trainer.models import StageModule, init_unit
 from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
 from pipetransformer.trainer.pipeline import build_rank_pipeline
 from tests.fixtures_run import cli, write_spec

@@ -17,15 +17,9 @@ import pytest
 import torch
 
 from pipetransformer.core.spec import ModelSpec
+from pipetransformer.models.seeded import build_model, build_stage, empty_unit
+from pipetransformer.models.stage import StageModule, model_input_shape, num_tokens
 from pipetransformer.trainer.cache import ActivationCache, FrozenPrefix, choose_memory
-from pipetransformer.trainer.models import (
-    StageModule,
-    build_model,
-    build_stage,
-    empty_unit,
-    model_input_shape,
-    num_tokens,
-)
 
 pytestmark = [
     pytest.mark.cuda,

@@ -21,17 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 from pipetransformer.core import flops
 from pipetransformer.core.spec import JobSpec, ModelSpec, gpu_shortfall, local_device_type
 from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.models.seeded import build_model, build_stage, init_unit, unit_names, unit_seed
 from pipetransformer.orchestrator import gpus, local
 from pipetransformer.trainer import profile
 from pipetransformer.trainer.collective import once_per_node
 from pipetransformer.trainer.device import Compute, DeviceError, resolve_device
-from pipetransformer.trainer.models import (
-    build_model,
-    build_stage,
-    init_unit,
-    unit_names,
-    unit_seed,
-)
 from pipetransformer.trainer.pipeline import RankModel, build_rank_pipeline
 from tests.mp import run_distributed
 

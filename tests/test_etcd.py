@@ -382,7 +382,7 @@ def test_parse_endpoint_rejects_garbage(text: str) -> None:
         parse_endpoint(text)
 
 
-# -- the shared lease keep-alive stream (edge.etcd_client._KeepAliveStream) ------------------
+# -- the shared lease keep-alive stream (edge.etcd_client.leases._KeepAliveStream) -----------
 
 
 class _StreamEnded(grpc.RpcError):
@@ -421,7 +421,7 @@ class _FakeKeepAlives:
 
 
 def _fake_stream(answered: set[int], timeout: float) -> tuple[Any, list[_FakeKeepAlives]]:
-    from pipetransformer.edge.etcd_client import _KeepAliveStream
+    from pipetransformer.edge.etcd_client.leases import _KeepAliveStream
 
     opened: list[_FakeKeepAlives] = []
 

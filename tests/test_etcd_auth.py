@@ -1,5 +1,5 @@
 """Who may write the job's keys, against a real etcd started with TLS, client certificates and
-auth (orchestrator/etcd_auth.py, edge/etcd_client.py's EtcdTls): each role does its job, each
+auth (orchestrator/etcd_auth.py, edge/etcd_client/tls.py's EtcdTls): each role does its job, each
 write outside its permissions is refused naming the identity and the key, a client without a
 certificate or with a wrong one is refused at the handshake, and a misconfigured client is told
 which variable and path are wrong before it sends anything."""

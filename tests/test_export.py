@@ -20,12 +20,12 @@ from safetensors import safe_open
 
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.edge.manifest import CheckpointError
+from pipetransformer.models.bert import stack_text_inputs
+from pipetransformer.models.hf import load_units
+from pipetransformer.models.units import architecture
 from pipetransformer.store import Store, sqlite_url
 from pipetransformer.trainer.checkpoint import _MetadataUnpickler
 from pipetransformer.trainer.export import ExportError, export
-from pipetransformer.trainer.hf.load import load_units
-from pipetransformer.trainer.hf.units import stack_text_inputs
-from pipetransformer.trainer.units import architecture
 from tests.fixtures_run import REPO, cli
 
 sys.path.insert(0, str(REPO / "examples"))

@@ -17,13 +17,13 @@ import torch
 from pipetransformer.core.planner import plan_layout
 from pipetransformer.core.spec import JobSpec, SpecError, parse_spec
 from pipetransformer.edge.manifest import CheckpointError, manifest_checksum
+from pipetransformer.models.seeded import build_model
 from pipetransformer.orchestrator.controller import Controller
 from pipetransformer.orchestrator.exits import EXIT_JOB_FAILED
 from pipetransformer.orchestrator.pretrained import resolve_init
 from pipetransformer.store import Store, sqlite_url
 from pipetransformer.trainer.checkpoint import AsyncCheckpointer, load_weights
 from pipetransformer.trainer.data import load_dataset
-from pipetransformer.trainer.models import build_model
 from pipetransformer.trainer.optim import build_optimizer
 from pipetransformer.trainer.relayout import build_training
 from tests.fixtures_run import cli, start_cli, store_probe, wait_for, write_spec

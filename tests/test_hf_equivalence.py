@@ -340,7 +340,7 @@ def _as_saved(model, directory: Path) -> dict[str, torch.Tensor]:  # noqa: ANN00
 
 def _checkpoint_name(rank_name: str) -> str:
     """A RankModel state_dict key as the checkpoint names it: the unit prefix (`embed.`,
-    `blocks.<i>.`, `head.`) dropped, what is left is the checkpoint's key (trainer/hf/units.py;
+    `blocks.<i>.`, `head.`) dropped, what is left is the checkpoint's key (models/vit.py, models/bert.py;
     trainer/export.py does the same)."""
     unit, rest = rank_name.split(".", 1)
     return rest.split(".", 1)[1] if unit == "blocks" else rest

@@ -18,10 +18,10 @@ import yaml
 
 from pipetransformer.core.spec import SpecError, parse_spec
 from pipetransformer.core.state import StageLayout
+from pipetransformer.models.units import CheckpointChanged, architecture
 from pipetransformer.orchestrator.sources import resolve_submission
 from pipetransformer.store import Store, sqlite_url
 from pipetransformer.trainer.pipeline import RankModel
-from pipetransformer.trainer.units import CheckpointChanged, architecture
 from tests.fixtures_run import REPO, cli
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -166,7 +166,7 @@ def test_a_base_model_needs_the_label_count_and_a_task_may_change(
                 )
             )
         )
-    assert "needs a text model" in dict(err.value.problems)["model.task"]
+    assert "is not available for vit models" in dict(err.value.problems)["model.task"]
 
 
 def test_a_data_source_needs_a_pretrained_model(made: dict[str, Path]) -> None:

@@ -28,10 +28,11 @@ from transformers import (
     ViTModel,
 )
 
-import pipetransformer.trainer.hf.load as hf_load
-from pipetransformer.core.hf_config import HFArchitecture, read_architecture
-from pipetransformer.trainer.hf.load import load_units
-from pipetransformer.trainer.hf.units import stack_text_inputs
+import pipetransformer.models.hf as hf_load
+from pipetransformer.core.families import Architecture
+from pipetransformer.edge.hf_files import read_architecture
+from pipetransformer.models.bert import stack_text_inputs
+from pipetransformer.models.hf import load_units
 
 SIZES = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64)
 IMAGE = dict(image_size=16, patch_size=4, num_channels=3)
@@ -153,7 +154,7 @@ def test_units_compose_to_the_transformers_forward(tmp_path, kind, pairs, attn):
 
 def test_architecture_read_from_config_json(tmp_path):
     vit = read_architecture(make_checkpoint("vit", tmp_path))
-    assert vit == HFArchitecture(
+    assert vit == Architecture(
         family="vit",
         task="image-classification",
         architecture="ViTForImageClassification",

@@ -103,12 +103,24 @@ VIOLATIONS = [
         [("pure-cores", "pipetransformer.core.spawn -> subprocess (l.{n})")],
     ),
     (
-        "a model build reaches a subprocess through a new module",
+        "a module added to the model builds is held by their rule",
+        [("pipetransformer.models.spawn", "import subprocess")],
+        [("model-builds", "pipetransformer.models.spawn -> subprocess (l.{n})")],
+    ),
+    (
+        "the core imports torch",
+        [("pipetransformer.core.partition", "import torch")],
+        [("pure-cores", "pipetransformer.core.partition -> torch (l.{n})")],
+    ),
+    (
+        "the controller builds a model",
+        [("pipetransformer.orchestrator.admission", "import pipetransformer.models.units")],
         [
-            ("pipetransformer.trainer.spawn", "import subprocess"),
-            ("pipetransformer.trainer.models", "import pipetransformer.trainer.spawn"),
+            (
+                "no-builds-in-control",
+                "pipetransformer.orchestrator.admission -> pipetransformer.models.units (l.{n})",
+            )
         ],
-        [("pure-cores", "pipetransformer.trainer.models -> pipetransformer.trainer.spawn (l.{n})")],
     ),
     (
         "the planner is a pure core",
@@ -230,7 +242,7 @@ def test_the_core_opens_no_way_between_the_planes(tree):
 
 # Run in a fresh interpreter with the tree's root as its working directory (grimp finds packages
 # through sys.path, and in this process they are already imported from the real tree). Reads the
-# pure cores from the `pure-cores` contract, follows every import of ours from them, and prints
+# pure cores from the `pure-cores` and `model-builds` contracts, follows every import of ours from them, and prints
 # each use of torch.distributed (an import, or `torch.distributed` as an attribute) with a chain.
 DISTRIBUTED_CHECK = r"""
 import ast, sys, tomllib
@@ -239,9 +251,14 @@ import grimp
 
 config = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["importlinter"]
 graph = grimp.build_graph(*config["root_packages"], cache_dir=None)
-(contract,) = [c for c in config["contracts"] if c["id"] == "pure-cores"]
+sources = [
+    expression
+    for c in config["contracts"]
+    if c["id"] in ("pure-cores", "model-builds")
+    for expression in c["source_modules"]
+]
 cores = set()
-for expression in contract["source_modules"]:
+for expression in sources:
     if "*" in expression:
         cores |= graph.find_matching_modules(expression)
     else:  # a folder: every module in it
@@ -309,12 +326,12 @@ def test_pure_cores_never_touch_torch_distributed():
         (
             [
                 (
-                    "pipetransformer.trainer.reduce",
+                    "pipetransformer.models.reduce",
                     "import torch\n\nreduce = torch.distributed.all_reduce",
                 ),
-                ("pipetransformer.trainer.models", "from pipetransformer.trainer import reduce"),
+                ("pipetransformer.models.seeded", "from pipetransformer.models import reduce"),
             ],
-            "pipetransformer/trainer/reduce.py:3",
+            "pipetransformer/models/reduce.py:3",
         ),
     ],
     ids=["directly", "through a new module, as an attribute"],

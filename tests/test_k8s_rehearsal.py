@@ -329,18 +329,23 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             # re-forms from that state: no step is computed twice. Volcano recreates the pod.
             drained = task_of[survivor.name]
             volcano.delete(drained)
+            # the job re-forms from the drained pod's checkpoint: on one worker, or on two at
+            # once when Volcano's replacement pod is quick enough to join that very round
             left = rehearsal.wait_for(
-                "a generation of one after the drain",
-                lambda: (w := _running_world(store)) and w[1] == 1 and w[0] > widened[0] and w,
+                "a generation after the drain",
+                lambda: (w := _running_world(store)) and w[0] > widened[0] and w,
                 90,
                 explain,
             )
             lost_steps = _steps_lost_at_end_of(store, left[0] - 1)
-            mark(f"pod {survivor.name} drained: generation {left[0]}, {lost_steps} steps lost")
+            mark(
+                f"pod {survivor.name} drained: generation {left[0]} of {left[1]}, "
+                f"{lost_steps} steps lost"
+            )
             assert lost_steps == 0, _timeline(store, unix0)
             rehearsal.wait_for(
                 "the drained pod back in the job",
-                lambda: (w := _running_world(store)) and w[1] == 2 and w[0] > left[0] and w,
+                lambda: (w := _running_world(store)) and w[1] == 2 and w[0] >= left[0] and w,
                 90,
                 explain,
             )

@@ -14,8 +14,8 @@ from pipetransformer.core.partition import uniform_partition
 from pipetransformer.core.sampler import IGNORE, ElasticSampler
 from pipetransformer.core.spec import SCHEDULES, ModelSpec, TrainingSpec
 from pipetransformer.core.state import Layout
+from pipetransformer.models.seeded import build_model
 from pipetransformer.trainer.checkpoint import _optimizer_tensors
-from pipetransformer.trainer.models import build_model
 from pipetransformer.trainer.optim import build_optimizer
 from pipetransformer.trainer.pipeline import build_rank_pipeline
 from tests.mp import run_distributed

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetransformer.core.spec import DataSpec, ModelSpec, TrainingSpec
+from pipetransformer.models.seeded import init_unit
+from pipetransformer.models.stage import StageModule
 from pipetransformer.trainer.data import load_dataset
-from pipetransformer.trainer.models import StageModule, init_unit
 from pipetransformer.trainer.optim import MasterWeights, build_optimizer, lr_at, set_lr
 
 CUDA = torch.cuda.is_available()

@@ -9,18 +9,14 @@ import torch
 from torch import nn
 
 from pipetransformer.core.spec import DataSpec, ModelSpec, SpecError, parse_spec
-from pipetransformer.trainer.data import load_dataset, synthetic_text
-from pipetransformer.trainer.models import (
-    Block,
-    PatchEmbed,
-    TextEmbed,
-    build_model,
-    build_stage,
+from pipetransformer.models.seeded import Block, PatchEmbed, TextEmbed, build_model, build_stage
+from pipetransformer.models.stage import (
     num_tokens,
     stage_input_dtype,
     stage_input_shape,
     stage_output_shape,
 )
+from pipetransformer.trainer.data import load_dataset, synthetic_text
 
 # float results compared across computations: run again under other kernels (scripts/test.sh)
 pytestmark = pytest.mark.numerics
@@ -123,7 +119,7 @@ def _problems(model: dict, data: dict | None = None) -> dict[str, str]:
         ({"family": "bert", "vocab_size": 16, "seq_len": 0}, "model.seq_len", "greater than 0"),
         ({"family": "bert", "vocab_size": -1, "seq_len": 8}, "model.vocab_size", "greater than 0"),
         ({"family": "bert", "vocab_size": 8, "seq_len": 8, "dim": 30}, "model", "must divide dim"),
-        ({"family": "gpt"}, "model.family", "'vit', 'bert', 'deit' or 'roberta'"),
+        ({"family": "gpt"}, "model.family", "choose one of vit, bert, deit, roberta"),
         ({"family": "deit"}, "model", "comes from a checkpoint: set model.pretrained"),
     ],
 )

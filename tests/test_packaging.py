@@ -26,11 +26,22 @@ from pipetransformer.store import Store, sqlite_url
 from tests.fixtures_run import write_spec
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("core", "store", "orchestrator", "trainer", "dashboard", "migrations")
+# every package folder at the root but the tests is a subpackage of ours
+FOLDERS = tuple(
+    sorted(
+        p.parent.name
+        for p in REPO.glob("*/__init__.py")
+        if p.parent.name not in ("tests", "pipetransformer")
+    )
+)
 
 
 def test_every_folder_is_a_subpackage_through_its_link() -> None:
-    """pipetransformer/<folder> is a link to the folder at the root, for each of ours."""
+    """pipetransformer/<folder> is a link to the folder at the root, for each of ours, and
+    nothing else is linked there."""
+    assert {"core", "edge", "models", "orchestrator", "trainer"} <= set(FOLDERS)
+    links = {p.name for p in (REPO / "pipetransformer").iterdir() if p.is_symlink()}
+    assert links == set(FOLDERS)
     for folder in FOLDERS:
         link = REPO / "pipetransformer" / folder
         assert link.is_symlink(), f"{link} is not a link"
@@ -42,10 +53,10 @@ def test_every_folder_is_a_subpackage_through_its_link() -> None:
 
 
 def test_the_installed_modules_are_the_namespaces() -> None:
-    import pipetransformer.core.spec as spec
+    import pipetransformer.core.planner as planner
     import pipetransformer.trainer.worker as worker
 
-    assert Path(spec.__file__).resolve() == REPO / "core" / "spec.py"
+    assert Path(planner.__file__).resolve() == REPO / "core" / "planner.py"
     assert Path(worker.__file__).resolve() == REPO / "trainer" / "worker.py"
     for name in FOLDERS:  # no folder of ours is a top-level module
         assert name not in sys.modules, sys.modules[name]

@@ -12,7 +12,7 @@ from pipetransformer.core.partition import uniform_partition
 from pipetransformer.core.sampler import IGNORE
 from pipetransformer.core.spec import SCHEDULES, ModelSpec, schedule_problem
 from pipetransformer.core.state import Layout
-from pipetransformer.trainer.models import build_model
+from pipetransformer.models.seeded import build_model
 from pipetransformer.trainer.pipeline import build_rank_pipeline
 from tests.mp import run_distributed
 

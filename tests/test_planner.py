@@ -29,8 +29,8 @@ from pipetransformer.core.partition import (
 )
 from pipetransformer.core.spec import ModelSpec
 from pipetransformer.core.state import Layout
+from pipetransformer.models.seeded import init_unit
 from pipetransformer.trainer import profile as profile_mod
-from pipetransformer.trainer.models import init_unit
 from pipetransformer.trainer.profile import measure_profile, measure_profiles, profile_cache_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

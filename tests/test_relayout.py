@@ -17,8 +17,8 @@ from pipetransformer.core.planner import plan_layout
 from pipetransformer.core.sampler import IGNORE, ElasticSampler
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout
+from pipetransformer.models.seeded import build_model
 from pipetransformer.trainer.checkpoint import _optimizer_tensors, save_checkpoint
-from pipetransformer.trainer.models import build_model
 from pipetransformer.trainer.optim import build_optimizer
 from pipetransformer.trainer.relayout import build_training
 from tests.mp import run_distributed

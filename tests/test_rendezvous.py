@@ -397,7 +397,7 @@ def test_the_launch_command_gives_the_first_round_a_longer_call(
     conf = dict(kv.split("=", 1) for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
     handler = create_etcd3_handler(params(etcd_server.endpoint, run_id(), 1, 2, **conf))
     try:
-        first_call = handler._state_holder._backend._first_call
+        first_call = handler._state_holder._backend._combiner.first_call
         assert first_call == timedelta(seconds=FIRST_CALL_S) > handler._settings.timeout.last_call
     finally:
         handler.shutdown()
@@ -549,7 +549,7 @@ def test_two_torchrun_agents_rendezvous_through_etcd(
     assert etcd.count_prefix(store_prefix(rid)) > 0
 
 
-# -- scale: merging, leases, combining (orchestrator/rendezvous.py, "Scale") ----------------
+# -- scale: merging, leases, combining (orchestrator/rendezvous/, "Scale") -----------------
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     RendezvousSettings,
@@ -601,7 +601,7 @@ def leased_nodes(
     nodes = [EtcdRendezvousBackend(etcd, rid) for _ in range(n)]
     for i, b in enumerate(nodes):
         b.bind(node(i), s)
-        b._keep_lease()
+        b._node_lease.keep()
     return nodes
 
 
@@ -676,7 +676,7 @@ def test_completing_a_round_ranks_its_nodes_as_torch_does() -> None:
         _DistributedRendezvousOpExecutor,
     )
 
-    from pipetransformer.orchestrator.rendezvous import _NO_HOLDER, _quiet, apply_action
+    from pipetransformer.orchestrator.rendezvous.replay import _NO_HOLDER, _quiet, apply_action
 
     rng = random.Random(7)
     nodes = list(
@@ -820,7 +820,7 @@ def test_a_round_taking_its_wait_list_and_its_ranks_are_named_in_the_delta_not_l
     that completes ranks its participants) are named in the delta, not listed node by node
     (each of a thousand nodes read ~150 kB of them); what they do not cover is listed, and
     the delta still turns the state before into the state after."""
-    import pipetransformer.orchestrator.rendezvous as rdzv
+    import pipetransformer.orchestrator.rendezvous.delta as rdzv_delta
 
     s = settings(1, 300)
     old = _RendezvousState()
@@ -853,7 +853,7 @@ def test_a_round_taking_its_wait_list_and_its_ranks_are_named_in_the_delta_not_l
     assert decode_delta(pickle.dumps((2, 3, tuple(unknown)))) is None
 
     # named from one node on, random changes still come out exact (the list corrects the name)
-    monkeypatch.setattr(rdzv, "_BULK_MIN", 1)
+    monkeypatch.setattr(rdzv_delta, "_BULK_MIN", 1)
     named = 0
     for _s, before, state, _changes, _applied in _random_replays(11, 200, 8):
         diff = state_diff(before, state)
@@ -868,21 +868,21 @@ def test_a_node_named_in_keys_is_one_object_whichever_key_or_delta_names_it() ->
     object that deltas and the state hold (sets and dicts then find it by identity)."""
     b = EtcdRendezvousBackend(None, "run", SECRET)  # fed by hand: it never calls etcd here
     b.bind(node(0), settings())
-    first = b._named(node_id(node(3)))
-    assert first == node(3) and b._named(node_id(node(3))) is first
+    first = b._leases.named(node_id(node(3)))
+    assert first == node(3) and b._leases.named(node_id(node(3))) is first
     state = _RendezvousState()
     state.participants = {node(3): 0}
     state.last_heartbeats = {node(3): datetime.now(UTC)}
     delta = decode_delta(encode_delta(1, 2, state_diff(_RendezvousState(), state)), b._nodes)
     assert delta is not None and next(iter(delta[2][4])) is first
-    assert b._named("not-a-node") is None and b._named(node_id(node(0))) is b._me
+    assert b._leases.named("not-a-node") is None and b._leases.named(node_id(node(0))) is b._me
 
 
 def alive_read(
     key: str, secret: bytes, lease: int, revision: int, signed: int | None = None
 ) -> list[tuple[bytes, Any]]:
     """An alive key put under `lease` at `revision`, as a read returns it ((key, kv), what
-    `_see_alive` takes), its value naming lease `signed` (default: the same)."""
+    `LeaseView.see` takes), its value naming lease `signed` (default: the same)."""
     from pyetcd.etcdrpc import kv_pb2
 
     value = sign_state(secret, key, b"%x" % (lease if signed is None else signed))
@@ -911,20 +911,20 @@ def test_backends_of_one_process_share_what_they_parse_but_each_trusts_its_own_s
     def alive(secret: bytes, lease: int, signed: int | None = None) -> list[tuple[bytes, Any]]:
         return alive_read(key, secret, lease, lease, signed)  # a new lease is a new put
 
-    a._see_alive(alive(SECRET, 100))
-    b._see_alive(alive(SECRET, 100))
-    c._see_alive(alive(SECRET, 100))  # not signed with c's secret
-    assert node(5) in a._alive_nodes() and node(5) in b._alive_nodes()
-    assert next(iter(a._alive_nodes() - {a._me})) is next(iter(b._alive_nodes() - {b._me}))
-    assert node(5) not in c._alive_nodes()
-    c._see_alive(alive(other, 100))
-    assert node(5) in c._alive_nodes()
+    a._leases.see(alive(SECRET, 100))
+    b._leases.see(alive(SECRET, 100))
+    c._leases.see(alive(SECRET, 100))  # not signed with c's secret
+    assert node(5) in a._leases.alive and node(5) in b._leases.alive
+    assert next(iter(a._leases.alive - {a._me})) is next(iter(b._leases.alive - {b._me}))
+    assert node(5) not in c._leases.alive
+    c._leases.see(alive(other, 100))
+    assert node(5) in c._leases.alive
     # a value that names another lease than the key is under is refused, though the same value
     # verified under the lease it names: the verdict is per (secret, key, value, lease)
-    b._see_alive(alive(SECRET, 101, signed=100))
-    assert node(5) not in b._alive_nodes() and node(5) in a._alive_nodes()
-    b._see_alive(alive(SECRET, 102))
-    assert node(5) in b._alive_nodes()
+    b._leases.see(alive(SECRET, 101, signed=100))
+    assert node(5) not in b._leases.alive and node(5) in a._leases.alive
+    b._leases.see(alive(SECRET, 102))
+    assert node(5) in b._leases.alive
 
 
 def joins_through(writer: EtcdRendezvousBackend, s: RendezvousSettings) -> Any:
@@ -966,22 +966,27 @@ def test_backends_of_one_process_apply_a_delta_once_and_share_the_state(
     join(1)
     a.read()
     b.read()
-    assert a._stored() is b._stored()  # read whole, the same value: one object
+    assert a._follower.stored() is b._follower.stored()  # read whole, the same value: one object
     join(3)
     a.read()
     b.read()
     assert a.stats["deltas"] == b.stats["deltas"] == 3
     assert (a.stats["deltas_shared"], b.stats["deltas_shared"]) == (0, 3)
-    assert a._stored() is b._stored() and a._m_rev == b._m_rev
-    assert _same(b._stored(), stored()) and len(b._stored().participants) == 4
+    assert (
+        a._follower.stored() is b._follower.stored()
+        and a._follower.revision == b._follower.revision
+    )
+    assert _same(b._follower.stored(), stored()) and len(b._follower.stored().participants) == 4
     # `a` follows every write; `b` falls further behind than the ring: the deltas `a` applied
     # do not lead on from the state `b` holds, and `b` reads the state whole
     whole = b.stats["state_reads"]
     join(DELTA_SLOTS + 2, a)
     b.read()
     assert b.stats["state_reads"] == whole + 1
-    assert _same(b._stored(), stored()) and _same(a._stored(), stored(), ordered=False)
-    assert len(b._stored().participants) == 4 + DELTA_SLOTS + 2
+    assert _same(b._follower.stored(), stored()) and _same(
+        a._follower.stored(), stored(), ordered=False
+    )
+    assert len(b._follower.stored().participants) == 4 + DELTA_SLOTS + 2
     # another job's secret: nothing shared verifies there, the state is refused
     c = EtcdRendezvousBackend(etcd, rid, b"another job's secret, 32 bytes..")
     c.bind(node(3100), s)
@@ -1012,8 +1017,8 @@ def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind
     join(10, follower)
     assert follower.stats["deltas"] >= 9 and follower.stats["state_reads"] - whole <= 1
     stored = decode_state(verify_state(SECRET, state_key(rid), etcd.get(state_key(rid))))
-    assert _same(follower._stored(), stored)
-    assert len(follower._stored().participants) == 10
+    assert _same(follower._follower.stored(), stored)
+    assert len(follower._follower.stored().participants) == 10
     # the ring is bounded: DELTA_SLOTS keys at most, whatever the number of writes
     join(DELTA_SLOTS + 5, None)
     assert etcd.count_prefix(delta_prefix(rid)) == DELTA_SLOTS
@@ -1021,7 +1026,7 @@ def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind
     laggard.read()  # more writes behind than the ring holds: the whole state
     assert laggard.stats["state_reads"] == laggard_whole + 1
     stored = decode_state(verify_state(SECRET, state_key(rid), etcd.get(state_key(rid))))
-    assert _same(laggard._stored(), stored)
+    assert _same(laggard._follower.stored(), stored)
     assert len(stored.participants) == 10 + DELTA_SLOTS + 5
     # an unbound writer (torch's interface) leaves no delta: the others read the whole state
     plain = EtcdRendezvousBackend(etcd, rid, SECRET)
@@ -1030,7 +1035,7 @@ def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind
     replay(state, [(node(999), A.ADD_TO_PARTICIPANTS)], s)
     assert plain.set_state(encode_state(state), token)[2]
     follower.read()
-    assert node(999) in follower._stored().participants
+    assert node(999) in follower._follower.stored().participants
     # nothing changed since: a read is two reads of a key and a count, not of the span
     requests, unchanged = follower.stats["requests"], follower.stats["reads_unchanged"]
     follower.read()
@@ -1040,13 +1045,13 @@ def test_nodes_follow_the_state_by_its_deltas_and_read_it_whole_only_when_behind
     late = EtcdRendezvousBackend(etcd, rid, SECRET)
     late.bind(node(2000), s)
     try:
-        late._keep_lease()
+        late._node_lease.keep()
         follower.read()
-        assert node(2000) in follower._alive_nodes()
+        assert node(2000) in follower._leases.alive
         late.close()
-        etcd.revoke_lease(late._lease.id)
+        etcd.revoke_lease(late._node_lease.lease.id)
         follower.read()
-        assert node(2000) not in follower._alive_nodes()
+        assert node(2000) not in follower._leases.alive
         assert follower.stats["reads_unchanged"] == unchanged + 1
     finally:
         late.close()
@@ -1064,9 +1069,9 @@ def test_the_view_kept_up_to_date_is_the_overlay_built_whole() -> None:
     b = EtcdRendezvousBackend(None, "run", SECRET)  # fed by hand: it never calls etcd here
     me = node(0)
     b.bind(me, s)
-    b._my_heartbeat = datetime.now(UTC)
+    b._node_lease.heartbeat = datetime.now(UTC)
     state = _RendezvousState()
-    b._set_stored(sign_state(SECRET, b.key, encode_state(state)), 1, 1)
+    b._follower.set_stored(sign_state(SECRET, b.key, encode_state(state)), 1, 1)
     revision, lease = 1, 100
     actions = [A.ADD_TO_PARTICIPANTS, A.ADD_TO_WAIT_LIST, A.REMOVE_FROM_PARTICIPANTS]
     for _step in range(300):
@@ -1075,20 +1080,22 @@ def test_the_view_kept_up_to_date_is_the_overlay_built_whole() -> None:
             before = decode_state(encode_state(state))
             replay(state, [(node(rng.randint(0, 11)), rng.choice(actions))], s)
             slot = f"{delta_prefix('run')}00"
-            delta = encode_delta(b._m_rev, b._m_version + 1, state_diff(before, state))
+            delta = encode_delta(
+                b._follower.revision, b._follower.version + 1, state_diff(before, state)
+            )
             kv = kv_pb2.KeyValue(
                 key=slot.encode(),
                 value=sign_state(SECRET, slot, delta).encode(),
                 mod_revision=revision,
             )
-            assert b._follow(kv)
+            assert b._follower.follow(kv)
         else:  # a node's lease, new or granted again
             lease += 1
             key = alive_prefix("run") + node_id(node(rng.randint(0, 11)))
-            b._see_alive(alive_read(key, SECRET, lease, revision))
+            b._leases.see(alive_read(key, SECRET, lease, revision))
         if rng.random() < 0.3:
-            kept = b._overlaid(b._stored())
-            whole = overlay(b._stored(), b._alive_nodes(), me, b._my_heartbeat)
+            kept = b._follower.overlaid(b._follower.stored())
+            whole = overlay(b._follower.stored(), b._leases.alive, me, b._node_lease.heartbeat)
             assert _same(kept, whole, ordered=False)
             assert kept.last_heartbeats == whole.last_heartbeats
 
@@ -1102,17 +1109,17 @@ def test_a_lapsed_lease_is_found_by_counting_and_many_by_listing(etcd: EtcdClien
     nodes = leased_nodes(etcd, rid, 12, s)
     reader = nodes[0]
     reader.read()
-    assert reader._alive_nodes() == {node(i) for i in range(12)}
+    assert reader._leases.alive == {node(i) for i in range(12)}
     for b in nodes[3:5]:
-        b._lease.revoke()
+        b._node_lease.lease.revoke()
     reader.read()
     assert reader.stats["found_gone"] == 2 and reader.stats["relists"] == 0
-    assert reader._alive_nodes() == {node(i) for i in range(12)} - {node(3), node(4)}
+    assert reader._leases.alive == {node(i) for i in range(12)} - {node(3), node(4)}
     for b in nodes[5:11]:
-        b._lease.revoke()
+        b._node_lease.lease.revoke()
     reader.read()
     assert reader.stats["relists"] == 1 and reader.stats["found_gone"] == 2
-    assert reader._alive_nodes() == {node(i) for i in (0, 1, 2, 11)}
+    assert reader._leases.alive == {node(i) for i in (0, 1, 2, 11)}
     reader.read()  # the count agrees again: nothing more to look for
     assert reader.stats["relists"] == 1 and reader.stats["found_gone"] == 2
 
@@ -1135,21 +1142,21 @@ def test_beyond_64_nodes_a_lapse_is_learnt_from_the_write_that_takes_the_node_ou
     reader, searcher = nodes[0], nodes[1]
     for b in (reader, searcher):
         b.read()
-        assert b._alive_nodes() == {node(i) for i in range(n)}
-    nodes[7]._lease.revoke()
+        assert b._leases.alive == {node(i) for i in range(n)}
+    nodes[7]._node_lease.lease.revoke()
 
     for b in (reader, searcher):
         b.read()
         assert b.stats["gone_deferred"] == 1 and b.stats["found_gone"] == 0
-        assert node(7) in b._alive_nodes() and b._unfound == 1
+        assert node(7) in b._leases.alive and b._leases.unfound == 1
     unchanged = reader.stats["reads_unchanged"]
     reader.read()  # the lapse is known: nothing new, and the read stays cheap
-    assert reader.stats["reads_unchanged"] == unchanged + 1 and reader._unfound == 1
+    assert reader.stats["reads_unchanged"] == unchanged + 1 and reader._leases.unfound == 1
 
-    searcher._search_at = time.monotonic()  # its wait ran out before any write
+    searcher._leases.search_at = time.monotonic()  # its wait ran out before any write
     searcher.read()
-    assert searcher.stats["found_gone"] == 1 and searcher._unfound == 0
-    assert searcher._alive_nodes() == {node(i) for i in range(n)} - {node(7)}
+    assert searcher.stats["found_gone"] == 1 and searcher._leases.unfound == 0
+    assert searcher._leases.alive == {node(i) for i in range(n)} - {node(7)}
 
     del state.participants[node(7)], state.last_heartbeats[node(7)]
     _, token, ok = writer.set_state(encode_state(state), token)
@@ -1157,8 +1164,8 @@ def test_beyond_64_nodes_a_lapse_is_learnt_from_the_write_that_takes_the_node_ou
     requests = reader.stats["requests"]
     reader.read()
     assert reader.stats["found_probed"] == 1 and reader.stats["found_gone"] == 0
-    assert reader._unfound == 0 and reader._search_at is None
-    assert reader._alive_nodes() == {node(i) for i in range(n)} - {node(7)}
+    assert reader._leases.unfound == 0 and reader._leases.search_at is None
+    assert reader._leases.alive == {node(i) for i in range(n)} - {node(7)}
     # whether the state was written, the read, the whole state (written unbound), one probe
     assert reader.stats["requests"] - requests == 4
 
@@ -1170,10 +1177,10 @@ def test_beyond_64_nodes_a_lapse_is_learnt_from_the_write_that_takes_the_node_ou
     assert writer.set_state(encode_state(state), token)[2]
     reader.read()
     deferred = reader.stats["gone_deferred"]
-    nodes[9]._lease.revoke()
+    nodes[9]._node_lease.lease.revoke()
     reader.read()
     assert reader.stats["found_probed"] == 2 and reader.stats["gone_deferred"] == deferred
-    assert node(9) not in reader._alive_nodes() and reader._unfound == 0
+    assert node(9) not in reader._leases.alive and reader._leases.unfound == 0
     for b in nodes:
         b.close()
 
@@ -1192,13 +1199,13 @@ def test_the_unchanged_check_reads_serializable_and_the_reads_after_a_change_do_
     assert writer.set_state(encode_state(state))[2]
     reader = nodes[0]
     asked: dict[str, bool] = {}
-    ranged = reader._range
+    ranged = reader._wire.range
 
     def recording(what: str, request: Any) -> Any:
         asked[what] = request.serializable
         return ranged(what, request)
 
-    reader._range = recording  # type: ignore[method-assign]
+    reader._wire.range = recording  # type: ignore[method-assign]
     reader.read()
     unchanged = reader.stats["reads_unchanged"]
     reader.read()  # nothing changed: the cheap check only
@@ -1221,12 +1228,14 @@ def test_a_live_node_keeps_its_lease_while_its_handler_stalls_but_a_hung_combine
     b = EtcdRendezvousBackend(etcd, rid)
     b.bind(node(1), s)
     try:
-        b._keep_lease()
-        lease = b._lease
-        time.sleep(3 * b._ttl)  # no handler call at all for three leases
-        assert lease.remaining() > 0 and b.stats["lease_refreshes_timer"] >= 2
-        b._combining = True  # as if it hung holding the lock
-        time.sleep(2 * b._ttl + 1)
+        b._node_lease.keep()
+        lease = b._node_lease.lease
+        time.sleep(3 * b._node_lease.ttl)  # no handler call at all for three leases
+        # alive: etcd counts a lease's time left in whole seconds, so a lease refreshed a
+        # second or more ago (the thread refreshes once a second) reads 0; a gone one reads -1
+        assert lease.remaining() >= 0 and b.stats["lease_refreshes_timer"] >= 2
+        b._node_lease.combining = True  # as if it hung holding the lock
+        time.sleep(2 * b._node_lease.ttl + 1)
         assert lease.remaining() <= 0
     finally:
         b.close()
@@ -1313,7 +1322,7 @@ def test_a_forged_intent_is_dropped_unapplied_and_a_stuck_change_is_withdrawn(
         assert intruder not in state.participants and intruder not in state.wait_list
         assert etcd.get_prefix(f"{prefix}/intent/") == []  # deleted by the combiner
         backend = h._state_holder._backend
-        assert intruder not in backend._alive_nodes()  # an alive key that does not verify
+        assert intruder not in backend._leases.alive  # an alive key that does not verify
         # a change that is made already (a join into the round the node is in) writes nothing
         token = etcd.get_with_revision(state_key(rid))[1]
         backend.note(A.ADD_TO_PARTICIPANTS)
@@ -1323,7 +1332,7 @@ def test_a_forged_intent_is_dropped_unapplied_and_a_stuck_change_is_withdrawn(
         # someone holds the combine lock and never combines: the change is taken back in time
         lease = etcd.lease(30)
         etcd.put(f"{prefix}/combiner", "someone-else", lease)
-        backend._budget = 0.5
+        backend._combiner.budget = 0.5
         backend.note(A.ADD_TO_REDUNDANCY_LIST)
         after, _, applied = backend.write(h._state_holder.state, None)
         assert not applied and h._this_node not in after.redundancy_list
@@ -1448,9 +1457,9 @@ def test_a_node_whose_rendezvous_failed_stops_keeping_itself_alive(
     try:
         with pytest.raises(RendezvousTimeoutError):
             h.next_rendezvous()
-        assert backend._refresher is None
-        backend._keep_lease()  # used again: it keeps itself alive again
-        assert backend._refresher is not None
+        assert backend._node_lease.refresher is None
+        backend._node_lease.keep()  # used again: it keeps itself alive again
+        assert backend._node_lease.refresher is not None
     finally:
         _die(h)
 

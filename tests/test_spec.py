@@ -53,7 +53,11 @@ def test_defaults_fill_everything_but_the_name() -> None:
         ),
         ({"name": "x", "training": {"lr": 0}}, "training.lr", "greater than 0"),
         ({"name": "x", "parallel": {"stages": 7}}, "<spec>", "exceeds model.depth"),
-        ({"name": "x", "data": {"dataset": "imagenet"}}, "data", "'imagenet' is not available"),
+        (
+            {"name": "x", "data": {"dataset": "imagenet"}},
+            "data.dataset",
+            "'imagenet' is not available",
+        ),
         ({"name": "x", "parallel": {"schedule": "pipedream"}}, "parallel", "choose one of gpipe"),
         ({"name": "x", "training": {"global_batch_size": 30}}, "<spec>", "multiple of"),
         (

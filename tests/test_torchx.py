@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import builtins
+import dataclasses
+import inspect
+import io
 import os
+import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +19,12 @@ from typing import Any
 import pytest
 import yaml
 from torchx.specs import AppDef, macros
+from torchx.specs.file_linter import get_fn_docstring
 
-from pipetransformer.core.keys import RDZV_SECRET_ENV
-from pipetransformer.core.spec import SpecError, load_spec
+from pipetransformer.core.keys import RDZV_SECRET_ENV, SPEC_ENV
+from pipetransformer.core.spec import SpecError, load_spec, parse_spec
+from pipetransformer.edge.etcd_client import PASSWORD_ENV
+from pipetransformer.orchestrator.appdef import app_def
 from pipetransformer.orchestrator.components import (
     CONTROLLER_ROLE,
     METRICS_PORT_NAME,
@@ -23,6 +32,8 @@ from pipetransformer.orchestrator.components import (
     ComponentArgError,
     train,
 )
+from pipetransformer.orchestrator.platforms import PLATFORMS
+from pipetransformer.orchestrator.platforms.base import TrainArgs, TrainInputs
 from pipetransformer.store import Store, sqlite_url
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,6 +209,76 @@ def test_component_rejects_worker_count_mismatch(tiny_spec: Path) -> None:
     msg = str(err.value)
     assert "nnodes x nproc_per_node (1 x 3 = 3)" in msg
     assert "parallel.stages x parallel.replicas (2 x 1 = 2)" in msg
+
+
+def test_train_takes_documents_and_defaults_every_argument() -> None:
+    """torchx makes `train`'s CLI from its signature and docstring: every parameter has its help,
+    and `TrainArgs` (what `train` hands on) has the same names and defaults."""
+    params = inspect.signature(train).parameters
+    fields = {
+        f.name: inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(TrainArgs)
+    }
+    assert {name: p.default for name, p in params.items()} == fields
+    _, helps = get_fn_docstring(train)
+    assert all(helps[name].strip() for name in params), [n for n in params if not helps[n].strip()]
+
+
+def literal_inputs(**args: Any) -> TrainInputs:
+    """What `components.gather` would hand the translation, written out: no file, port or
+    secret behind any of it."""
+    return TrainInputs(
+        args=TrainArgs(spec="specs/tiny.yaml", **args),
+        job=parse_spec(TINY),
+        spec_text="name: tiny-torchx\n",
+        trainer_overlay=None,
+        free_port=23456,
+        launch_secret="5" * 64,
+        cwd="/checkout",
+        python="/venv/bin/python",
+    )
+
+
+def test_the_translation_into_an_appdef_is_pure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train` does its I/O at its edge (`gather`); `app_def` builds the AppDef from literal
+    inputs without reading a file, opening a socket, making a secret or asking for the current
+    directory, and the same inputs give the same AppDef, on every platform."""
+    pods_args = {"image": "registry.example/pipetransformer:1.0", "etcd": "etcd:2379"}
+
+    def no_io(*_: object, **__: object) -> None:
+        raise AssertionError("the translation into an AppDef did I/O")
+
+    with monkeypatch.context() as m:
+        for owner, name in [
+            (builtins, "open"),
+            (io, "open"),
+            (Path, "read_text"),
+            (os, "getcwd"),
+            (socket, "socket"),
+            (secrets, "token_hex"),
+            (secrets, "token_bytes"),
+        ]:
+            m.setattr(owner, name, no_io)
+        local, pods = app_def(literal_inputs()), app_def(literal_inputs(**pods_args))
+        again = app_def(literal_inputs()), app_def(literal_inputs(**pods_args))
+    assert again == (local, pods)
+    assert set(PLATFORMS) == {"local", "kubernetes"}
+
+    controller, trainer = local.roles
+    c = controller.args
+    assert controller.image == trainer.image == "/checkout"
+    assert controller.entrypoint == trainer.entrypoint == "/venv/bin/python"
+    assert c[c.index("controller") + 1] == "specs/tiny.yaml"
+    assert c[c.index("--etcd-port") + 1] == "23456"
+    assert trainer.args[trainer.args.index("--etcd") + 1] == "127.0.0.1:23456"
+    assert trainer.env[RDZV_SECRET_ENV] == "5" * 64 and RDZV_SECRET_ENV not in controller.env
+
+    controller, trainer = pods.roles
+    assert controller.image == trainer.image == pods_args["image"]
+    assert controller.entrypoint == "python" and "specs/tiny.yaml" not in controller.args
+    assert controller.env[SPEC_ENV] == "name: tiny-torchx\n"  # the spec's text travels inline
+    assert trainer.env[PASSWORD_ENV] == "5" * 64  # the trainers' etcd password, for this launch
+    assert trainer.min_replicas == 1 and "kubernetes" in trainer.metadata
 
 
 # -- through the torchx CLI ---------------------------------------------------------------------

@@ -2,10 +2,11 @@
 handwritten digits, seeded synthetic images for benchmarks (both for the ViT), and a seeded
 synthetic sequence-classification task for the BERT-style encoder. Nothing is downloaded. A
 user's files (`data.dataset: image-folder | table`) open as `trainer.sources.splits`, read a row
-at a time."""
+at a time. Which function opens a job's data is its kind's (`pipetransformer.core.datasets`)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 from dataclasses import dataclass, replace
@@ -120,34 +121,48 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_dataset(data: DataSpec, model: ModelSpec) -> Dataset:
+    """The job's two splits, opened by the function its kind of data names
+    (`pipetransformer.core.datasets`, `DataKind.opens`)."""
     problem = data.model_problem(model)
     if problem:
         raise ValueError(problem)
-    if data.is_source:  # the `hf` extra's libraries: imported only for a job that reads files
-        from pipetransformer.trainer.sources.splits import open_source_splits
+    module, _, function = data.kind.opens.partition(":")
+    # a user's files need the `hf` extra's libraries: imported only for a job that reads them
+    train, test = getattr(importlib.import_module(module), function)(data, model)
+    return Dataset(train, test)
 
-        return Dataset(*open_source_splits(data, model))
-    if data.dataset == "digits":
-        images, labels = _digits()
-        inputs = (images.astype(np.float32) / 16.0 - 0.5) / 0.5  # pixels 0..16 -> -1..1
-        inputs = inputs[:, None, :, :]
-        labels = labels.astype(np.int64)
-    elif data.dataset == "synthetic":
-        rng = np.random.default_rng(data.seed)
-        n = data.synthetic_samples
-        labels = rng.integers(0, model.num_classes, n).astype(np.int64)
-        shape = (n, model.channels, model.image_size, model.image_size)
-        # a learnable signal: class-dependent mean plus noise, drawn in float32 in place (a
-        # ViT-B/16 benchmark's 8,192 images are 4.9 GB: float64 draws took ~25 s of its start-up)
-        inputs = rng.standard_normal(shape, dtype=np.float32)
-        inputs *= 0.5
-        inputs += (labels[:, None, None, None] / model.num_classes - 0.5).astype(np.float32)
-    elif data.dataset == "synthetic-text":
-        inputs, labels = synthetic_text(
-            data.synthetic_samples, model.num_classes, model.vocab_size, model.seq_len, data.seed
-        )
-    else:  # JobSpec validation makes this unreachable; keep the error explicit anyway
-        raise ValueError(f"unknown dataset {data.dataset!r}")
+
+def digits(data: DataSpec, model: ModelSpec) -> tuple[Split, Split]:
+    """`digits`: pixels 0..16 scaled to -1..1, the kept classes relabelled (data.classes)."""
+    images, labels = _digits()
+    inputs = (images.astype(np.float32) / 16.0 - 0.5) / 0.5  # pixels 0..16 -> -1..1
+    return _split(data, inputs[:, None, :, :], labels.astype(np.int64))
+
+
+def synthetic_images(data: DataSpec, model: ModelSpec) -> tuple[Split, Split]:
+    """`synthetic`: images of the model's shape, a class-dependent mean plus noise."""
+    rng = np.random.default_rng(data.seed)
+    n = data.synthetic_samples
+    labels = rng.integers(0, model.num_classes, n).astype(np.int64)
+    shape = (n, model.channels, model.image_size, model.image_size)
+    # a learnable signal: class-dependent mean plus noise, drawn in float32 in place (a
+    # ViT-B/16 benchmark's 8,192 images are 4.9 GB: float64 draws took ~25 s of its start-up)
+    inputs = rng.standard_normal(shape, dtype=np.float32)
+    inputs *= 0.5
+    inputs += (labels[:, None, None, None] / model.num_classes - 0.5).astype(np.float32)
+    return _split(data, inputs, labels)
+
+
+def synthetic_sequences(data: DataSpec, model: ModelSpec) -> tuple[Split, Split]:
+    """`synthetic-text`: token sequences labelled by their most frequent keyword."""
+    inputs, labels = synthetic_text(
+        data.synthetic_samples, model.num_classes, model.vocab_size, model.seq_len, data.seed
+    )
+    return _split(data, inputs, labels)
+
+
+def _split(data: DataSpec, inputs: np.ndarray, labels: np.ndarray) -> tuple[Split, Split]:
+    """A built-in data set's stratified held-out split (then digits' class filter)."""
     train_idx, test_idx = _stratified_split(labels, data.test_fraction, data.seed)
     if data.classes is not None:
         # split first, then filter: the held-out images of a digit are the same whichever
@@ -162,4 +177,4 @@ def load_dataset(data: DataSpec, model: ModelSpec) -> Dataset:
     def split(idx: np.ndarray) -> Split:
         return Split(torch.from_numpy(inputs[idx].copy()), torch.from_numpy(labels[idx].copy()))
 
-    return Dataset(split(train_idx), split(test_idx))
+    return split(train_idx), split(test_idx)

@@ -9,7 +9,7 @@ never imports the data plane). It needs no process group.
 
 The checkpoint holds one flat tensor per unit (`model.embed`, `model.blocks.<i>`,
 `model.head`; trainer/checkpoint.py) whose members are the unit's parameters named
-`<unit>.<checkpoint key>`, the key being the pretrained checkpoint's own (trainer/hf/units.py);
+`<unit>.<checkpoint key>`, the key being the pretrained checkpoint's own (models/vit.py, models/bert.py);
 so the unit's meta-built parameters give the names and shapes to cut it up with, and dropping the
 unit prefix gives the names `transformers` loads. The tensors are written as they are
 (float32): nothing is converted.
@@ -34,8 +34,10 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from pipetransformer.core.hf_config import parse_architecture, read_config_json
+from pipetransformer.core.families import checkpoint_family
 from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.tasks import task_of
+from pipetransformer.edge.hf_files import read_config_json
 from pipetransformer.edge.manifest import CheckpointError, checkpoint_checksum, verify_checkpoint
 
 WEIGHTS = "model.safetensors"
@@ -115,8 +117,8 @@ def _check_destination(out: Path, force: bool, keep_clear: Iterable[Path]) -> No
 def _checkpoint_tensors(spec: JobSpec, checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of the checkpoint under its checkpoint key (unit prefix removed),
     read without a process group."""
+    from pipetransformer.models.units import architecture, empty_unit
     from pipetransformer.trainer.checkpoint import UnitsDiffer, read_weights
-    from pipetransformer.trainer.units import architecture, empty_unit
 
     names = architecture(spec.model).unit_names()
     units = {name: empty_unit(spec.model, name) for name in names}  # meta: names and shapes
@@ -137,7 +139,7 @@ def _label_names(spec: JobSpec, original: dict[str, Any], count: int) -> list[st
     """The names of the job's labels: an image folder's class folders (sorted, as the data set
     numbers them), else the pretrained checkpoint's names if it had as many, else LABEL_<i>."""
     data = spec.data
-    if data.dataset == "image-folder" and data.train:
+    if data.kind.folders() and data.train:  # class folders: their names are the labels
         root = Path(data.train[0])  # trainer/sources/splits.py reads the first
         if root.is_dir():
             classes = sorted(
@@ -159,10 +161,13 @@ def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
     and names, and the dtype of the exported weights."""
     config = json.loads(json.dumps(original))
     # the class the job trained: a base model or another task's checkpoint got a new head
-    trained = parse_architecture(original).for_task(spec.model.task, spec.model.num_classes)
+    family = checkpoint_family(original)
+    trained = family.for_task(
+        family.parse_config(original), spec.model.task, spec.model.num_classes
+    )
     config["architectures"] = [trained.architecture]
-    if spec.model.task == "question-answering":  # 2 outputs: start and end logits
-        labels = ["LABEL_0", "LABEL_1"]
+    if task_of(spec.model).fixed_outputs is not None:  # question answering: start and end
+        labels = [f"LABEL_{i}" for i in range(trained.num_labels)]
     else:
         labels = _label_names(spec, original, spec.model.num_classes)
     # transformers takes the label count from id2label
@@ -182,7 +187,7 @@ def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
 
 def _original_keys(directory: Path, family: str) -> dict[str, str]:
     """The pretrained checkpoint's keys by the units' names (a base model's get the prefix)."""
-    from pipetransformer.trainer.hf.load import checkpoint_index, unit_keys
+    from pipetransformer.models.hf import checkpoint_index, unit_keys
 
     return unit_keys(checkpoint_index(directory), family)
 
@@ -230,7 +235,7 @@ def export(
     checked against its own manifest. Raises ExportError (or CheckpointError) saying why not."""
     from safetensors.torch import save_file
 
-    from pipetransformer.trainer.units import CheckpointChanged
+    from pipetransformer.models.units import CheckpointChanged
 
     checkpoint, out = Path(checkpoint), Path(out)
     pretrained = _pretrained_dir(spec)
@@ -247,7 +252,7 @@ def export(
         ) from None
     original = read_config_json(pretrained)
     config = export_config(spec, original)
-    original_keys = _original_keys(pretrained, spec.model.family)
+    original_keys = _original_keys(pretrained, checkpoint_family(original).key_prefix)
     left_out = sorted(original_keys[k] for k in set(original_keys) - set(tensors))
     copied = _processor_files(pretrained)
 

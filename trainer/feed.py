@@ -11,6 +11,7 @@ fraction (`bench/data_loading.py`)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -84,10 +85,25 @@ class Feed:
             pin_memory=self.pin_memory,
             prefetch_factor=PREFETCH if self.workers else None,
         )
-        self._reader = iter(loader)
+        self._reader = _forked_reader(loader) if self.workers else iter(loader)
 
     def close(self) -> None:
         """Stop the reader's worker processes (a new one starts where it is next asked)."""
         reader, self._reader, self._next = self._reader, None, None
         if reader is not None and hasattr(reader, "_shutdown_workers"):
             reader._shutdown_workers()
+
+
+def _forked_reader(loader: Any) -> Any:
+    """`iter(loader)`, which forks its worker processes, with this process's objects kept out
+    of the children's garbage collections: a forked child must never run a finalizer of an
+    object it inherited (a gRPC channel's or stream's takes locks that another thread of this
+    process held at the fork, and the child then waits on them forever: seen as a loader stuck
+    in `futex_wait` under "Garbage-collecting"). The cycles already dead are collected here
+    first; this process collects normally again once the children are forked."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        gc.unfreeze()

@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (
@@ -36,21 +35,22 @@ from torch.distributed.pipelining import (
 from torch.nn.parallel import DistributedDataParallel
 
 from pipetransformer.core.handover import held_units
-from pipetransformer.core.sampler import IGNORE
 from pipetransformer.core.spec import SCHEDULES, ModelSpec, schedule_problem
 from pipetransformer.core.state import Layout, StageLayout
-from pipetransformer.trainer.cache import ActivationCache, FrozenPrefix
-from pipetransformer.trainer.device import Compute
-from pipetransformer.trainer.models import (
+from pipetransformer.core.tasks import Task, task_of
+from pipetransformer.models.stage import (
     StageModule,
     stage_input_dtype,
     stage_input_shape,
     stage_output_shape,
     weights_dtype,
 )
+from pipetransformer.models.units import empty_unit, initial_units
+from pipetransformer.trainer.cache import ActivationCache, FrozenPrefix
+from pipetransformer.trainer.device import Compute
 from pipetransformer.trainer.optim import MasterWeights
 from pipetransformer.trainer.stage_clock import StageClock
-from pipetransformer.trainer.units import empty_unit, initial_units
+from pipetransformer.trainer.tasks import loss_sum
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -102,7 +102,7 @@ class RankModel(nn.Module):
 
     Only the owned units are built: on the meta device first (no memory), then materialised on
     `compute.device` by `materialise`, each unit from its seed-derived initialisation
-    (`trainer.models.init_unit`, the same values `build_model` gives it) unless a checkpoint
+    (`models.seeded.init_unit`, the same values `build_model` gives it) unless a checkpoint
     will fill it.
 
     With a freeze boundary F > 0 the embedding and blocks [0, F) are frozen: their parameters
@@ -230,6 +230,7 @@ class RankPipeline:
                 f"replica batch {replica_batch} is not divisible by {layout.microbatches} micro-batches"
             )
         self.model, self.layout, self.groups = model, layout, groups
+        self.spec_model = model_spec
         self.device = device = model.compute.device
         self.cache: ActivationCache | None = None  # attached by the trainer (AutoCache)
         # where this rank's time goes (set by the trainer; a clock that measures nothing here)
@@ -237,7 +238,7 @@ class RankPipeline:
         self.local = [s for s, _ in layout.placements(rank)]
         self.is_first = self.local[0].index == 0
         self.is_last = any(s.index == layout.num_stages - 1 for s in self.local)
-        self.loss_fn = MaskedCrossEntropy()
+        self.loss_fn = MaskedCrossEntropy(task_of(model_spec))
         mb = replica_batch // layout.microbatches
         dp = groups.data_parallel
         self.sync_after_step = dp is not None and layout.schedule in SPLIT_BACKWARD
@@ -470,23 +471,17 @@ class GradNorms(NamedTuple):
 
 
 class MaskedCrossEntropy:
-    """Sum of per-sample cross-entropy over real samples divided by the number of real samples in
-    the whole global batch. With the schedule's own grad scaling off, summing this over
-    micro-batches (and replicas) gives exactly the full-batch mean loss and its gradient."""
+    """The task's summed loss of the real samples (`trainer.tasks.loss_sum`) divided by the
+    number of real samples in the whole global batch. With the schedule's own grad scaling off,
+    summing this over micro-batches (and replicas) gives exactly the full-batch mean loss and its
+    gradient."""
 
-    def __init__(self) -> None:
+    def __init__(self, task: Task) -> None:
+        self.task = task
         self.denominator = 1
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return masked_loss_sum(logits, target) / max(self.denominator, 1)
-
-
-def masked_loss_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of the real samples. Question answering (logits [B, T, 2], targets
-    [B, 2] start and end positions): the mean of the start and end losses, as `transformers`'
-    `BertForQuestionAnswering` computes it."""
-    loss = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum")
-    return loss / 2 if logits.dim() == 3 else loss
+        return loss_sum(self.task, logits, target) / max(self.denominator, 1)
 
 
 def build_rank_pipeline(

@@ -1,6 +1,6 @@
 """Measured per-block profiles for the AutoPipe planner (the planner's only I/O edge).
 
-A short profiling pass runs the real model's units (`trainer.units.initial_units`: the embedding,
+A short profiling pass runs the real model's units (`models.units.initial_units`: the embedding,
 each block, the head, one on the device at a time) on the training device (the rank's own:
 profiling the GPU while training on the CPU, or the reverse, would plan for the wrong machine) at
 the job's precision, for one micro-batch of a given size: forward and backward time (median
@@ -46,9 +46,9 @@ from pipetransformer.core.partition import BlockProfile, Profile
 from pipetransformer.core.planner import Planned
 from pipetransformer.core.spec import JobSpec, ModelSpec
 from pipetransformer.core.state import Layout
+from pipetransformer.models.stage import Precision, autocast, to_weights_dtype, weights_dtype
+from pipetransformer.models.units import example_input, initial_units
 from pipetransformer.trainer.device import synchronize
-from pipetransformer.trainer.models import Precision, autocast, to_weights_dtype, weights_dtype
-from pipetransformer.trainer.units import example_input, initial_units
 
 PROFILE_FORMAT = 4  # bump when what is measured changes, so old stored profiles are not reused
 _MIN_SAMPLE_S = 2e-3  # a timing sample averages calls until it lasts about this long

@@ -52,6 +52,7 @@ from pipetransformer.core.provenance import describe_data
 from pipetransformer.core.sampler import IGNORE, Batch, ElasticSampler
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout, StageLayout
+from pipetransformer.core.tasks import task_of
 from pipetransformer.core.train_state import TrainState
 from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.edge.manifest import read_meta
@@ -74,11 +75,12 @@ from pipetransformer.trainer.feed import Feed
 from pipetransformer.trainer.freezing import Freezing
 from pipetransformer.trainer.handover import Previous, handover_group
 from pipetransformer.trainer.optim import lr_at, set_lr
-from pipetransformer.trainer.pipeline import RankPipeline, TrainingGroups, masked_loss_sum
+from pipetransformer.trainer.pipeline import RankPipeline, TrainingGroups
 from pipetransformer.trainer.process import LeaveRequest, Reporter, node_id, stdout_log
 from pipetransformer.trainer.profile import measured_layout
 from pipetransformer.trainer.relayout import build_training, verify_once_per_node
 from pipetransformer.trainer.stage_clock import StageClock
+from pipetransformer.trainer.tasks import loss_sum, scorer
 
 if TYPE_CHECKING:
     from pipetransformer.trainer.sources.qa import QASplit
@@ -175,13 +177,15 @@ class Trainer:
 
     def _data_origin(self) -> DataOrigin:
         train, test = self.data.train, self.data.test
-        if self.spec.model.task != "question-answering":
-            return describe_data(self.spec.data, len(train), len(test))
+        task = task_of(self.spec.model)
+        if not hasattr(train, "num_examples"):  # a sample per row
+            return describe_data(self.spec.data, len(train), len(test), task=task)
+        # question answering's splits are windows over their rows
         return describe_data(
             self.spec.data,
             train.num_examples,
             test.num_examples,
-            question_answering=True,
+            task=task,
             windows=(len(train), len(test)),
         )
 
@@ -721,19 +725,14 @@ def evaluate(
     replica: int,
     loader_workers: int = 0,
 ) -> Evaluation | None:
-    """Held-out results, known on the last stage (None elsewhere). Classification: accuracy.
-    Question answering: each feature's best span, then each question's best over its windows,
-    scored against its answers by exact match (the accuracy) and F1 (`trainer.sources.qa`)."""
+    """Held-out results, known on the last stage (None elsewhere), scored as the job's task
+    scores them (`trainer.tasks`): classification's accuracy; question answering's exact match
+    (the accuracy) and F1."""
+    task = task_of(pipe.spec_model)
     sampler = ElasticSampler(len(test), global_batch, seed=0)
     feed = Feed(test, sampler, workers=loader_workers, pin_memory=pipe.device.type == "cuda")
-    correct = torch.zeros(2, device=pipe.device)  # correct count, summed loss
-    qa = getattr(test, "spans", None) is not None
-    # per feature: scored here (1), best span score, first and end character
-    spans = (
-        torch.zeros(len(test), 4, dtype=torch.float64, device=pipe.device)
-        if qa and pipe.is_last
-        else None
-    )
+    summed_loss = torch.zeros(1, device=pipe.device)
+    score = scorer(task, test, pipe.device) if pipe.is_last else None
     cursor = 0
     try:
         while cursor < len(test):
@@ -742,28 +741,16 @@ def evaluate(
             inputs = feed.inputs(*at, b) if pipe.is_first else None
             targets = pipe.to_device(_targets(pipe, test.labels, b))
             logits = pipe.forward_only(inputs, targets)
-            if pipe.is_last:
-                mask = torch.from_numpy(b.valid).to(pipe.device)
-                if spans is not None and b.valid.any():
-                    real = b.indices[b.valid]
-                    best = test.spans(logits[mask].float(), real)
-                    at_rows = torch.from_numpy(real).to(pipe.device)
-                    spans[at_rows, 0] = 1.0
-                    spans[at_rows, 1:] = best.to(pipe.device)
-                elif spans is None:
-                    correct[0] += (logits.argmax(1) == targets)[mask].sum()
-                correct[1] += masked_loss_sum(logits, targets)
+            if score is not None:
+                score.add(logits, targets, b.valid, b.indices)
+                summed_loss += loss_sum(task, logits, targets)
             cursor = b.next_cursor
     finally:
         feed.close()
-    if not pipe.is_last:
+    if score is None:
         return None
     if pipe.groups.data_parallel is not None:
-        dist.all_reduce(correct, group=pipe.groups.data_parallel)
-        if spans is not None:  # each feature was scored by one replica, the others add 0
-            dist.all_reduce(spans, group=pipe.groups.data_parallel)
-    loss = float(correct[1]) / len(test)
-    if spans is not None:
-        exact, f1 = test.score(spans.cpu())
-        return Evaluation(exact, loss, f1)
-    return Evaluation(float(correct[0]) / len(test), loss)
+        dist.all_reduce(summed_loss, group=pipe.groups.data_parallel)
+        score.all_reduce(pipe.groups.data_parallel)
+    metric, f1 = score.result()
+    return Evaluation(metric, float(summed_loss) / len(test), f1)

@@ -69,7 +69,7 @@ class _Participant:
 
     @property
     def agent_etcd(self) -> EtcdClient:
-        return self.handler._state_holder._backend._client
+        return self.handler._state_holder._backend._wire.client
 
     def call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.time()
@@ -127,14 +127,14 @@ def _view_apart(backend: Any, state: Any) -> str | None:
     """Why the round this node finished with is not the one stored, or None: the participants
     torch's `_sanitize` took out of its view (a heartbeat past its window: here a node whose
     alive key this node did not hold), each with what this node knew of it."""
-    stored = backend._stored() if getattr(backend, "bound", False) else None
+    stored = backend._follower.stored() if getattr(backend, "bound", False) else None
     if stored is None or stored.round != state.round:
         return None
     gone = [n for n in stored.participants if n not in state.participants]
     if not gone:
         return None
     now = datetime.now(UTC)
-    known = {entry[0] for entry in backend._alive_keys.values()}
+    known = {entry[0] for entry in backend._leases.keys.values()}
     said = [
         f"{n.addr}:{n.pid}:{n.local_id} (alive key {'held' if n in known else 'not held'}, "
         f"stored beat {(now - stored.last_heartbeats[n]).total_seconds():.1f}s old)"
@@ -144,7 +144,7 @@ def _view_apart(backend: Any, state: Any) -> str | None:
     ]
     return (
         f"stored {len(stored.participants)}, view {len(state.participants)}, knew "
-        f"{len(backend._alive_set)} alive; not in its view: {', '.join(said)}"
+        f"{len(backend._leases.alive)} alive; not in its view: {', '.join(said)}"
     )
 
 

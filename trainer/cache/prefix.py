@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from pipetransformer.trainer.models import PRECISIONS, Precision, autocast, to_weights_dtype
+from pipetransformer.models.stage import PRECISIONS, Precision, autocast, to_weights_dtype
 
 
 class PrefixRunner(Protocol):
@@ -36,7 +36,7 @@ class FrozenPrefix:
     """Forward-only runner over a model's embedding and its blocks (`blocks.<i>`).
 
     Runs in eval mode (no dropout; each module's train/eval flag is restored afterwards) under
-    `torch.no_grad()` and `autocast(device, precision)` (trainer.models: bfloat16 matrix products
+    `torch.no_grad()` and `autocast(device, precision)` (models.stage: bfloat16 matrix products
     for `bf16`, as `StageModule` runs them), so outputs carry no autograd history, are
     deterministic and are float32 under either precision. Only blocks below the boundary asked
     for are touched. Inputs are moved to `device`: where the embedding's parameters are now (read

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pipetransformer.core.spec import DataSpec, ModelSpec
+from pipetransformer.core.tasks import QUESTION_ANSWERING
 from pipetransformer.trainer.sources import DataError
 from pipetransformer.trainer.sources.dataset import SourceDataset
 from pipetransformer.trainer.sources.image_folder import (
@@ -89,25 +90,43 @@ def _tables(
     ]
 
 
-def open_source_splits(
+def image_folder_splits(data: DataSpec, model: ModelSpec) -> tuple[SourceSplit, SourceSplit]:
+    """`image-folder`: both class folders checked, images through the model's processor."""
+    train, test = _image_folders(data, model)
+    return _source_splits(data, model, Columns(image="image", label="label"), train, test)
+
+
+def table_splits(
     data: DataSpec, model: ModelSpec
 ) -> tuple[SourceSplit, SourceSplit] | tuple[QASplit, QASplit]:
-    """The training and held-out splits of a data source, checked (DataError naming what);
-    question answering's are features (`trainer.sources.qa`)."""
+    """`table`: the rows the job's task reads (`model.task`): question answering's windows
+    (`trainer.sources.qa`), else an image or text column and a label."""
+    _check_resolved(model)
+    if model.task == QUESTION_ANSWERING.name:
+        return qa_splits(_tables(data, qa_columns(data)), data, model)
+    cols = data.columns
+    columns = Columns(image=cols.image, text=cols.text, text_pair=cols.text_pair, label=cols.label)
+    (_, train), (_, test) = _tables(data, columns, model.num_classes)
+    return _source_splits(data, model, columns, train, test)
+
+
+def _check_resolved(model: ModelSpec) -> None:
     pre = model.pretrained
     if pre is None or pre.path is None:
         raise ValueError("a data source needs a resolved model.pretrained (submit the job)")
-    if model.task == "question-answering":
-        return qa_splits(_tables(data, qa_columns(data)), data, model)
-    cols = data.columns
-    if data.dataset == "image-folder":
-        columns = Columns(image="image", label="label")
-        train, test = _image_folders(data, model)
-    else:
-        columns = Columns(
-            image=cols.image, text=cols.text, text_pair=cols.text_pair, label=cols.label
-        )
-        (_, train), (_, test) = _tables(data, columns, model.num_classes)
+
+
+def _source_splits(
+    data: DataSpec,
+    model: ModelSpec,
+    columns: Columns,
+    train: datasets.Dataset,
+    test: datasets.Dataset,
+) -> tuple[SourceSplit, SourceSplit]:
+    """Two checked tables read through the model's own tokenizer or image processor."""
+    _check_resolved(model)
+    pre = model.pretrained
+    assert pre is not None and pre.path is not None
     image = text = None
     if model.is_text:
         assert model.seq_len is not None

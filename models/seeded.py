@@ -1,21 +1,22 @@
-"""Models as an embedding, a stack of residual blocks and a head, so a pipeline stage is a
-contiguous range of blocks and every parameter keeps one stable name (`embed.*`, `blocks.<i>.*`,
-`head.*`) whatever the partition. Two families share the blocks and the head: a ViT (`PatchEmbed`
-over images) and a BERT-style text encoder (`TextEmbed` over token ids). Pure: no I/O, no process
-groups."""
+"""The seeded families' torch build (`pipetransformer.core.families.seeded`): an embedding, a
+stack of residual blocks and a head, so a pipeline stage is a contiguous range of blocks and every
+parameter keeps one stable name (`embed.*`, `blocks.<i>.*`, `head.*`) whatever the partition. Two
+families share the blocks and the head: a ViT (`PatchEmbed` over images) and a BERT-style text
+encoder (`TextEmbed` over token ids). Every unit's initial weights come from its own seed
+(`unit_seed`). Pure: no I/O, no process groups."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from typing import Literal
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from pipetransformer.core.families import unit_names as _unit_names
 from pipetransformer.core.spec import ModelSpec
+from pipetransformer.models.stage import StageModule, model_input_shape
 
 
 class PatchEmbed(nn.Module):
@@ -124,94 +125,13 @@ class ClassifierHead(nn.Module):
         return self.fc(self.norm(x[:, 0]))
 
 
-Precision = Literal["fp32", "bf16", "bf16-weights"]
-PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "bf16-weights")
-
-
-def weights_dtype(precision: Precision) -> torch.dtype:
-    """The dtype of the model's parameters while it computes: bfloat16 under `bf16-weights`
-    (float32 masters live in the optimizer's copy, `trainer.optim.MasterWeights`), else float32."""
-    return torch.bfloat16 if precision == "bf16-weights" else torch.float32
-
-
-def autocast(device: torch.device | str, precision: Precision) -> contextlib.AbstractContextManager:
-    """The compute precision of a block's forward: bfloat16 autocast for `bf16` (matrix products
-    and attention in bf16, norms and softmax statistics in float32; parameters and the residual
-    stream stay float32), nothing for `fp32` and for `bf16-weights` (bf16 parameters compute in
-    their own dtype). Backward follows the forward's dtypes."""
-    if precision != "bf16":
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-
-
-def to_weights_dtype(x: torch.Tensor, precision: Precision) -> torch.Tensor:
-    """A floating input (pixels, a stage's float32 hidden states) in the parameters' dtype; token
-    ids and float32-weight precisions pass as they are."""
-    dtype = weights_dtype(precision)
-    return x.to(dtype) if dtype != torch.float32 and x.is_floating_point() else x
-
-
-class StageModule(nn.Module):
-    """Blocks [start, end) of a model, with the embedding if start == 0 and the head if end == L.
-
-    `blocks` is a ModuleDict keyed by the global block index, so parameter names are identical to
-    the full model's and a checkpoint written under one partition loads under any other.
-
-    With `recompute` (GPipe's re-materialisation), each block runs under activation checkpointing
-    while training: only block inputs are kept for backward and the activations inside a block are
-    recomputed. The blocks are not wrapped, so parameter names do not change."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        start: int,
-        end: int,
-        embed: nn.Module | None = None,
-        blocks: dict[int, nn.Module] | None = None,
-        head: nn.Module | None = None,
-        recompute: bool = False,
-        precision: Precision = "fp32",
-    ):
-        super().__init__()
-        if not 0 <= start < end <= spec.depth:
-            raise ValueError(f"block range [{start}, {end}) outside a model of {spec.depth} blocks")
-        self.spec, self.start, self.end = spec, start, end
-        self.is_first, self.is_last = start == 0, end == spec.depth
-        self.recompute, self.precision = recompute, precision
-        self.embed = embed if self.is_first else None
-        self.blocks = nn.ModuleDict(
-            {str(i): blocks[i] for i in range(start, end)} if blocks else {}
-        )
-        self.head = head if self.is_last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # autocast inside the forward, not around the schedule: backward then runs outside it
-        # (as autocast wants), and recomputation replays it (checkpoint records the state)
-        with autocast(x.device, self.precision):
-            x = to_weights_dtype(x, self.precision)
-            if self.embed is not None:
-                x = self.embed(x)
-            remat = self.recompute and self.training and torch.is_grad_enabled()
-            for i in range(self.start, self.end):
-                block = self.blocks[str(i)]
-                x = checkpoint(block, x, use_reentrant=False) if remat else block(x)
-            if self.head is not None:
-                x = self.head(x)
-        # what crosses a stage boundary (and reaches the loss) is float32 under every
-        # precision: the residual stream already is under fp32 and bf16; the head's logits and
-        # bf16-weights' hidden states are cast back (exactly: bf16 -> float32 loses nothing)
-        return x.float()
-
-
 def _embed(spec: ModelSpec) -> nn.Module:
-    if spec.family == "bert":
-        return TextEmbed(spec)
-    return PatchEmbed(spec)
+    return TextEmbed(spec) if spec.is_text else PatchEmbed(spec)
 
 
 def unit_names(spec: ModelSpec) -> list[str]:
     """The partition units in model order: `embed`, `blocks.0` .. `blocks.<L-1>`, `head`."""
-    return ["embed", *(f"blocks.{i}" for i in range(spec.depth)), "head"]
+    return _unit_names(spec.depth)
 
 
 def unit_seed(seed: int, unit: str) -> int:
@@ -266,44 +186,26 @@ def build_stage(
     )
 
 
-def num_tokens(spec: ModelSpec) -> int:
-    """Tokens in the hidden states between blocks (`ModelSpec.tokens`)."""
-    return spec.tokens
+class SeededBuild:
+    """The build interface `pipetransformer.models.units` calls (`Family.build` names this
+    module; `BUILD` is its object)."""
+
+    def empty_unit(self, spec: ModelSpec, name: str) -> nn.Module:
+        with torch.device("meta"):
+            return empty_unit(spec, name)
+
+    def initial_units(
+        self, spec: ModelSpec, seed: int, names: Iterable[str]
+    ) -> dict[str, nn.Module]:
+        return {name: init_unit(spec, seed, name) for name in names}
+
+    def example_input(
+        self, spec: ModelSpec, batch: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        shape = model_input_shape(spec, batch)
+        if spec.is_text:
+            return torch.randint(0, spec.vocab_size or 2, shape, generator=generator)
+        return torch.randn(shape, generator=generator)
 
 
-def model_input_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
-    """Shape of one batch of model inputs: images [B, C, H, W] (vit, deit), token ids [B, L]
-    (bert built here), or ids, token types and attention mask stacked, [B, 3, L] (pretrained
-    text models, `trainer.hf.units.stack_text_inputs`)."""
-    if spec.is_text:
-        return (batch, 3, spec.seq_len) if spec.pretrained else (batch, spec.seq_len)
-    return (batch, spec.channels, spec.image_size, spec.image_size)
-
-
-def stage_input_shape(spec: ModelSpec, start: int, batch: int) -> tuple[int, ...]:
-    """Shape of the tensor entering the stage that begins at block `start`."""
-    if start == 0:
-        return model_input_shape(spec, batch)
-    return (batch, spec.tokens, spec.width)
-
-
-def stage_input_dtype(spec: ModelSpec, start: int) -> torch.dtype:
-    """Dtype of the tensor entering the stage that begins at block `start`: int64 token ids for
-    the first text stage, float32 otherwise (images, hidden states)."""
-    if start == 0 and spec.is_text:
-        return torch.int64
-    return torch.float32
-
-
-def output_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
-    """The head's logits: [B, classes], or [B, T, 2] start and end logits (question answering)."""
-    if spec.task == "question-answering":
-        return (batch, spec.tokens, 2)
-    return (batch, spec.num_classes)
-
-
-def stage_output_shape(spec: ModelSpec, end: int, batch: int) -> tuple[int, ...]:
-    """Shape of the tensor leaving the stage that ends at block `end` (logits on the last)."""
-    if end == spec.depth:
-        return output_shape(spec, batch)
-    return (batch, spec.tokens, spec.width)
+BUILD = SeededBuild()

@@ -1,4 +1,7 @@
-"""Materialise some units of a Hugging Face checkpoint, reading only their tensors: the units
+"""What every Hugging Face family's torch build shares (`pipetransformer.models.vit`, `.bert`):
+`HFBuild`, the build interface over a family's `build_unit`; the `transformers` config of a
+checkpoint; and `load_units`, which materialises some units of a checkpoint, reading only their
+tensors: the units
 are built with their parameters on the meta device (buffers, e.g. BERT's position ids, are
 computed as usual), then each parameter is filled from the checkpoint's safetensors file(s)
 (`model.safetensors`, or the shards `model.safetensors.index.json` names) through
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -29,16 +34,43 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from pipetransformer.core.hf_config import (
+from pipetransformer.core.families import Architecture, Family, lookup, parse_architecture
+from pipetransformer.core.spec import ModelSpec
+from pipetransformer.edge.hf_files import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
-    HFArchitecture,
-    parse_architecture,
+    fingerprint,
+    read_architecture,
     read_config_json,
 )
-from pipetransformer.trainer.hf.units import build_unit, hf_config, unit_prefixes
+from pipetransformer.models.seeded import unit_seed
+
+log = logging.getLogger("pipetransformer.worker")
 
 SINGLE_FILE, INDEX_FILE = WEIGHTS_FILE, WEIGHTS_INDEX  # what save_pretrained writes
+
+
+class CheckpointChanged(ValueError):
+    """The pretrained checkpoint on disk is not the one the job was submitted with."""
+
+
+@functools.lru_cache(maxsize=8)
+def _architecture(path: str, task: str, num_classes: int, expected: str | None) -> Architecture:
+    if expected is not None and (found := fingerprint(path)) != expected:
+        raise CheckpointChanged(
+            f"the pretrained checkpoint in {path} changed since the job was submitted "
+            f"(fingerprint {found}, submitted {expected}); restore it or submit a new job"
+        )
+    return read_architecture(path).for_task(task, num_classes)
+
+
+def architecture(spec: ModelSpec) -> Architecture:
+    """The model the job trains from its checkpoint: the checkpoint's body with the spec's task
+    and label count (a pretrained spec only)."""
+    pre = spec.pretrained
+    if pre is None or pre.path is None:
+        raise ValueError("model.pretrained is not resolved: submit the job to resolve it")
+    return _architecture(pre.path, spec.task, spec.num_classes, pre.fingerprint)
 
 
 @dataclasses.dataclass
@@ -92,11 +124,11 @@ def checkpoint_index(directory: str | Path) -> dict[str, Path]:
 _LEGACY_SUFFIXES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
 
-def unit_keys(index: dict[str, Path], family: str) -> dict[str, str]:
+def unit_keys(index: dict[str, Path], prefix: str) -> dict[str, str]:
     """The units' name of each checkpoint key -> the key as the checkpoint spells it: a base
-    model's keys get the `<family>.` prefix the task models have, legacy LayerNorm names the
-    current ones (what `transformers` does when it loads the checkpoint)."""
-    prefixed = any(k.startswith(f"{family}.") for k in index)
+    model's keys get the `<prefix>.` the task models have (the family's `key_prefix`), legacy
+    LayerNorm names the current ones (what `transformers` does when it loads the checkpoint)."""
+    prefixed = any(k.startswith(f"{prefix}.") for k in index)
     out: dict[str, str] = {}
     for key in index:
         name = key
@@ -104,14 +136,14 @@ def unit_keys(index: dict[str, Path], family: str) -> dict[str, str]:
             if name.endswith(old):
                 name = name[: -len(old)] + new
         if not prefixed:
-            name = f"{family}.{name}"
+            name = f"{prefix}.{name}"
         out[name] = key
     return out
 
 
-def _check_same_model(arch: HFArchitecture, checkpoint: HFArchitecture) -> None:
+def _check_same_model(arch: Architecture, checkpoint: Architecture) -> None:
     head = {"num_labels", "task", "architecture"}  # a job may give the body a new head
-    fields = [f.name for f in dataclasses.fields(HFArchitecture) if f.name not in head]
+    fields = [f.name for f in dataclasses.fields(Architecture) if f.name not in head]
     diff = [f for f in fields if getattr(arch, f) != getattr(checkpoint, f)]
     if diff:
         raise ValueError(
@@ -137,28 +169,45 @@ def _fmt(keys: Iterable[str]) -> str:
 
 def load_units(
     directory: str | Path,
-    arch: HFArchitecture,
+    arch: Architecture,
     names: Iterable[str],
     device: torch.device | str = "cpu",
     attn_implementation: str = "sdpa",
 ) -> LoadedUnits:
-    """Units `names` of the checkpoint in `directory`, on `device`, in float32, with the
-    checkpoint's values (a new head, see the module docstring, freshly initialised). Raises
-    `ValueError` naming missing or unexpected keys, or tensors of the wrong shape."""
+    """Units `names` of the checkpoint in `directory` (of the family `arch` names, built by its
+    build module), on `device`, in float32, with the checkpoint's values (a new head, see the
+    module docstring, freshly initialised). Raises `ValueError` naming missing or unexpected
+    keys, or tensors of the wrong shape."""
+    from pipetransformer.models import build_of
+
+    return build_of(arch.family, pretrained=True).load_units(
+        directory, arch, names, device, attn_implementation
+    )
+
+
+def _load_units(
+    build: HFBuild,
+    directory: str | Path,
+    arch: Architecture,
+    names: Iterable[str],
+    device: torch.device | str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> LoadedUnits:
     directory = Path(directory)
     checkpoint_arch = parse_architecture(read_config_json(directory))
     _check_same_model(arch, checkpoint_arch)
     new_head = not arch.same_head(checkpoint_arch)
-    config = hf_config(directory, arch, attn_implementation)
+    family = build.family(arch)
+    config = build.config(directory, arch, attn_implementation)
     names = list(names)
     with parameters_on_meta():
-        units = {name: build_unit(config, arch, name) for name in names}
+        units = {name: build.build_unit(config, arch, name) for name in names}
     index = checkpoint_index(directory)
-    keys = unit_keys(index, arch.family)
+    keys = unit_keys(index, family.key_prefix)
     skipped: list[str] = []
     new: list[str] = []
     for name, unit in units.items():
-        prefixes = unit_prefixes(arch, name)
+        prefixes = family.unit_prefixes(arch, name)
         expected = unit.state_dict(keep_vars=True)
         present = {k for k in keys if k.startswith(prefixes)}
         missing, unexpected = set(expected) - present, present - set(expected)
@@ -197,3 +246,108 @@ def load_units(
         unit.load_state_dict(values, strict=True, assign=True)
         unit.to(device)
     return LoadedUnits(units=units, skipped=skipped, config=config, new=new)
+
+
+def nest(path: str, leaf: nn.Module) -> nn.ModuleDict:
+    """`leaf` inside ModuleDicts, one per dotted component of `path`."""
+    *outer, last = path.split(".")
+    module = nn.ModuleDict({last: leaf})
+    for part in reversed(outer):
+        module = nn.ModuleDict({part: module})
+    return module
+
+
+def merge(tree: nn.ModuleDict, path: str, leaf: nn.Module) -> None:
+    """Put `leaf` at dotted `path` inside `tree`, creating ModuleDicts on the way."""
+    *outer, last = path.split(".")
+    node = tree
+    for part in outer:
+        if part not in node:
+            node[part] = nn.ModuleDict()
+        node = node[part]
+    node[last] = leaf
+
+
+UnitBuilder = Callable[[PretrainedConfig, Architecture, str], nn.Module]
+ExampleInput = Callable[[ModelSpec, int, torch.Generator], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFBuild:
+    """A Hugging Face family's build: its `transformers` config classes (by family name), how
+    it builds a unit from a config, and a batch of example inputs. The methods are the build
+    interface `pipetransformer.models.units` calls; the architecture comes from
+    `pipetransformer.models.units.architecture` (the checkpoint's body with the job's task)."""
+
+    config_classes: Mapping[str, type[PretrainedConfig]]
+    build_unit: UnitBuilder
+    example: ExampleInput
+
+    @staticmethod
+    def family(arch: Architecture) -> Family:
+        found = lookup(arch.family, pretrained=True)
+        assert found is not None, arch.family
+        return found
+
+    def config(
+        self, directory: str | Path, arch: Architecture, attn_implementation: str = "sdpa"
+    ) -> PretrainedConfig:
+        """The `transformers` config of the checkpoint in `directory` (its config.json), with
+        `arch.num_labels` (a new head's outputs) and the attention implementation set."""
+        config = self.config_classes[arch.family].from_dict(read_config_json(directory))
+        if config.num_labels != arch.num_labels:  # a new head's outputs (question answering: 2)
+            config.num_labels = arch.num_labels
+        config._attn_implementation = attn_implementation
+        return config
+
+    def load_units(
+        self,
+        directory: str | Path,
+        arch: Architecture,
+        names: Iterable[str],
+        device: torch.device | str = "cpu",
+        attn_implementation: str = "sdpa",
+    ) -> LoadedUnits:
+        return _load_units(self, directory, arch, names, device, attn_implementation)
+
+    def empty_unit(self, spec: ModelSpec, name: str) -> nn.Module:
+        arch = architecture(spec)
+        assert spec.pretrained is not None and spec.pretrained.path is not None
+        with parameters_on_meta():
+            return self.build_unit(self.config(spec.pretrained.path, arch), arch, name)
+
+    def initial_units(
+        self, spec: ModelSpec, seed: int, names: Iterable[str]
+    ) -> dict[str, nn.Module]:
+        arch = architecture(spec)
+        assert spec.pretrained is not None and spec.pretrained.path is not None
+        # a new head draws from torch's global generator: fork it, seeded per unit
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(unit_seed(seed, "head"))
+            loaded = self.load_units(Path(spec.pretrained.path), arch, names)
+        if loaded.new:
+            log.info(
+                "a new %s head (%d outputs): %s initialised%s",
+                arch.task,
+                arch.num_labels,
+                ", ".join(loaded.new),
+                f"; the checkpoint's {', '.join(loaded.skipped)} left out"
+                if loaded.skipped
+                else "",
+            )
+        return loaded.units
+
+    def example_input(
+        self, spec: ModelSpec, batch: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        return self.example(spec, batch, generator)
+
+
+def hf_config(
+    directory: str | Path, arch: Architecture, attn_implementation: str = "sdpa"
+) -> PretrainedConfig:
+    """The `transformers` config of the checkpoint in `directory`, as its family's build makes
+    it."""
+    from pipetransformer.models import build_of
+
+    return build_of(arch.family, pretrained=True).config(directory, arch, attn_implementation)

@@ -1,0 +1,58 @@
+"""The model's units (`embed`, `blocks.<i>`, `head`) for whichever model a spec names, through
+its family's build (`pipetransformer.core.families`, `Family.build`): the seeded models, or a
+Hugging Face checkpoint (`model.pretrained`). Everything that builds units goes through here
+(the rank's model share, AutoPipe's profiling, the export), so the rest of the data plane does
+not care which family a model is or where it came from.
+
+A family's build module holds a `BUILD` object with three methods:
+
+    empty_unit(spec, name)            a unit with its parameters on the meta device
+    initial_units(spec, seed, names)  units with their initial weights, on the CPU
+    example_input(spec, batch, gen)   a batch of model inputs (for profiling)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pipetransformer.core.spec import ModelSpec
+from pipetransformer.models import build_of
+from pipetransformer.models.hf import CheckpointChanged, architecture
+
+__all__ = ["CheckpointChanged", "FamilyBuild", "architecture", "empty_unit", "initial_units"]
+
+
+class FamilyBuild(Protocol):
+    def empty_unit(self, spec: ModelSpec, name: str) -> nn.Module: ...
+
+    def initial_units(
+        self, spec: ModelSpec, seed: int, names: Iterable[str]
+    ) -> dict[str, nn.Module]: ...
+
+    def example_input(
+        self, spec: ModelSpec, batch: int, generator: torch.Generator
+    ) -> torch.Tensor: ...
+
+
+def build(spec: ModelSpec) -> FamilyBuild:
+    """The build of the family `spec` names."""
+    return build_of(spec.family, pretrained=spec.pretrained is not None)
+
+
+def empty_unit(spec: ModelSpec, name: str) -> nn.Module:
+    """A unit with its parameters on the meta device (nothing allocated or initialised)."""
+    return build(spec).empty_unit(spec, name)
+
+
+def initial_units(spec: ModelSpec, seed: int, names: Iterable[str]) -> dict[str, nn.Module]:
+    """Units `names` with their initial weights, on the CPU: seed-derived, or read from the
+    pretrained checkpoint (a new head initialised from the seed)."""
+    return build(spec).initial_units(spec, seed, list(names))
+
+
+def example_input(spec: ModelSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
+    """A batch of model inputs of the right shape and dtype (for profiling)."""
+    return build(spec).example_input(spec, batch, generator)
