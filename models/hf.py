@@ -43,6 +43,7 @@ from pipetransformer.edge.hf_files import (
     read_architecture,
     read_config_json,
 )
+from pipetransformer.models import build_of
 from pipetransformer.models.seeded import unit_seed
 
 log = logging.getLogger("pipetransformer.worker")
@@ -178,8 +179,6 @@ def load_units(
     build module), on `device`, in float32, with the checkpoint's values (a new head, see the
     module docstring, freshly initialised). Raises `ValueError` naming missing or unexpected
     keys, or tensors of the wrong shape."""
-    from pipetransformer.models import build_of
-
     return build_of(arch.family, pretrained=True).load_units(
         directory, arch, names, device, attn_implementation
     )
@@ -348,6 +347,4 @@ def hf_config(
 ) -> PretrainedConfig:
     """The `transformers` config of the checkpoint in `directory`, as its family's build makes
     it."""
-    from pipetransformer.models import build_of
-
     return build_of(arch.family, pretrained=True).config(directory, arch, attn_implementation)

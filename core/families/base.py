@@ -21,6 +21,7 @@ Every method takes the job's `ModelSpec` (or an `Architecture`) and is pure. The
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -282,14 +283,11 @@ class Family:
         cls = self.task_classes.get(task)
         if cls is None:
             raise ValueError(f"model.task: {task!r} is not available for {self.name} models")
-        num_labels = task_of(task).num_outputs(num_labels)
-        return Architecture(
-            **{
-                **arch.__dict__,
-                "task": self.head_task(task),
-                "architecture": cls,
-                "num_labels": num_labels,
-            }
+        return dataclasses.replace(
+            arch,
+            task=self.head_task(task),
+            architecture=cls,
+            num_labels=task_of(task).num_outputs(num_labels),
         )
 
     def spec_fields(self, arch: Architecture) -> dict[str, Any]:
