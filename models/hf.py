@@ -1,9 +1,8 @@
 """What every Hugging Face family's torch build shares (`pipetransformer.models.vit`, `.bert`):
 `HFBuild`, the build interface over a family's `build_unit`; the `transformers` config of a
 checkpoint; and `load_units`, which materialises some units of a checkpoint, reading only their
-tensors: the units
-are built with their parameters on the meta device (buffers, e.g. BERT's position ids, are
-computed as usual), then each parameter is filled from the checkpoint's safetensors file(s)
+tensors: the units are built with their parameters on the meta device (buffers, e.g. BERT's
+position ids, are computed as usual), then each parameter is filled from the checkpoint's safetensors file(s)
 (`model.safetensors`, or the shards `model.safetensors.index.json` names) through
 `safetensors.safe_open`, which reads one tensor at a time: a pipeline rank never reads the
 rest of the model.
@@ -34,7 +33,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from pipetransformer.core.families import Architecture, Family, lookup, parse_architecture
+from pipetransformer.core.families import Architecture, parse_architecture
 from pipetransformer.core.spec import ModelSpec
 from pipetransformer.edge.hf_files import (
     WEIGHTS_FILE,
@@ -184,69 +183,6 @@ def load_units(
     )
 
 
-def _load_units(
-    build: HFBuild,
-    directory: str | Path,
-    arch: Architecture,
-    names: Iterable[str],
-    device: torch.device | str = "cpu",
-    attn_implementation: str = "sdpa",
-) -> LoadedUnits:
-    directory = Path(directory)
-    checkpoint_arch = parse_architecture(read_config_json(directory))
-    _check_same_model(arch, checkpoint_arch)
-    new_head = not arch.same_head(checkpoint_arch)
-    family = build.family(arch)
-    config = build.config(directory, arch, attn_implementation)
-    names = list(names)
-    with parameters_on_meta():
-        units = {name: build.build_unit(config, arch, name) for name in names}
-    index = checkpoint_index(directory)
-    keys = unit_keys(index, family.key_prefix)
-    skipped: list[str] = []
-    new: list[str] = []
-    for name, unit in units.items():
-        prefixes = family.unit_prefixes(arch, name)
-        expected = unit.state_dict(keep_vars=True)
-        present = {k for k in keys if k.startswith(prefixes)}
-        missing, unexpected = set(expected) - present, present - set(expected)
-        fresh = name == "head" and new_head  # what the checkpoint lacks is initialised
-        if (missing or unexpected) and not fresh:
-            raise ValueError(
-                f"{directory}: unit {name!r} does not match the checkpoint: "
-                f"missing keys [{_fmt(missing)}]; unexpected keys [{_fmt(unexpected)}]"
-            )
-        skipped += sorted(keys[k] for k in unexpected)  # a new head's leftovers
-        by_file: dict[Path, list[str]] = {}
-        for key in sorted(set(expected) & present):
-            by_file.setdefault(index[keys[key]], []).append(key)
-        values: dict[str, torch.Tensor] = {}
-        for file, names_in_file in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for key in names_in_file:
-                    stored = keys[key]
-                    shape = torch.Size(f.get_slice(stored).get_shape())
-                    want = expected[key].shape
-                    if shape != want:
-                        if fresh:
-                            skipped.append(stored)
-                            continue
-                        raise ValueError(
-                            f"{file}: {stored} has shape {list(shape)}, the unit wants {list(want)}"
-                        )
-                    values[key] = f.get_tensor(stored).to(expected[key].dtype)
-        for key in sorted(set(expected) - set(values)):  # a new head's parameters
-            module_name, _, param_name = key.rpartition(".")
-            module = unit.get_submodule(module_name)
-            values[key] = _init_new(
-                module, param_name, expected[key].shape, config.initializer_range
-            )
-            new.append(key)
-        unit.load_state_dict(values, strict=True, assign=True)
-        unit.to(device)
-    return LoadedUnits(units=units, skipped=skipped, config=config, new=new)
-
-
 def nest(path: str, leaf: nn.Module) -> nn.ModuleDict:
     """`leaf` inside ModuleDicts, one per dotted component of `path`."""
     *outer, last = path.split(".")
@@ -275,18 +211,12 @@ ExampleInput = Callable[[ModelSpec, int, torch.Generator], torch.Tensor]
 class HFBuild:
     """A Hugging Face family's build: its `transformers` config classes (by family name), how
     it builds a unit from a config, and a batch of example inputs. The methods are the build
-    interface `pipetransformer.models.units` calls; the architecture comes from
-    `pipetransformer.models.units.architecture` (the checkpoint's body with the job's task)."""
+    interface `pipetransformer.models.units` calls; the architecture a spec trains is
+    `architecture(spec)` (the checkpoint's body with the job's task)."""
 
     config_classes: Mapping[str, type[PretrainedConfig]]
     build_unit: UnitBuilder
     example: ExampleInput
-
-    @staticmethod
-    def family(arch: Architecture) -> Family:
-        found = lookup(arch.family, pretrained=True)
-        assert found is not None, arch.family
-        return found
 
     def config(
         self, directory: str | Path, arch: Architecture, attn_implementation: str = "sdpa"
@@ -307,7 +237,60 @@ class HFBuild:
         device: torch.device | str = "cpu",
         attn_implementation: str = "sdpa",
     ) -> LoadedUnits:
-        return _load_units(self, directory, arch, names, device, attn_implementation)
+        """See `load_units`."""
+        directory = Path(directory)
+        checkpoint_arch = parse_architecture(read_config_json(directory))
+        _check_same_model(arch, checkpoint_arch)
+        new_head = not arch.same_head(checkpoint_arch)
+        family = arch.family_info
+        config = self.config(directory, arch, attn_implementation)
+        names = list(names)
+        with parameters_on_meta():
+            units = {name: self.build_unit(config, arch, name) for name in names}
+        index = checkpoint_index(directory)
+        keys = unit_keys(index, family.key_prefix)
+        skipped: list[str] = []
+        new: list[str] = []
+        for name, unit in units.items():
+            prefixes = family.unit_prefixes(arch, name)
+            expected = unit.state_dict(keep_vars=True)
+            present = {k for k in keys if k.startswith(prefixes)}
+            missing, unexpected = set(expected) - present, present - set(expected)
+            fresh = name == "head" and new_head  # what the checkpoint lacks is initialised
+            if (missing or unexpected) and not fresh:
+                raise ValueError(
+                    f"{directory}: unit {name!r} does not match the checkpoint: "
+                    f"missing keys [{_fmt(missing)}]; unexpected keys [{_fmt(unexpected)}]"
+                )
+            skipped += sorted(keys[k] for k in unexpected)  # a new head's leftovers
+            by_file: dict[Path, list[str]] = {}
+            for key in sorted(set(expected) & present):
+                by_file.setdefault(index[keys[key]], []).append(key)
+            values: dict[str, torch.Tensor] = {}
+            for file, names_in_file in by_file.items():
+                with safe_open(str(file), framework="pt") as f:
+                    for key in names_in_file:
+                        stored = keys[key]
+                        shape = torch.Size(f.get_slice(stored).get_shape())
+                        want = expected[key].shape
+                        if shape != want:
+                            if fresh:
+                                skipped.append(stored)
+                                continue
+                            raise ValueError(
+                                f"{file}: {stored} has shape {list(shape)}, the unit wants {list(want)}"
+                            )
+                        values[key] = f.get_tensor(stored).to(expected[key].dtype)
+            for key in sorted(set(expected) - set(values)):  # a new head's parameters
+                module_name, _, param_name = key.rpartition(".")
+                module = unit.get_submodule(module_name)
+                values[key] = _init_new(
+                    module, param_name, expected[key].shape, config.initializer_range
+                )
+                new.append(key)
+            unit.load_state_dict(values, strict=True, assign=True)
+            unit.to(device)
+        return LoadedUnits(units=units, skipped=skipped, config=config, new=new)
 
     def empty_unit(self, spec: ModelSpec, name: str) -> nn.Module:
         arch = architecture(spec)
@@ -340,11 +323,3 @@ class HFBuild:
         self, spec: ModelSpec, batch: int, generator: torch.Generator
     ) -> torch.Tensor:
         return self.example(spec, batch, generator)
-
-
-def hf_config(
-    directory: str | Path, arch: Architecture, attn_implementation: str = "sdpa"
-) -> PretrainedConfig:
-    """The `transformers` config of the checkpoint in `directory`, as its family's build makes
-    it."""
-    return build_of(arch.family, pretrained=True).config(directory, arch, attn_implementation)

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.core.families import Architecture, lookup
+from pipetransformer.core.families import Architecture
 from pipetransformer.core.spec import JobSpec, ModelSpec, SpecError, parse_spec
 from pipetransformer.core.tasks import CLASSIFICATION, task_of
 from pipetransformer.edge.hf_files import fingerprint, read_architecture
@@ -112,8 +112,7 @@ def pretrained_model(model: ModelSpec, arch: Architecture, source: str) -> dict[
     naming each field the spec sets to another value than config.json. The spec may choose
     another task or label count than the checkpoint's head (a new head); a checkpoint without a
     usable head (a base model or a pretraining head) needs the label count from the spec."""
-    family = lookup(arch.family, pretrained=True)
-    assert family is not None, arch.family  # parse_architecture read it through the registry
+    family = arch.family_info
     given = model.model_dump(include=model.model_fields_set - {"pretrained"})
     decided = family.spec_fields(arch)
     task = given.get("task", decided.get("task", CLASSIFICATION.name))

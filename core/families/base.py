@@ -97,16 +97,9 @@ class Architecture:
     def is_text(self) -> bool:
         return self.family_info.is_text
 
-    @property
-    def max_seq_len(self) -> int | None:
-        return self.family_info.max_seq_len(self)
-
     def for_task(self, task: str, num_labels: int) -> Architecture:
         """The model a job trains from this checkpoint (`Family.for_task`)."""
         return self.family_info.for_task(self, task, num_labels)
-
-    def spec_fields(self) -> dict[str, Any]:
-        return self.family_info.spec_fields(self)
 
 
 def _int(raw: dict[str, Any], name: str, default: int | None = None) -> int:

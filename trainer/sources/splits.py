@@ -92,8 +92,9 @@ def _tables(
 
 def image_folder_splits(data: DataSpec, model: ModelSpec) -> tuple[SourceSplit, SourceSplit]:
     """`image-folder`: both class folders checked, images through the model's processor."""
+    path = _pretrained_path(model)
     train, test = _image_folders(data, model)
-    return _source_splits(data, model, Columns(image="image", label="label"), train, test)
+    return _source_splits(data, model, path, Columns(image="image", label="label"), train, test)
 
 
 def table_splits(
@@ -101,41 +102,42 @@ def table_splits(
 ) -> tuple[SourceSplit, SourceSplit] | tuple[QASplit, QASplit]:
     """`table`: the rows the job's task reads (`model.task`): question answering's windows
     (`trainer.sources.qa`), else an image or text column and a label."""
-    _check_resolved(model)
+    path = _pretrained_path(model)
     if model.task == QUESTION_ANSWERING.name:
         return qa_splits(_tables(data, qa_columns(data)), data, model)
     cols = data.columns
     columns = Columns(image=cols.image, text=cols.text, text_pair=cols.text_pair, label=cols.label)
     (_, train), (_, test) = _tables(data, columns, model.num_classes)
-    return _source_splits(data, model, columns, train, test)
+    return _source_splits(data, model, path, columns, train, test)
 
 
-def _check_resolved(model: ModelSpec) -> None:
+def _pretrained_path(model: ModelSpec) -> str:
+    """The resolved checkpoint directory whose tokenizer or image processor reads the rows."""
     pre = model.pretrained
     if pre is None or pre.path is None:
         raise ValueError("a data source needs a resolved model.pretrained (submit the job)")
+    return pre.path
 
 
 def _source_splits(
     data: DataSpec,
     model: ModelSpec,
+    path: str,
     columns: Columns,
     train: datasets.Dataset,
     test: datasets.Dataset,
 ) -> tuple[SourceSplit, SourceSplit]:
-    """Two checked tables read through the model's own tokenizer or image processor."""
-    _check_resolved(model)
-    pre = model.pretrained
-    assert pre is not None and pre.path is not None
+    """Two checked tables read through the tokenizer or image processor in `path` (the
+    model's checkpoint)."""
     image = text = None
     if model.is_text:
         assert model.seq_len is not None
-        text = TextEncoder(pre.path, max_length=model.seq_len)
+        text = TextEncoder(path, max_length=model.seq_len)
     else:
-        image = ImagePreprocessor(pre.path, backend=data.image_backend)
+        image = ImagePreprocessor(path, backend=data.image_backend)
         if image.size != (model.image_size, model.image_size):
             raise DataError(
-                f"the image processor in {pre.path} makes {image.size[0]}x{image.size[1]} "
+                f"the image processor in {path} makes {image.size[0]}x{image.size[1]} "
                 f"images but the model takes {model.image_size}x{model.image_size}"
             )
     augment = Augmentation(seed=data.seed) if data.augment else None
