@@ -8,6 +8,10 @@ the head's FLOPs. Pure: the torch side (the loss itself, held-out scoring) is
 - `question-answering`: an extractive span per window (SQuAD): start and end logits [B, T, 2],
   targets [B, 2] (the span's first and last token), the mean of the start and end losses (as
   `transformers`' `*ForQuestionAnswering` computes it), exact match (and F1).
+- `causal-lm`: the next token at every position (decoder-only language models): logits
+  [B, T, V] over the vocabulary (a causal-lm model's `num_classes` is its `vocab_size`: each
+  next token is a class), targets [B, T] (the next token's id, `IGNORE` where no loss: a
+  document's last token, padding), cross-entropy per target token, next-token accuracy.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from pipetransformer.core.spec import ModelSpec
 
-TaskName = Literal["classification", "question-answering"]
+TaskName = Literal["classification", "question-answering", "causal-lm"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,9 @@ class Task:
     loss_terms: int = 1  # cross-entropies averaged into one sample's loss
     targets_per_sample: int = 1
     reports_f1: bool = False  # held-out F1 beside the metric (SQuAD's token overlap)
+    # the head's outputs are the model's vocabulary (num_classes is the model's vocab_size)
+    vocab_outputs: bool = False
+    targets_per_token: bool = False  # one target per token ([B, T]), not per sample
     # the table columns (data.columns roles) its rows are read from, where set
     reads: tuple[str, ...] = ("image", "text", "text_pair", "label")
 
@@ -44,7 +51,13 @@ class Task:
             return (batch, tokens, self.num_outputs(num_classes))
         return (batch, num_classes)
 
-    def target_shape(self, batch: int) -> tuple[int, ...]:
+    def target_shape(self, batch: int, tokens: int | None = None) -> tuple[int, ...]:
+        """The targets of one batch: [B], [B, targets_per_sample], or [B, T] for a task with
+        a target per token (`tokens` is then required)."""
+        if self.targets_per_token:
+            if tokens is None:
+                raise ValueError(f"{self.name}: the targets' shape needs the token count")
+            return (batch, tokens)
         return (batch,) if self.targets_per_sample == 1 else (batch, self.targets_per_sample)
 
     def head_flops(self, dim: int, num_classes: int, tokens: int) -> float:
@@ -65,7 +78,18 @@ QUESTION_ANSWERING = Task(
     reads=("id", "question", "context", "answers"),
 )
 
-TASKS: dict[str, Task] = {task.name: task for task in (CLASSIFICATION, QUESTION_ANSWERING)}
+CAUSAL_LM = Task(
+    "causal-lm",
+    metric="next-token accuracy",
+    per_token=True,
+    vocab_outputs=True,
+    targets_per_token=True,
+    reads=("text",),
+)
+
+TASKS: dict[str, Task] = {
+    task.name: task for task in (CLASSIFICATION, QUESTION_ANSWERING, CAUSAL_LM)
+}
 
 
 def task_of(model: ModelSpec | str) -> Task:

@@ -15,6 +15,10 @@ from typing import Any
 from pipetransformer.core.families import lookup
 
 
+class CheckpointChanged(ValueError):
+    """The pretrained checkpoint on disk is not the one the job was submitted with."""
+
+
 def build_of(family: str, pretrained: bool) -> Any:
     """The `BUILD` object of family `family`'s torch build module (seeded, or from a
     checkpoint)."""

@@ -11,6 +11,13 @@ A checkpoint's own names are read as `transformers` reads them: a base model's (
 `BertModel`: keys without the `<family>.` prefix) and legacy LayerNorm `gamma`/`beta` names map
 onto the units' names.
 
+A tied pair (a language model's output projection tied to its input embedding,
+`Family.tied_parameters`): each unit holds its own copy, both read from the checkpoint's one
+tensor (save_pretrained writes a tied pair once, under the embedding's name).
+
+Checkpoint keys that `transformers` ignores when it loads them (old GPT-2 checkpoints' causal-mask
+buffers `attn.bias`) are ignored here too (`HFBuild.ignored_keys`).
+
 A new head (another task or label count than the checkpoint's head, or a checkpoint without one:
 a base model, or a pretraining head such as `BertForMaskedLM`'s): the head unit reads what the
 checkpoint has of it in the right shape (a ViT's final norm, BERT's pooler), the checkpoint's
@@ -25,6 +32,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -42,16 +50,12 @@ from pipetransformer.edge.hf_files import (
     read_architecture,
     read_config_json,
 )
-from pipetransformer.models import build_of
+from pipetransformer.models import CheckpointChanged, build_of
 from pipetransformer.models.seeded import unit_seed
 
 log = logging.getLogger("pipetransformer.worker")
 
 SINGLE_FILE, INDEX_FILE = WEIGHTS_FILE, WEIGHTS_INDEX  # what save_pretrained writes
-
-
-class CheckpointChanged(ValueError):
-    """The pretrained checkpoint on disk is not the one the job was submitted with."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -217,6 +221,9 @@ class HFBuild:
     config_classes: Mapping[str, type[PretrainedConfig]]
     build_unit: UnitBuilder
     example: ExampleInput
+    # checkpoint keys no unit holds that are not an error (`transformers`' own
+    # `_keys_to_ignore_on_load_unexpected`, as regular expressions searched in the key)
+    ignored_keys: tuple[str, ...] = ()
 
     def config(
         self, directory: str | Path, arch: Architecture, attn_implementation: str = "sdpa"
@@ -224,7 +231,9 @@ class HFBuild:
         """The `transformers` config of the checkpoint in `directory` (its config.json), with
         `arch.num_labels` (a new head's outputs) and the attention implementation set."""
         config = self.config_classes[arch.family].from_dict(read_config_json(directory))
-        if config.num_labels != arch.num_labels:  # a new head's outputs (question answering: 2)
+        # a new head's outputs (question answering: 2); a language model's are its vocabulary,
+        # which the config holds as vocab_size (num_labels would make an id2label of it)
+        if arch.task != "causal-lm" and config.num_labels != arch.num_labels:
             config.num_labels = arch.num_labels
         config._attn_implementation = attn_implementation
         return config
@@ -249,6 +258,11 @@ class HFBuild:
             units = {name: self.build_unit(config, arch, name) for name in names}
         index = checkpoint_index(directory)
         keys = unit_keys(index, family.key_prefix)
+        if (tied := family.tied_parameters(arch)) is not None:
+            (_, source), (_, copy) = tied
+            if source in keys:  # the copy is the source's tensor, stored or not
+                keys[copy] = keys[source]
+        ignored = [re.compile(pattern) for pattern in self.ignored_keys]
         skipped: list[str] = []
         new: list[str] = []
         for name, unit in units.items():
@@ -256,6 +270,7 @@ class HFBuild:
             expected = unit.state_dict(keep_vars=True)
             present = {k for k in keys if k.startswith(prefixes)}
             missing, unexpected = set(expected) - present, present - set(expected)
+            unexpected = {k for k in unexpected if not any(p.search(k) for p in ignored)}
             fresh = name == "head" and new_head  # what the checkpoint lacks is initialised
             if (missing or unexpected) and not fresh:
                 raise ValueError(

@@ -13,14 +13,16 @@ A family's build module holds a `BUILD` object with three methods:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from pipetransformer.core.spec import ModelSpec
-from pipetransformer.models import build_of
-from pipetransformer.models.hf import CheckpointChanged, architecture
+from pipetransformer.models import CheckpointChanged, build_of
+
+if TYPE_CHECKING:
+    from pipetransformer.core.families import Architecture
 
 __all__ = ["CheckpointChanged", "FamilyBuild", "architecture", "empty_unit", "initial_units"]
 
@@ -35,6 +37,14 @@ class FamilyBuild(Protocol):
     def example_input(
         self, spec: ModelSpec, batch: int, generator: torch.Generator
     ) -> torch.Tensor: ...
+
+
+def architecture(spec: ModelSpec) -> Architecture:
+    """The model a pretrained spec trains (`pipetransformer.models.hf.architecture`; imported
+    here when asked, so a seeded job's processes never import `transformers`)."""
+    from pipetransformer.models.hf import architecture as of_checkpoint
+
+    return of_checkpoint(spec)
 
 
 def build(spec: ModelSpec) -> FamilyBuild:

@@ -31,19 +31,23 @@ echo "[test] pytest ${XDIST[*]}"
 # holds on this machine's CPU fails here first. A targeted run (arguments given) skips this;
 # NUMERICS_MATRIX=0 skips it too.
 #
-# AVX2 with one thread is what the other kind of CI machine runs: every numerics test. The SSE
-# baseline is no machine CI runs on, and its kernels are the slowest: the in-process tests only
-# (`not slow`), not the multi-process and whole-job ones (a third of the tests, most of the
-# time), which keeps CI inside its time.
+# AVX2 with one thread is what the other kind of CI machine runs: every fast numerics test, and
+# of the slow ones (multi-process, whole jobs) the last case of each test function, its widest
+# layout (tests/conftest.py, PT_SLOW_ONE_PER_FUNCTION): whether a comparison holds under these
+# kernels shows in one layout as well as in all of them, in a third of the time. The SSE
+# baseline is no machine CI runs on, and its kernels are the slowest: the fast tests only.
 #
 # On a CPU whose own kernels are AVX2 already (an AMD EPYC without AVX-512), the pytest run above
 # was the AVX2 row for the slow numerics tests: they compute in worker processes of one thread
 # each (tests/mp.py, runtime.threads_per_worker) against references at two threads, a mixed
 # comparison and the stricter one. (test_cuda's bf16 run, the one slow test in-process, compares
-# held-out accuracy to 4 points, not values.) There the AVX2 row re-runs only the in-process
-# tests (`not slow`), whose thread count it does change: about 3 minutes less.
+# held-out accuracy to 4 points, not values.) There the AVX2 row re-runs only the fast tests,
+# whose thread count it does change.
+#
+# Each row collects only the files that hold numerics tests.
 if [ $# -eq 0 ] && [ "${NUMERICS_MATRIX:-1}" != 0 ]; then
   native=$(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
+  mapfile -t files < <(grep -l 'mark.numerics' tests/test_*.py)
   while read -r name marks settings; do
     marks="${marks//_/ }"  # one word in the table below
     if [ "$name" = avx2-1thread ] && [ "$native" = AVX2 ]; then
@@ -54,7 +58,8 @@ if [ $# -eq 0 ] && [ "${NUMERICS_MATRIX:-1}" != 0 ]; then
     # one thread per test: two test processes; two threads: one
     workers=1 && [[ $settings == *OMP_NUM_THREADS=1* ]] && workers=${PYTEST_WORKERS:-2}
     [ "$workers" -gt 1 ] && par=(-n "$workers" --dist loadfile) || par=()
-    env $settings .venv/bin/python -m pytest -q -m "$marks" -p no:cacheprovider "${par[@]}"
+    env $settings PT_SLOW_ONE_PER_FUNCTION=1 \
+      .venv/bin/python -m pytest -q -m "$marks" -p no:cacheprovider "${par[@]}" "${files[@]}"
   done <<'MATRIX'
 avx2-1thread numerics MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1
 baseline-2threads numerics_and_not_slow MKL_ENABLE_INSTRUCTIONS=SSE4_2 ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 OMP_NUM_THREADS=2

@@ -1,5 +1,7 @@
 """Shared fixtures. Each area keeps its fixtures in its own module, pulled in here."""
 
+import os
+
 import pytest
 
 pytest_plugins = [
@@ -17,3 +19,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the end."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # stable: the order within stays
+    if os.environ.get("PT_SLOW_ONE_PER_FUNCTION") == "1":
+        _one_slow_case_per_function(config, items)
+
+
+def _one_slow_case_per_function(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep every fast test but only the last case of each slow (multi-process) test function
+    (its widest layout, as the cases are written): scripts/test.sh's numerics row for another
+    CPU's kernels checks that each comparison holds there, which one layout shows as well as
+    all of them, in a third of the time."""
+    last = {(item.path, getattr(item, "originalname", item.name)): item for item in items}
+    drop = [
+        item
+        for item in items
+        if item.get_closest_marker("slow")
+        and last[(item.path, getattr(item, "originalname", item.name))] is not item
+    ]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        dropped = set(map(id, drop))
+        items[:] = [item for item in items if id(item) not in dropped]

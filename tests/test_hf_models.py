@@ -176,7 +176,7 @@ def test_architecture_read_from_config_json(tmp_path):
 @pytest.mark.parametrize(
     "change,field",
     [
-        ({"model_type": "gpt2"}, "`model_type`"),
+        ({"model_type": "t5"}, "`model_type`"),
         ({"architectures": ["BertForTokenClassification"]}, "`architectures`"),
         ({"architectures": None}, "`architectures`"),
     ],

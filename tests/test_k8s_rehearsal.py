@@ -369,7 +369,9 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
             mark(f"controller evicted and replaced ({controller.netns})")
 
             # -- the kubelet evicts a trainer pod (node pressure): it leaves gracefully, its
-            # Failed pod's PodEvicted policy replaces it, and the new pod rejoins
+            # Failed pod's PodEvicted policy replaces it, and the new pod rejoins: in a round of
+            # its own after one of the survivor alone, or in the very round that re-forms after
+            # the leave when the replacement is quick enough to be waiting for it (as at the drain)
             before = _running_world(store)
             assert before is not None
             evicted = volcano.pod("trainer-0")
@@ -379,7 +381,8 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
                 lambda: (
                     (w := _running_world(store))
                     and w[1] == 2
-                    and w[0] > before[0] + 1
+                    and w[0] > before[0]
+                    and evicted.poll() is not None
                     and volcano.pod("trainer-0") is not evicted
                     and w
                 ),

@@ -40,10 +40,10 @@ def test_a_spec_finds_its_family_by_name_and_source() -> None:
     assert family_of(seeded_bert).source == "seed" and seeded_bert.tokens == 17
     with pytest.raises(ValueError, match="comes from a checkpoint"):
         ModelSpec(family="roberta")
-    with pytest.raises(ValueError, match="choose one of vit, bert, deit, roberta"):
-        ModelSpec(family="gpt2")
-    with pytest.raises(ValueError, match="unsupported `model_type` 'gpt2'"):
-        checkpoint_family({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="choose one of vit, bert, deit, roberta, llama"):
+        ModelSpec(family="t5")
+    with pytest.raises(ValueError, match="unsupported `model_type` 't5'"):
+        checkpoint_family({"model_type": "t5"})
 
 
 def test_what_travels_between_stages_is_the_familys() -> None:

@@ -14,12 +14,19 @@ so the unit's meta-built parameters give the names and shapes to cut it up with,
 unit prefix gives the names `transformers` loads. The tensors are written as they are
 (float32): nothing is converted.
 
+A causal language model (`model.task: causal-lm`) is written as its family's `*ForCausalLM`
+class, its config.json's labels untouched (its outputs are the vocabulary). Where its output
+projection is tied to the input embedding (`tie_word_embeddings`, `Family.tied_parameters`),
+the pipeline held a copy in each unit; the embedding's is written, once, as save_pretrained
+writes a tied pair (a copy that differs from it is said so).
+
 The output directory is written beside its destination and renamed into place when complete: an
 interrupted export leaves no half-written model under that name."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -72,6 +79,7 @@ class Exported:
     num_labels: int
     copied: list[str]  # tokenizer / processor files taken from the pretrained directory
     left_out: list[str]  # pretrained checkpoint keys the job's model has no unit for
+    notes: list[str] = dataclasses.field(default_factory=list)  # what a person should know
 
 
 def parse_spec_arg(value: str) -> JobSpec:
@@ -166,8 +174,22 @@ def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
         family.parse_config(original), spec.model.task, spec.model.num_classes
     )
     config["architectures"] = [trained.architecture]
+    task = task_of(spec.model)
+    if not task.vocab_outputs:  # a language model's outputs are its vocabulary: no labels
+        _set_labels(config, spec, original, trained.num_labels)
+    for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, older ones torch_dtype
+        if key in config:
+            config[key] = "float32"
+    if "dtype" not in config and "torch_dtype" not in config:
+        config["dtype"] = "float32"
+    return config
+
+
+def _set_labels(
+    config: dict[str, Any], spec: JobSpec, original: dict[str, Any], outputs: int
+) -> None:
     if task_of(spec.model).fixed_outputs is not None:  # question answering: start and end
-        labels = [f"LABEL_{i}" for i in range(trained.num_labels)]
+        labels = [f"LABEL_{i}" for i in range(outputs)]
     else:
         labels = _label_names(spec, original, spec.model.num_classes)
     # transformers takes the label count from id2label
@@ -177,12 +199,25 @@ def export_config(spec: JobSpec, original: dict[str, Any]) -> dict[str, Any]:
         config["label2id"] = {f"LABEL_{i}": i for i in range(len(labels))}
     if "num_labels" in config:
         config["num_labels"] = len(labels)
-    for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, older ones torch_dtype
-        if key in config:
-            config[key] = "float32"
-    if "dtype" not in config and "torch_dtype" not in config:
-        config["dtype"] = "float32"
-    return config
+
+
+def _write_tied_once(
+    tensors: dict[str, torch.Tensor], spec: JobSpec
+) -> tuple[str | None, list[str]]:
+    """Drop the tied copy of a tied pair from `tensors` (the embedding's tensor stands for both,
+    as save_pretrained writes them): its key (None when nothing is tied) and notes."""
+    tied = spec.model.family_info.tied_parameters(spec.model)
+    if tied is None:
+        return None, []
+    (_, source), (_, copy) = tied
+    kept, dropped = tensors[source], tensors.pop(copy)
+    if torch.equal(kept, dropped):
+        return copy, []
+    gap = float((kept - dropped).abs().max())
+    return copy, [
+        f"{copy} differed from {source} it is tied to (by up to {gap:.3g}); {source} was "
+        "written for both"
+    ]
 
 
 def _original_keys(directory: Path, family: str) -> dict[str, str]:
@@ -252,8 +287,10 @@ def export(
         ) from None
     original = read_config_json(pretrained)
     config = export_config(spec, original)
+    tied_copy, notes = _write_tied_once(tensors, spec)
     original_keys = _original_keys(pretrained, checkpoint_family(original).key_prefix)
-    left_out = sorted(original_keys[k] for k in set(original_keys) - set(tensors))
+    written = set(tensors) | ({tied_copy} if tied_copy else set())  # stored: the embedding
+    left_out = sorted(original_keys[k] for k in set(original_keys) - written)
     copied = _processor_files(pretrained)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -277,6 +314,7 @@ def export(
         num_labels=len(config.get("id2label") or {}) or spec.model.num_classes,
         copied=[p.name for p in copied],
         left_out=left_out,
+        notes=notes,
     )
 
 
@@ -312,10 +350,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    outputs = (
+        f"a causal language model over {spec.model.vocab_size} tokens"
+        if task_of(spec.model).vocab_outputs
+        else f"{done.num_labels} labels"
+    )
     print(
-        f"exported {done.tensors} tensors ({done.num_labels} labels) to {done.directory}"
+        f"exported {done.tensors} tensors ({outputs}) to {done.directory}"
         + (f", with {', '.join(done.copied)}" if done.copied else "")
     )
+    for note in done.notes:
+        print(f"note: {note}")
     if done.left_out:
         print(
             f"not exported (the pretrained checkpoint has them, the job's model has no use for "

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pipetransformer.core.families import bert, seeded, vit
+from pipetransformer.core.families import bert, decoder, seeded, vit
 from pipetransformer.core.families.base import (
     Architecture,
     Family,
     HeadTask,
     Modality,
     Source,
+    TiedParameter,
     block_index,
     num_labels_of,
     unit_names,
@@ -26,7 +27,19 @@ from pipetransformer.core.families.base import (
 if TYPE_CHECKING:
     from pipetransformer.core.spec import ModelSpec
 
-FAMILIES: tuple[Family, ...] = (seeded.VIT, seeded.BERT, vit.VIT, vit.DEIT, bert.BERT, bert.ROBERTA)
+FAMILIES: tuple[Family, ...] = (
+    seeded.VIT,
+    seeded.BERT,
+    vit.VIT,
+    vit.DEIT,
+    bert.BERT,
+    bert.ROBERTA,
+    decoder.LLAMA,
+    decoder.QWEN2,
+    decoder.QWEN3,
+    decoder.MISTRAL,
+    decoder.GPT2,
+)
 
 _BY_SOURCE: dict[tuple[str, str], Family] = {(f.name, f.source): f for f in FAMILIES}
 _BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES if f.model_type}
@@ -42,6 +55,7 @@ __all__ = [
     "HeadTask",
     "Modality",
     "Source",
+    "TiedParameter",
     "block_index",
     "checkpoint_family",
     "family_of",

@@ -10,7 +10,8 @@ A family says:
   mapped to what its head does) and how they become the job's model description
   (`parse_config`, `spec_fields`); the class a job's model is exported as (`task_classes`);
 - its units (`embed`, `blocks.<i>`, `head`) with the checkpoint's own parameter names
-  (`unit_prefixes`, `key_prefix`);
+  (`unit_prefixes`, `key_prefix`), and the pair of parameters of two units that are one tensor
+  in the checkpoint (`tied_parameters`: a language model's tied input and output embeddings);
 - what travels between stages (`tokens`, `width`) and what enters the first (`input_shape`,
   `input_dtype`);
 - its parameter counts and FLOPs for admission, the planner and MFU (`*_params`, `*_flops`);
@@ -34,8 +35,13 @@ if TYPE_CHECKING:
 Modality = Literal["image", "text"]
 Source = Literal["seed", "checkpoint"]
 # what a checkpoint's head does; "body": no usable head (a base model, or a pretraining head such
-# as masked language modelling), so a job gives it a new one for its task
-HeadTask = Literal["image-classification", "sequence-classification", "question-answering", "body"]
+# as masked language modelling), so a job gives it a new one for its task; "causal-lm": the next
+# token over the vocabulary (a decoder-only language model's `*ForCausalLM`)
+HeadTask = Literal[
+    "image-classification", "sequence-classification", "question-answering", "causal-lm", "body"
+]
+# one parameter of a tied pair: (unit name, the parameter's name in that unit's state_dict)
+TiedParameter = tuple[str, str]
 
 
 def unit_names(depth: int) -> list[str]:
@@ -58,7 +64,10 @@ def block_index(name: str, depth: int) -> int:
 class Architecture:
     """A checkpoint's model as the pipeline sees it (from config.json alone). Image fields are
     set for image families, text fields for text families; the others are None. `num_labels` is
-    the head's output count (2 for question answering: start and end logits)."""
+    the head's output count (2 for question answering: start and end logits; a language model's
+    vocabulary). Decoder-only language models also set `kv_heads` (grouped-query attention: the
+    heads of keys and values), `head_dim` (the width of one attention head) and
+    `tie_embeddings` (the output projection is the input embedding's tensor)."""
 
     family: str
     task: HeadTask
@@ -74,6 +83,9 @@ class Architecture:
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
     type_vocab_size: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    tie_embeddings: bool = False
 
     def same_head(self, other: Architecture) -> bool:
         """Whether `other`'s head (task and outputs) is this one's: its weights can be read."""
@@ -326,3 +338,19 @@ class Family:
     def head_prefixes(self, arch: Architecture) -> tuple[str, ...]:
         """The checkpoint key prefixes of the head unit (what the head holds for arch.task)."""
         raise NotImplementedError(f"{self.name} models are not read from a checkpoint")
+
+    def tied_parameters(
+        self, model: Architecture | ModelSpec
+    ) -> tuple[TiedParameter, TiedParameter] | None:
+        """The two parameters, each in its own unit, that are one tensor in the checkpoint (a
+        language model's output projection tied to its input embedding): ((source unit, name),
+        (tied unit, name)), names as in the units' state_dict (in a `StageModule` or a rank's
+        model: `<unit>.<name>`); None when nothing is tied. Asked of the checkpoint's
+        `Architecture` or of the job's resolved `ModelSpec` (its `tie_embeddings`).
+
+        The units hold one copy each: the tied copy is read from the source's tensor when the
+        checkpoint has no tensor of its own (save_pretrained writes a tied pair once), the
+        pipeline sums the two copies' gradients where the units are on different stages, the
+        pair freezes with the source (the embedding: the frozen prefix), and an export writes
+        the source's tensor alone."""
+        return None

@@ -83,7 +83,11 @@ class ModelSpec(_Strict):
     decides family, task, dim, depth, heads, mlp_ratio and the input fields, which the spec then
     leaves out (a value that contradicts the checkpoint is an error naming the field). The spec
     still chooses `num_classes` (another label count than the checkpoint's gets a new head) and,
-    for text, `seq_len` (tokens per input; default 128)."""
+    for text, `seq_len` (tokens per input; default 128).
+
+    Decoder-only language models (Llama, Qwen2, Qwen3, Mistral, GPT-2; task `causal-lm`) from a
+    checkpoint also get `kv_heads`, `head_dim`, `tie_embeddings` and (GPT-2) `max_positions`
+    from its config.json, and `num_classes` is their `vocab_size`."""
 
     pretrained: Annotated[PretrainedSpec | None, BeforeValidator(_pretrained_shorthand)] = None
     family: Annotated[str, Field(max_length=MAX_NAME)] = Field(
@@ -91,9 +95,10 @@ class ModelSpec(_Strict):
     )
     task: Annotated[str, Field(max_length=MAX_NAME)] = Field(
         "classification",
-        description="classification (images, sentences, sentence pairs) or question-answering "
-        "(extractive spans, SQuAD-style; BERT and RoBERTa). Default: the checkpoint's head; "
-        "another task than the checkpoint's gets a new head",
+        description="classification (images, sentences, sentence pairs), question-answering "
+        "(extractive spans, SQuAD-style; BERT and RoBERTa) or causal-lm (the next token; "
+        "decoder-only language models). Default: the checkpoint's head; another task than the "
+        "checkpoint's gets a new head",
     )
     image_size: Annotated[PositiveInt, Field(le=MAX_IMAGE_SIZE)] = 8
     patch_size: Annotated[PositiveInt, Field(le=MAX_IMAGE_SIZE)] = 2
@@ -115,6 +120,26 @@ class ModelSpec(_Strict):
     mlp_ratio: Annotated[Number, Field(gt=0, le=MAX_MLP_RATIO)] = 2.0
     num_classes: Annotated[PositiveInt, Field(le=MAX_CLASSES)] = 10
     dropout: Annotated[Number, Field(ge=0, lt=1)] = 0.0
+    # decoder-only language models (llama, qwen2, qwen3, mistral, gpt2), from config.json: what
+    # their parameter counts and FLOPs need beyond the fields above; None/False for every other
+    # model
+    kv_heads: Annotated[PositiveInt, Field(le=MAX_HEADS)] | None = Field(
+        None,
+        description="decoder language models: heads of keys and values (grouped-query "
+        "attention; config.json num_key_value_heads); default: heads",
+    )
+    head_dim: Annotated[PositiveInt, Field(le=MAX_DIM)] | None = Field(
+        None,
+        description="decoder language models: width of one attention head; default dim / heads",
+    )
+    tie_embeddings: bool = Field(
+        False,
+        description="decoder language models: the output projection is the input embedding "
+        "(config.json tie_word_embeddings)",
+    )
+    max_positions: Annotated[PositiveInt, Field(le=MAX_SEQ_LEN)] | None = Field(
+        None, description="gpt2: rows of its learned position table (config.json n_positions)"
+    )
 
     @property
     def pending(self) -> bool:
@@ -182,14 +207,22 @@ class ModelSpec(_Strict):
             return self  # checked once the checkpoint has filled in the architecture
         if problem := family.problem(self):
             raise ValueError(problem)
-        if self.dim % self.heads:
+        if self.head_dim is None and self.dim % self.heads:
             raise ValueError(f"heads ({self.heads}) must divide dim ({self.dim})")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
         if int(self.dim * self.mlp_ratio) < 1:
             raise ValueError(
                 f"mlp_ratio ({self.mlp_ratio}) x dim ({self.dim}) leaves the MLP no hidden "
                 "units; raise mlp_ratio"
             )
-        fixed = task_of(self).fixed_outputs
+        task = task_of(self)
+        if task.vocab_outputs and self.num_classes != self.vocab_size:
+            raise ValueError(
+                f"task {self.task!r} predicts the next token over the vocabulary: num_classes "
+                f"is vocab_size ({self.vocab_size}), got {self.num_classes}; leave it out"
+            )
+        fixed = task.fixed_outputs
         if fixed is not None and self.num_classes != fixed:
             raise ValueError(
                 f"task {self.task!r} has {fixed} outputs (question answering: a start and an "
