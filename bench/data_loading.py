@@ -174,7 +174,7 @@ class Variant:
             targets = labels[b.indices].clone()
             targets[~torch.from_numpy(b.valid)] = IGNORE
             set_lr(self.optimizer, lr_at(self.step % self.total_steps, self.total_steps, tspec))
-            pipe.train_step(inputs, targets, b.global_valid, indices=b.indices)
+            pipe.train_step(inputs, targets, b.loss_count, indices=b.indices)
             pipe.sync_and_clip(tspec.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

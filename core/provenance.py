@@ -88,11 +88,13 @@ def _short(digest: str | None) -> str | None:
 
 def _architecture(model: ModelSpec) -> str:
     blocks = f"{model.depth} block{'s' if model.depth != 1 else ''}"
-    head = (
-        model.task.replace("-", " ")
-        if task_of(model).fixed_outputs is not None
-        else f"{model.num_classes} classes"
-    )
+    task = task_of(model)
+    if task.vocab_outputs:
+        head = f"causal LM over {model.num_classes:,} tokens, sequences of {model.seq_len}"
+    elif task.fixed_outputs is not None:
+        head = model.task.replace("-", " ")
+    else:
+        head = f"{model.num_classes} classes"
     return f"{model.family}, {blocks} of dim {model.dim}, {head}"
 
 

@@ -8,17 +8,31 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["held_out_text", "largest_peak", "mfu_text", "peak_memory_text"]
+__all__ = ["held_out_text", "largest_peak", "mfu_text", "peak_memory_text", "perplexity"]
 
 
-def held_out_text(accuracy: float | None, f1: float | None = None, digits: int = 1) -> str | None:
+def held_out_text(
+    accuracy: float | None,
+    f1: float | None = None,
+    digits: int = 1,
+    token_loss: float | None = None,
+) -> str | None:
     """The latest held-out result: "acc 91.2%" for classification; question answering's exact
-    match (its accuracy) and F1, "EM 80.1% F1 88.0%"; None before the first evaluation."""
+    match (its accuracy) and F1, "EM 80.1% F1 88.0%"; a language model's perplexity (from its
+    mean loss per token, `token_loss`) and next-token accuracy, "ppl 27.13 acc 19.8%"; None
+    before the first evaluation."""
     if accuracy is None:
         return None
+    if token_loss is not None:
+        return f"ppl {perplexity(token_loss):.2f} acc {accuracy:.{digits}%}"
     if f1 is None:
         return f"acc {accuracy:.{digits}%}"
     return f"EM {accuracy:.{digits}%} F1 {f1:.{digits}%}"
+
+
+def perplexity(token_loss: float) -> float:
+    """exp of a mean loss per token (inf where that overflows a float)."""
+    return math.exp(token_loss) if token_loss < 700 else math.inf
 
 
 def mfu_text(mfu: float | None) -> str | None:

@@ -8,7 +8,7 @@ Pure and deterministic."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,8 +19,11 @@ IGNORE = -100  # label of padding entries; cross_entropy(ignore_index=IGNORE) sk
 class Batch:
     indices: np.ndarray  # sample indices for this replica (padding entries repeat a real index)
     valid: np.ndarray  # bool mask: False for padding
-    global_valid: int  # real samples in the whole global batch (the loss denominator)
+    global_valid: int  # real samples in the whole global batch
     next_cursor: int
+    # what the loss of the global batch is divided by: its real samples, or with per-sample
+    # weights (a language model's counted tokens per sequence) their sum
+    loss_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -28,10 +31,14 @@ class ElasticSampler:
     num_samples: int
     global_batch: int
     seed: int
+    # int [num_samples]: what each sample counts in the loss denominator (None: 1 each)
+    weights: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_samples <= 0 or self.global_batch <= 0:
             raise ValueError("num_samples and global_batch must be positive")
+        if self.weights is not None and len(self.weights) != self.num_samples:
+            raise ValueError(f"{len(self.weights)} sample weights for {self.num_samples} samples")
 
     def order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
@@ -53,4 +60,5 @@ class ElasticSampler:
         valid = np.arange(self.global_batch) < n_real
         per = self.global_batch // replicas
         sl = slice(replica * per, (replica + 1) * per)
-        return Batch(padded[sl], valid[sl], n_real, cursor + n_real)
+        count = n_real if self.weights is None else int(np.asarray(self.weights)[real].sum())
+        return Batch(padded[sl], valid[sl], n_real, cursor + n_real, count)

@@ -20,6 +20,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from pipetransformer.core.readings import perplexity
 from pipetransformer.core.state import Layout
 from pipetransformer.dashboard.timeline import (
     LayoutHistory,
@@ -368,6 +369,42 @@ def accuracy_figure(
                 f"<br>{name} %{{y:.1%}}<extra></extra>",
             )
         )
+    return _finish(fig, timeline, x)
+
+
+def perplexity_figure(
+    evaluations: Sequence[EvaluationRow],
+    target: float | None = None,
+    *,
+    x: XAxis = "step",
+    timeline: Timeline | None = None,
+) -> go.Figure:
+    """A language model's held-out perplexity (exp of its loss per token) at each evaluation,
+    on a log axis; an optional target perplexity as a dashed line."""
+    fig = base_figure("Held-out perplexity", axis_title(x), "perplexity")
+    fig.update_yaxes(type="log")
+    if target is not None:
+        fig.add_hline(
+            y=target,
+            line_dash="dash",
+            line_color="grey",
+            annotation_text=f"target {target:g}",
+            annotation_position="bottom right",
+        )
+    rows = [r for r in evaluations if r.loss is not None]
+    if not rows:
+        return empty_figure(fig)
+    fig.add_trace(
+        go.Scatter(
+            name="perplexity",
+            x=axis_values(rows, x),
+            y=[perplexity(r.loss) for r in rows],
+            mode="lines+markers",
+            customdata=_hover_rows(rows),
+            hovertemplate="step %{customdata[0]} (epoch %{customdata[1]})"
+            "<br>perplexity %{y:.2f}<extra></extra>",
+        )
+    )
     return _finish(fig, timeline, x)
 
 

@@ -122,6 +122,11 @@ def training_view(store: Store, job: JobInfo, opts: ChartOptions) -> None:
             figures.accuracy_figure(evaluations, job.spec.training.target_accuracy, **kw),
             "accuracy",
         )
+        if task_of(job.spec.model).targets_per_token:  # a language model
+            _chart(
+                figures.perplexity_figure(evaluations, job.spec.training.target_perplexity, **kw),
+                "perplexity",
+            )
     with right:
         _chart(figures.throughput_figure(metrics, smoothing=opts.smoothing, **kw), "throughput")
         _chart(figures.lr_figure(metrics, **kw), "lr")

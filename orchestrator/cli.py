@@ -331,6 +331,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if key == "accuracy" and value is not None:
             value = f"{value:.2%}"
         table.add_row(key, "-" if value is None else escape(str(value)))
+        if key == "accuracy" and status.perplexity is not None:  # a language model's
+            table.add_row("perplexity", f"{status.perplexity:.2f}")
+            table.add_row("held-out loss", f"{status.held_out_loss:.4f} per token")
     # device use, where the workers measured it (never on the CPU: no rows then)
     if (mfu := mfu_text(status.mfu)) is not None:
         table.add_row("mfu", mfu)

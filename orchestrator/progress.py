@@ -24,7 +24,7 @@ def _fmt(p: JobProgress, layout: Layout) -> str:
         parts.append(f"MFU {mfu}")
     if (peak := peak_memory_text(p.peak_memory_mib)) is not None:
         parts.append(f"peak {peak}")
-    if (held_out := held_out_text(p.accuracy, p.f1)) is not None:
+    if (held_out := held_out_text(p.accuracy, p.f1, token_loss=p.token_loss)) is not None:
         parts.append(f"held-out {held_out}")
     parts.append(f"layout {layout.short}")
     return "  ".join(parts)
@@ -64,7 +64,7 @@ class ProgressView:
             self._bar.update(
                 self._task, completed=p.step, total=p.total_steps, info=escape(_fmt(p, self.layout))
             )
-            held_out = held_out_text(p.accuracy, p.f1)
+            held_out = held_out_text(p.accuracy, p.f1, token_loss=p.token_loss)
             if held_out is not None and p.accuracy != self._last_acc:
                 self._bar.console.print(f"epoch {p.epoch}: held-out {held_out}")
         elif p.step and (

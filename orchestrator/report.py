@@ -14,6 +14,7 @@ from rich.table import Table
 
 from pipetransformer.core.provenance import DATA_OPENED, origin_of, provenance
 from pipetransformer.core.readings import held_out_text
+from pipetransformer.core.tasks import task_of
 from pipetransformer.orchestrator.summary import (
     bought_line,
     cache_line,
@@ -51,7 +52,12 @@ def print_summary(
         table.add_row("message", escape(job.message))
     evaluations = store.evaluations(job_id)
     f1 = evaluations[-1].f1 if evaluations else None
-    table.add_row("held-out", held_out_text(job.accuracy, f1, digits=2) or "n/a")
+    token_loss = (
+        evaluations[-1].loss if evaluations and task_of(job.spec.model).targets_per_token else None
+    )
+    table.add_row(
+        "held-out", held_out_text(job.accuracy, f1, digits=2, token_loss=token_loss) or "n/a"
+    )
     table.add_row("progress", f"epoch {job.epoch}, step {job.step}")
     table.add_row("wall time", f"{wall_s:.1f}s")
     for label, text in provenance_rows(store, job):

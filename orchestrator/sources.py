@@ -104,6 +104,10 @@ _CONFIG_NAMES = {
     "image_size": "image_size",
     "patch_size": "patch_size",
     "channels": "num_channels",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "tie_embeddings": "tie_word_embeddings",
+    "max_positions": "n_positions",
 }
 
 
@@ -116,7 +120,13 @@ def pretrained_model(model: ModelSpec, arch: Architecture, source: str) -> dict[
     given = model.model_dump(include=model.model_fields_set - {"pretrained"})
     decided = family.spec_fields(arch)
     task = given.get("task", decided.get("task", CLASSIFICATION.name))
-    if arch.task == "body" and task_of(task).fixed_outputs is None and "num_classes" not in given:
+    outputs = task_of(task)
+    if (
+        arch.task == "body"
+        and outputs.fixed_outputs is None
+        and not outputs.vocab_outputs  # a language model's outputs are its vocabulary
+        and "num_classes" not in given
+    ):
         raise _problem(
             "model.num_classes",
             f"the checkpoint ({source}: config.json architectures {arch.architecture}) has no "

@@ -238,6 +238,11 @@ class JobStatus(Row):
     step: int
     samples_consumed: int
     accuracy: float | None
+    # the newest evaluation's held-out mean loss (per sample; a language model's per counted
+    # token), and a language model's perplexity (its exp); None before one, or not a language
+    # model's
+    held_out_loss: float | None = None
+    perplexity: float | None = None
     lr: float
     freeze_boundary: int
     layout_version: int

@@ -6,12 +6,14 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from pipetransformer.core.readings import perplexity
 from pipetransformer.core.state import Layout
+from pipetransformer.core.tasks import task_of
 from pipetransformer.store.base import StoreBase
 from pipetransformer.store.jobs import current_layout_json, job_info
 from pipetransformer.store.metrics import latest_peak
 from pipetransformer.store.rows import JobStatus, StatusCheckpoint, StatusMetrics
-from pipetransformer.store.tables import Checkpoint, Metric
+from pipetransformer.store.tables import Checkpoint, Evaluation, Metric
 from pipetransformer.store.values import unix
 
 
@@ -34,6 +36,13 @@ class StatusMixin(StoreBase):
                 select(Metric).where(Metric.job_id == job_id).order_by(Metric.step.desc()).limit(1)
             )
             peak = latest_peak(s, job_id)
+            held = s.scalar(
+                select(Evaluation.loss)
+                .where(Evaluation.job_id == job_id)
+                .order_by(Evaluation.step.desc())
+                .limit(1)
+            )
+            per_token = task_of(job.spec.model).targets_per_token
             return JobStatus(
                 id=job.id,
                 name=job.name,
@@ -44,6 +53,8 @@ class StatusMixin(StoreBase):
                 step=job.step,
                 samples_consumed=job.samples_consumed,
                 accuracy=job.accuracy,
+                held_out_loss=held,
+                perplexity=perplexity(held) if per_token and held is not None else None,
                 lr=job.lr,
                 freeze_boundary=job.freeze_boundary,
                 layout_version=job.layout_version,

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
@@ -41,7 +42,7 @@ from transformers import (
 
 from pipetransformer.core.families import Architecture, checkpoint_family, parse_architecture
 from pipetransformer.core.flops import training_flops_per_sample
-from pipetransformer.core.spec import ModelSpec, parse_spec
+from pipetransformer.core.spec import ModelSpec, SpecError, parse_spec
 from pipetransformer.core.tasks import task_of
 from pipetransformer.edge.hf_files import read_architecture
 from pipetransformer.models.decoder import (
@@ -502,6 +503,34 @@ def test_a_job_spec_resolves_from_a_causal_lm_checkpoint(checkpoints, tmp_path):
         64,  # the default 128, cut to the checkpoint's position table
     )
     assert (m.kv_heads, m.head_dim, m.tie_embeddings, m.max_positions) == (1, 8, False, None)
+
+
+def test_a_spec_contradicting_the_decoder_is_named_and_a_base_model_needs_no_classes(
+    checkpoints, tmp_path
+):
+    """A spec field the checkpoint decides (grouped-query heads, tying) that says otherwise is
+    an error naming it; a base model (`LlamaModel`) trains causal-lm without num_classes (its
+    outputs are its vocabulary)."""
+    for field, value, config in (
+        ("kv_heads", 4, "num_key_value_heads"),
+        ("tie_embeddings", True, "tie_word_embeddings"),
+    ):
+        raw = {
+            "name": "lm",
+            "model": {"pretrained": str(checkpoints["llama"]), field: value},
+            "data": {"dataset": "table", "train": "a.jsonl", "test": "b.jsonl"},
+        }
+        with pytest.raises(SpecError, match=f"model.{field}: .* config.json {config} gives"):
+            resolve_pretrained(parse_spec(raw), tmp_path)
+    base = tmp_path / "base"
+    LlamaModel(AutoConfig.from_pretrained(checkpoints["llama"])).save_pretrained(base)
+    raw = {
+        "name": "lm",
+        "model": {"pretrained": str(base), "task": "causal-lm"},
+        "data": {"dataset": "table", "train": "a.jsonl", "test": "b.jsonl"},
+    }
+    model = resolve_pretrained(parse_spec(raw), tmp_path).model
+    assert (model.task, model.num_classes) == ("causal-lm", VOCAB)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from pipetransformer.dashboard.figures import (
     lr_figure,
     mfu_figure,
     peak_memory_figure,
+    perplexity_figure,
     smooth,
     stage_color,
     throughput_figure,
@@ -471,6 +472,19 @@ def test_accuracy_figure_with_target() -> None:
     assert fig.layout.yaxis.title.text == "accuracy" and fig.layout.yaxis.tickformat == ".0%"
     assert len(fig.layout.shapes) == 1 and fig.layout.shapes[0].y0 == 0.9
     assert len(accuracy_figure(SMALL_EVALS).layout.shapes) == 0
+
+
+def test_perplexity_figure_is_exp_of_the_token_loss_on_a_log_axis() -> None:
+    rows = [
+        EvaluationRow(epoch=0, step=3, accuracy=0.2, loss=3.0, time=T0 + 3),
+        EvaluationRow(epoch=1, step=6, accuracy=0.3, loss=None, time=T0 + 6),  # no loss: skipped
+        EvaluationRow(epoch=2, step=9, accuracy=0.4, loss=2.0, time=T0 + 9),
+    ]
+    fig = perplexity_figure(rows, target=8.0)
+    (trace,) = fig.data
+    assert list(trace.x) == [3, 9] and list(trace.y) == pytest.approx([math.exp(3), math.exp(2)])
+    assert fig.layout.yaxis.type == "log" and fig.layout.shapes[0].y0 == 8.0
+    assert notes(perplexity_figure([])) == [EMPTY_TEXT]
 
 
 def test_lr_figure() -> None:

@@ -62,7 +62,7 @@ def _grads_per_schedule(rank: int, world: int, stages: int, replicas: int):
         pipe = build_rank_pipeline(MODEL, 0, layout, rank, per)
         replica = layout.placement(rank)[1]
         sl = slice(replica * per, (replica + 1) * per)
-        loss = pipe.train_step(x[sl] if pipe.is_first else None, y[sl], global_valid=N_VALID)
+        loss = pipe.train_step(x[sl] if pipe.is_first else None, y[sl], loss_count=N_VALID)
         pipe.sync_and_clip(max_norm=0.0)
         grads = {n: p.grad.clone() for n, p in pipe.model.named_parameters()}
         results[name] = {"loss": loss, "grads": grads, "replica": replica}

@@ -247,6 +247,28 @@ def unit_of(name: str) -> str:
     return f"{first}.{rest.partition('.')[0]}" if first == "blocks" else first
 
 
+# Parameters packed under a key of their own (`<unit>+<parameter>`), not with the rest of their
+# unit: they can stop training while their unit trains on (a language model's output projection
+# tied to its input embedding freezes with the embedding: `trainer.pipeline.RankModel`), and a
+# unit's packed optimizer state must hold the same members whatever is frozen.
+OWN_KEYS = ("head.lm_head.weight",)
+
+
+def pack_key(name: str) -> str:
+    """The key a parameter (or its optimizer state) is packed under, less its part: its unit,
+    or `<unit>+<parameter>` for those in OWN_KEYS."""
+    base = name.removeprefix("state.")
+    for own in OWN_KEYS:
+        if base == own or base.startswith(own + "."):
+            return f"{unit_of(name)}+{own.partition('.')[2]}"
+    return unit_of(name)
+
+
+def key_unit(key: str) -> str:
+    """The unit a packing key belongs to (without its dtype or own-key suffix)."""
+    return key.partition("@")[0].partition("+")[0]
+
+
 def _units(tensors: dict[str, Any]) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """Tensors grouped by the DCP key they are packed under: their unit (plus the dtype, for any
     that are not float32), members in name order."""
@@ -255,7 +277,7 @@ def _units(tensors: dict[str, Any]) -> dict[str, list[tuple[str, torch.Tensor]]]
         value = tensors[name]
         if not isinstance(value, torch.Tensor):  # would be pickled: never in a checkpoint
             raise TypeError(f"{name}: only tensors are checkpointed, not {type(value).__name__}")
-        key = unit_of(name)
+        key = pack_key(name)
         if value.dtype != torch.float32:
             key += "@" + str(value.dtype).removeprefix("torch.")
         units.setdefault(key, []).append((name, value))
@@ -698,7 +720,7 @@ def load_weights(
     wanted = {
         name: value
         for key, members in _units(tensors).items()
-        if key.partition("@")[0] not in skip
+        if key_unit(key) not in skip
         for name, value in members
     }
     units = _units(wanted)
@@ -711,4 +733,4 @@ def load_weights(
         ) from None
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
     assert not unexpected and all(unit_of(n) in skip for n in missing), (missing, unexpected)
-    return sorted({key.partition("@")[0] for key in units})
+    return sorted({key_unit(key) for key in units})

@@ -53,22 +53,39 @@ def handover_group(world: int, backend: str, device: torch.device) -> dist.Proce
 
 
 def _unit_tensors(
-    state: dict[str, dict[str, torch.Tensor]], unit: str, with_optimizer: bool
+    state: dict[str, dict[str, torch.Tensor]],
+    unit: str,
+    with_optimizer: bool,
+    stateless: Sequence[str] = (),
 ) -> list[torch.Tensor]:
     """A unit's tensors as they move, in the order both ends enumerate them: its weights (and
-    buffers) by name, then, when its optimizer state comes along, that state by name."""
-    parts = ("model", "optim") if with_optimizer else ("model",)
-    return [
-        state[part][name] for part in parts for name in sorted(state[part]) if unit_of(name) == unit
-    ]
+    buffers) by name, then, when its optimizer state comes along, that state by name, less the
+    state of the parameters in `stateless` (frozen on one side of the re-layout, in a unit
+    that trains on both)."""
+    skip = tuple(f"state.{name}." for name in stateless)
+    out = [state["model"][name] for name in sorted(state["model"]) if unit_of(name) == unit]
+    if with_optimizer:
+        out += [
+            state["optim"][name]
+            for name in sorted(state["optim"])
+            if unit_of(name) == unit and not name.startswith(skip)
+        ]
+    return out
 
 
 def receive_state(
-    previous: Previous, new: Layout, rank: int, module: nn.Module, optimizer: torch.optim.Optimizer
+    previous: Previous,
+    new: Layout,
+    rank: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stateless: Sequence[str] = (),
 ) -> Handover:
     """Fill `module` and `optimizer` (built for `new`, their tensors allocated but not set)
     from `previous`: kept units copied here, moved units sent and received over the handover
-    group. Collective over that group (every rank calls it at the same re-layout)."""
+    group. `stateless`: parameters whose optimizer state does not carry over (they train in
+    one of the layouts only: a tied output projection frozen with the embedding); every rank
+    passes the same. Collective over that group (every rank calls it at the same re-layout)."""
     plan = plan_handover(previous.layout, new)
     old = state_tensors(previous.module, previous.optimizer)
     state_tensors(module, optimizer)  # a fresh optimizer: this creates its state
@@ -76,12 +93,14 @@ def receive_state(
     with torch.no_grad():
         for unit in plan.keeps[rank]:
             with_opt = plan.with_optimizer(unit)
-            src = _unit_tensors(old, unit, with_opt)
-            dst = _unit_tensors(fresh, unit, with_opt)
+            src = _unit_tensors(old, unit, with_opt, stateless)
+            dst = _unit_tensors(fresh, unit, with_opt, stateless)
             _check(unit, src, dst)
             for s, d in zip(src, dst, strict=True):
                 d.copy_(s)
-        previous.moved_bytes = _exchange(plan, rank, old, fresh, previous.group, previous.device)
+        previous.moved_bytes = _exchange(
+            plan, rank, old, fresh, previous.group, previous.device, stateless
+        )
     return plan
 
 
@@ -92,6 +111,7 @@ def _exchange(
     fresh: dict[str, dict[str, torch.Tensor]],
     group: dist.ProcessGroup | None,
     device: torch.device,
+    stateless: Sequence[str] = (),
 ) -> int:
     """This rank's sends and receives of `plan`, in one batch; returns the bytes received."""
     sends, receives = plan.sends(rank), plan.receives(rank)
@@ -115,13 +135,13 @@ def _exchange(
         if move.src != rank and move.dst != rank:
             continue
         if move.src == rank:
-            for t in _unit_tensors(old, move.unit, move.optimizer):
+            for t in _unit_tensors(old, move.unit, move.optimizer, stateless):
                 wire = t if _on(t, device) else t.detach().to(device).contiguous()
                 ops.append(
                     dist.P2POp(dist.isend, wire, group=group, group_peer=move.dst, tag=tag(move))
                 )
         else:
-            for t in _unit_tensors(fresh, move.unit, move.optimizer):
+            for t in _unit_tensors(fresh, move.unit, move.optimizer, stateless):
                 wire = t if _on(t, device) else torch.empty(t.shape, dtype=t.dtype, device=device)
                 if wire is not t:
                     landing.append((wire, t))

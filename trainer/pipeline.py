@@ -139,11 +139,17 @@ class RankModel(nn.Module):
         )
         self.head = empty_unit(spec, "head") if "head" in held else None
         self.materialise(seed, fresh)
+        # a tied pair (a language model's input and output embeddings): one copy in the
+        # embedding, one in the head (`Family.tied_parameters`)
+        self.tied = spec.family_info.tied_parameters(spec)
         if f > 0:
             frozen = [self.embed] if self.embed is not None else []
             frozen += [self.blocks[str(i)] for i in range(f) if str(i) in self.blocks]
             for module in frozen:
                 module.requires_grad_(False)
+            if self.tied is not None and self.head is not None:
+                # the pair freezes with the embedding, in the frozen prefix: one tensor
+                self.head.get_parameter(self.tied[1][1]).requires_grad_(False)
         # bf16-weights: the float32 values just made become the masters, the model bf16 (before
         # compiling, DDP and the stages see it)
         dtype = weights_dtype(compute.precision)
@@ -239,6 +245,7 @@ class RankPipeline:
         self.is_first = self.local[0].index == 0
         self.is_last = any(s.index == layout.num_stages - 1 for s in self.local)
         self.loss_fn = MaskedCrossEntropy(task_of(model_spec))
+        self.tied = TiedGrads(model, layout, rank)
         mb = replica_batch // layout.microbatches
         dp = groups.data_parallel
         self.sync_after_step = dp is not None and layout.schedule in SPLIT_BACKWARD
@@ -288,14 +295,16 @@ class RankPipeline:
         self,
         inputs: torch.Tensor | None,
         targets: torch.Tensor | None,
-        global_valid: int,
+        loss_count: int,
         indices: Sequence[int] | None = None,
     ) -> float | None:
-        """Forward and backward of one replica batch; returns this replica's loss share on the
-        rank holding the last stage (sum over replicas = the global mean loss), None elsewhere.
+        """Forward and backward of one replica batch, its summed loss divided by `loss_count`
+        (the global batch's real samples, or a language model's counted tokens); returns this
+        replica's loss share on the rank holding the last stage (sum over replicas = the global
+        mean loss), None elsewhere.
         With R > 1 replicas, DDP sums the gradients over the replicas during the last
         micro-batch's backward."""
-        self.loss_fn.denominator = global_valid
+        self.loss_fn.denominator = loss_count
         losses: list[torch.Tensor] = []
         clock = self.clock
         args = ()
@@ -389,15 +398,19 @@ class RankPipeline:
         grads = [g for _, g in named]
         if self.sync_after_step and grads:
             _sum_replica_grads(grads, self.groups.data_parallel)
+        self.tied.sum(self.model.state_module, self.groups.pipeline)
         if observe is not None:  # the summed gradients, before clipping (what the norms measure)
             observe(named)
         # squared norms per block, plus one slot for the embedding and head, summed over the
-        # pipeline in a single collective
+        # pipeline in a single collective; a tied pair's tensor counted once (its embedding copy)
         depth = self.layout.num_blocks
         sq = torch.zeros(depth + 1, device=self.device)
-        if grads:
-            slots = [int(n.split(".")[1]) if n.startswith("blocks.") else depth for n, _ in named]
-            norms = torch.stack(torch._foreach_norm(grads)).float()
+        measured = [(n, g) for n, g in named if n != self.tied.copy]
+        if measured:
+            slots = [
+                int(n.split(".")[1]) if n.startswith("blocks.") else depth for n, _ in measured
+            ]
+            norms = torch.stack(torch._foreach_norm([g for _, g in measured])).float()
             sq.index_add_(0, torch.tensor(slots, device=self.device), norms.square())
         dist.all_reduce(sq, group=self.groups.pipeline)
         sq = sq.cpu()
@@ -407,6 +420,54 @@ class RankPipeline:
             if scale < 1.0:
                 torch._foreach_mul_(grads, scale)
         return GradNorms(norm, sq[:depth].sqrt().tolist())
+
+
+class TiedGrads:
+    """A tied pair's gradient (`Family.tied_parameters`: a language model's output projection
+    tied to its input embedding): the embedding and the head each hold a copy, and after the
+    backward pass both copies get the sum of the two gradients, as Megatron sums its embedding
+    group's, so the same optimizer step keeps them equal bit for bit (a + b is b + a in floating
+    point). Both copies on this rank: added here; one here, the other on the rank of the other
+    end of this replica's pipeline: exchanged with that rank (one send and one receive each).
+    Nothing to do when no pair is tied, or once the pair is frozen (F > 0: it freezes with the
+    embedding) or the rank holds neither copy. `copy` is the head's copy's name, which the
+    gradient norm leaves out (the tensor counts once, as in a single model)."""
+
+    def __init__(self, model: RankModel, layout: Layout, rank: int) -> None:
+        self.local: list[str] = []
+        self.peer: int | None = None
+        self.copy: str | None = None
+        pair = model.tied
+        if pair is None or layout.freeze_boundary > 0:
+            return
+        held = model.units()
+        self.copy = f"{pair[1][0]}.{pair[1][1]}"
+        self.local = [f"{unit}.{name}" for unit, name in pair if unit in held]
+        if len(self.local) == 1:
+            replica = layout.placement(rank)[1]
+            first, last = layout.stages[0].ranks[replica], layout.stages[-1].ranks[replica]
+            self.peer = last if rank == first else first
+
+    def sum(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        """Both copies' gradients (in `module`, the state module) become their sum."""
+        grads = [module.get_parameter(name).grad for name in self.local]
+        if not grads or any(g is None for g in grads):
+            return
+        if len(grads) == 2:
+            total = grads[0] + grads[1]
+            for g in grads:
+                g.copy_(total)
+            return
+        assert self.peer is not None
+        mine = grads[0]
+        theirs = torch.empty_like(mine)
+        ops = [
+            dist.P2POp(dist.isend, mine, self.peer, group),
+            dist.P2POp(dist.irecv, theirs, self.peer, group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        mine.add_(theirs)
 
 
 def carries_gradient(layout: Layout, cut: int) -> bool:

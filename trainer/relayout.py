@@ -65,7 +65,7 @@ def build_training(
     state = pipe.model.state_module  # the float32 masters under bf16-weights
     optimizer = build_optimizer(state, spec.training)
     if previous is not None:
-        receive_state(previous, layout, rank, state, optimizer)
+        receive_state(previous, layout, rank, state, optimizer, _stateless(spec, previous, layout))
     elif load_from:
         load_checkpoint(load_from, state, optimizer)
     elif init.checkpoint:
@@ -73,6 +73,15 @@ def build_training(
     if pipe.model.master is not None and (filled or init.checkpoint):
         pipe.model.master.write_back(everything=True)
     return pipe, optimizer
+
+
+def _stateless(spec: JobSpec, previous: Previous, layout: Layout) -> tuple[str, ...]:
+    """The parameters whose optimizer state an in-memory re-layout does not move: a tied
+    output projection (`Family.tied_parameters`) frozen on either side (it freezes with the
+    embedding while the rest of the head trains on)."""
+    tied = spec.model.family_info.tied_parameters(spec.model)
+    frozen = previous.layout.freeze_boundary > 0 or layout.freeze_boundary > 0
+    return (f"{tied[1][0]}.{tied[1][1]}",) if tied is not None and frozen else ()
 
 
 def _fresh_units(filled: bool, spec: JobSpec) -> UnitSource | None:

@@ -4,11 +4,13 @@
 The loss is a sum over the real samples (padding targets are `IGNORE`), divided by the task's
 `loss_terms` (question answering: the mean of the start and end losses, as `transformers`'
 `*ForQuestionAnswering` computes it); the pipeline divides it by the global batch's real sample
-count (`trainer.pipeline.MaskedCrossEntropy`).
+count (`trainer.pipeline.MaskedCrossEntropy`); a language model's is a sum over its counted
+tokens, divided by the global batch's counted tokens.
 
 A `Scorer` accumulates held-out batches on the last stage and is summed over the replicas:
 classification counts correct argmaxes; question answering keeps each window's best span and
-scores each question's best over its windows against its answers (`trainer.sources.qa`)."""
+scores each question's best over its windows against its answers (`trainer.sources.qa`); a
+language model counts its correctly predicted next tokens."""
 
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipetransformer.core.sampler import IGNORE
-from pipetransformer.core.tasks import CLASSIFICATION, QUESTION_ANSWERING, Task
+from pipetransformer.core.tasks import CAUSAL_LM, CLASSIFICATION, QUESTION_ANSWERING, Task
 
 
 def loss_sum(task: Task, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Summed loss of the real samples of one batch."""
+    """Summed loss of the real samples of one batch (a target per token: of its counted
+    tokens, logits [B, T, V] against targets [B, T])."""
+    if task.targets_per_token:
+        logits, target = logits.flatten(0, 1), target.flatten()
     loss = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum")
     return loss / task.loss_terms  # exact for 1 and 2 (powers of two)
 
@@ -90,9 +95,32 @@ class _Spans:
         return self.split.score(self.spans.cpu())
 
 
-_SCORERS: dict[str, type[_Correct] | type[_Spans]] = {
+class _NextTokens:
+    """Causal language modelling: the fraction of counted tokens (targets not IGNORE, in real
+    rows) whose argmax is the next token."""
+
+    def __init__(self, split: Any, device: torch.device) -> None:
+        self.total = split.num_labels
+        self.correct = torch.zeros(1, device=device)
+
+    def add(
+        self, logits: torch.Tensor, targets: torch.Tensor, valid: np.ndarray, indices: np.ndarray
+    ) -> None:
+        rows = torch.from_numpy(valid).to(logits.device)
+        counted = (targets != IGNORE) & rows[:, None]
+        self.correct += ((logits.argmax(-1) == targets) & counted).sum()
+
+    def all_reduce(self, group: dist.ProcessGroup) -> None:
+        dist.all_reduce(self.correct, group=group)
+
+    def result(self) -> tuple[float, float | None]:
+        return float(self.correct) / max(self.total, 1), None
+
+
+_SCORERS: dict[str, type[_Correct] | type[_Spans] | type[_NextTokens]] = {
     CLASSIFICATION.name: _Correct,
     QUESTION_ANSWERING.name: _Spans,
+    CAUSAL_LM.name: _NextTokens,
 }
 
 

@@ -143,7 +143,11 @@ class Trainer:
         if ctx.rank == 0:  # where the data came from, once per generation
             ctx.reporter.emit(DataOpened, origin=self._data_origin())
         self.sampler = ElasticSampler(
-            len(self.data.train), self.tspec.global_batch_size, self.tspec.seed
+            len(self.data.train),
+            self.tspec.global_batch_size,
+            self.tspec.seed,
+            # a language model's loss is the mean over the global batch's counted tokens
+            weights=getattr(self.data.train, "tokens", None),
         )
         self.feed = Feed(
             self.data.train,
@@ -425,7 +429,7 @@ class Trainer:
         targets = _targets(pipe, self.data.train.labels, b)
         lr = lr_at(p.step, self.total_steps, self.tspec)
         set_lr(self.optimizer, lr)
-        loss = pipe.train_step(inputs, targets, b.global_valid, indices=b.indices)
+        loss = pipe.train_step(inputs, targets, b.loss_count, indices=b.indices)
         drift = self.freezing.drift
         master = pipe.model.master  # bf16-weights: the step updates the float32 masters
         if master is not None:
@@ -530,10 +534,13 @@ class Trainer:
                 loss=result.loss,
                 f1=result.f1,
             )
-        target = self.tspec.target_accuracy
-        if target is None:
+        accuracy, perplexity = self.tspec.target_accuracy, self.tspec.target_perplexity
+        if accuracy is None and perplexity is None:
             return False
-        reached = result is not None and result.accuracy >= target
+        reached = result is not None and (
+            (accuracy is not None and result.accuracy >= accuracy)
+            or (perplexity is not None and math.exp(min(result.loss, 700.0)) <= perplexity)
+        )
         return flag_from(self.layout.stages[-1].ranks[0], reached)
 
     def _control(self) -> tuple[Control, str | None]:
@@ -753,4 +760,6 @@ def evaluate(
         dist.all_reduce(summed_loss, group=pipe.groups.data_parallel)
         score.all_reduce(pipe.groups.data_parallel)
     metric, f1 = score.result()
-    return Evaluation(metric, float(summed_loss) / len(test), f1)
+    # the mean loss per sample, or per counted token for a language model (perplexity's)
+    count = test.num_labels if task.targets_per_token else len(test)
+    return Evaluation(metric, float(summed_loss) / max(count, 1), f1)

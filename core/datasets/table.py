@@ -1,9 +1,9 @@
 """`table`: the user's rows, `data.train` and `data.test` parquet, arrow, JSON-lines or CSV files
 (or `save_to_disk` directories), or `data.path` a `save_to_disk` DatasetDict with splits
 `data.train_split` and `data.test_split`; `data.columns` names the columns the job's task reads
-(images or text and a label; question answering's id, question, context and answers), read
-through the pretrained model's own image processor or tokenizer
-(`pipetransformer.trainer.sources.tabular`, `.qa`)."""
+(images or text and a label; question answering's id, question, context and answers; a
+language model's text or chat `messages`), read through the pretrained model's own image
+processor or tokenizer (`pipetransformer.trainer.sources.tabular`, `.qa`, `.lm`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipetransformer.core.datasets.base import FilesKind
-from pipetransformer.core.tasks import QUESTION_ANSWERING, Task, task_of
+from pipetransformer.core.tasks import CAUSAL_LM, QUESTION_ANSWERING, Task, task_of
 
 if TYPE_CHECKING:
     from pipetransformer.core.spec import DataSpec, ModelSpec
@@ -25,6 +25,24 @@ class Table(FilesKind):
         if model.pending:
             return None  # the family is known once the checkpoint is read
         cols = data.columns
+        if task_of(model) is CAUSAL_LM:
+            if cols.text is not None and cols.messages is not None:
+                return (
+                    "a language model reads either plain text (data.columns.text) or "
+                    "conversations (data.columns.messages), not both"
+                )
+            extra = [r for r in ("image", "text_pair") if getattr(cols, r) is not None]
+            if extra:
+                return f"data.columns.{extra[0]} is not read by causal-lm; remove it"
+            if data.doc_stride is not None or data.augment:
+                which = "doc_stride" if data.doc_stride is not None else "augment"
+                return f"data.{which} is not read by causal-lm; remove it"
+            return None
+        if data.cross_document_attention or cols.messages is not None:
+            which = (
+                "cross_document_attention" if data.cross_document_attention else "columns.messages"
+            )
+            return f"data.{which} is for causal-lm (model.task); remove it"
         if task_of(model) is QUESTION_ANSWERING:
             if cols.text is not None or cols.text_pair is not None or cols.image is not None:
                 return (
@@ -54,6 +72,11 @@ class Table(FilesKind):
         return None
 
     def columns(self, data: DataSpec, task: Task) -> dict[str, str] | None:
+        if task is CAUSAL_LM:
+            cols = data.columns
+            if cols.messages is not None:
+                return {"messages": cols.messages}
+            return {"text": cols.text or "text"}
         named = {role: getattr(data.columns, role) for role in task.reads}
         return {role: name for role, name in named.items() if name is not None}
 

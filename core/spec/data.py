@@ -55,6 +55,11 @@ class ColumnsSpec(_Strict):
         "answer is the training target; held-out questions are scored against all)",
     )
     id: ColumnName = Field("id", description="question answering: the question's id")
+    messages: ColumnName | None = Field(
+        None,
+        description="causal-lm chat data: the conversation column (a list of {role, content}, "
+        "rendered with the tokenizer's chat template; the loss on the assistant's tokens)",
+    )
 
 
 class DataSpec(_Strict):
@@ -111,6 +116,11 @@ class DataSpec(_Strict):
     )
     max_answer_tokens: Annotated[PositiveInt, Field(le=MAX_SEQ_LEN)] = Field(
         30, description="question answering: the longest answer span predicted, in tokens"
+    )
+    cross_document_attention: bool = Field(
+        False,
+        description="causal-lm: documents packed into one sequence attend to each other as one "
+        "text (default: each attends only to itself, its positions restarting at 0)",
     )
     image_backend: Literal["auto", "native", "transformers"] = Field(
         "auto",

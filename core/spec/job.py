@@ -19,6 +19,7 @@ from pipetransformer.core.spec.model import ModelSpec
 from pipetransformer.core.spec.parallel import CheckpointSpec, ParallelSpec, TrainingSpec
 from pipetransformer.core.spec.runtime import RuntimeSpec
 from pipetransformer.core.specfile import MAX_BYTES, SpecFileError, parse_yaml, read_spec_file
+from pipetransformer.core.tasks import task_of
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 
@@ -46,6 +47,11 @@ class JobSpec(_Strict):
         if problem := self.data.model_problem(self.model):
             raise ValueError(problem)
         p, t = self.parallel, self.training
+        if t.target_perplexity is not None and not task_of(self.model).targets_per_token:
+            raise ValueError(
+                f"training.target_perplexity is for model.task 'causal-lm' (got "
+                f"{self.model.task!r}); use training.target_accuracy"
+            )
         if self.model.pending:
             pass  # the depth checks below wait until the checkpoint has filled in the model
         elif p.num_stages > self.model.depth:

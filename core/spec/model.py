@@ -110,7 +110,8 @@ class ModelSpec(_Strict):
         None,
         validate_default=True,
         description="bert: tokens per input sequence (a learned CLS vector is prepended); "
-        "pretrained text models: tokens per input, [CLS] and [SEP] included (default 128)",
+        "pretrained text models: tokens per input, [CLS] and [SEP] included (default 128); "
+        "causal-lm: tokens per packed sequence",
     )
     dim: Annotated[PositiveInt, Field(le=MAX_DIM)] = 64
     depth: Annotated[PositiveInt, Field(le=MAX_DEPTH)] = Field(

@@ -51,6 +51,11 @@ class TrainingSpec(_Strict):
     target_accuracy: Annotated[Number, Field(gt=0, le=1)] | None = Field(
         None, description="stop once held-out accuracy reaches this fraction"
     )
+    target_perplexity: Annotated[Number, Field(gt=1, le=1e9)] | None = Field(
+        None,
+        description="causal-lm: stop once held-out perplexity (exp of the loss per token) falls "
+        "to this",
+    )
     precision: Literal["fp32", "bf16", "bf16-weights"] = Field(
         "fp32",
         description="'bf16': blocks compute under bfloat16 autocast while weights, gradients, "

@@ -122,6 +122,8 @@ class Progress:
     peak_memory_mib: list[float | None] | None = None
     accuracy: float | None = None  # question answering: exact match
     f1: float | None = None  # question answering
+    # a language model's held-out mean loss per token (its perplexity's log); None otherwise
+    token_loss: float | None = None
     outcome: str | None = None  # done / stopped / failed, from the workers
     error: str | None = None
     layout: Layout | None = None

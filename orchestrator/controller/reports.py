@@ -42,6 +42,7 @@ from pipetransformer.core.protocol import (
 )
 from pipetransformer.core.provenance import DATA_OPENED, data_text
 from pipetransformer.core.state import Layout, TrainingState
+from pipetransformer.core.tasks import task_of
 from pipetransformer.orchestrator.controller.base import ControllerBase
 
 log = logging.getLogger("pipetransformer.controller")
@@ -242,6 +243,8 @@ class Reports(ControllerBase):
                 )
             case Evaluated():
                 p.accuracy, p.f1 = e.accuracy, e.f1
+                if task_of(self.spec.model).targets_per_token:
+                    p.token_loss = e.loss
                 self.store.add_evaluation(
                     self.job_id, e.epoch, e.step, e.accuracy, e.loss, e.time, f1=e.f1
                 )

@@ -7,13 +7,14 @@ class folders of both image splits, the tokenizer's vocabulary against the model
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import datasets
 import numpy as np
 import torch
 
 from pipetransformer.core.spec import DataSpec, ModelSpec
-from pipetransformer.core.tasks import QUESTION_ANSWERING
+from pipetransformer.core.tasks import CAUSAL_LM, QUESTION_ANSWERING
 from pipetransformer.trainer.sources import DataError
 from pipetransformer.trainer.sources.dataset import SourceDataset
 from pipetransformer.trainer.sources.image_folder import (
@@ -24,6 +25,9 @@ from pipetransformer.trainer.sources.image_folder import (
 from pipetransformer.trainer.sources.qa import QASplit, qa_columns, qa_splits
 from pipetransformer.trainer.sources.tabular import Columns, open_split, open_splits
 from pipetransformer.trainer.sources.text import TextEncoder
+
+if TYPE_CHECKING:
+    from pipetransformer.trainer.sources.lm.split import LMSplit
 
 
 @dataclass
@@ -99,10 +103,15 @@ def image_folder_splits(data: DataSpec, model: ModelSpec) -> tuple[SourceSplit, 
 
 def table_splits(
     data: DataSpec, model: ModelSpec
-) -> tuple[SourceSplit, SourceSplit] | tuple[QASplit, QASplit]:
+) -> tuple[SourceSplit, SourceSplit] | tuple[QASplit, QASplit] | tuple[LMSplit, LMSplit]:
     """`table`: the rows the job's task reads (`model.task`): question answering's windows
-    (`trainer.sources.qa`), else an image or text column and a label."""
+    (`trainer.sources.qa`), a language model's packed sequences (`trainer.sources.lm`), else an
+    image or text column and a label."""
     path = _pretrained_path(model)
+    if model.task == CAUSAL_LM.name:
+        from pipetransformer.trainer.sources.lm.split import lm_splits
+
+        return lm_splits(data, model, path)
     if model.task == QUESTION_ANSWERING.name:
         return qa_splits(_tables(data, qa_columns(data)), data, model)
     cols = data.columns
