@@ -12,13 +12,32 @@ pytest_plugins = [
 ]
 
 
+# The files that take longest (measured under scripts/test.sh), longest first
+LONGEST = (
+    "test_k8s_rehearsal.py",
+    "test_faults.py",
+    "test_e2e.py",
+    "test_freeze_scaling.py",
+    "test_hf_jobs.py",
+    "test_dashboard_browser.py",
+    "test_freeze_e2e.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files holding multi-process tests (marker `slow`) first, in their usual order: under
-    scripts/test.sh's two processes (pytest-xdist, whole files per process) the long files
-    start early and the short ones fill in after, instead of one long file running alone at
-    the end."""
+    """The longest files first (`LONGEST`), then the other files holding multi-process tests
+    (marker `slow`), in their usual order: under scripts/test.sh's two processes
+    (pytest-xdist, whole files per process) the long files start early and the short ones fill
+    in after, instead of one long file running alone at the end."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)  # stable: the order within stays
+
+    def order(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST:
+            return (0, LONGEST.index(name))
+        return (1 if item.path in slow else 2, 0)
+
+    items.sort(key=order)  # stable: the order within a file stays
     if os.environ.get("PT_SLOW_ONE_PER_FUNCTION") == "1":
         _one_slow_case_per_function(config, items)
 

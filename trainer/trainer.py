@@ -49,6 +49,7 @@ from pipetransformer.core.protocol import (
     read_trace_request,
 )
 from pipetransformer.core.provenance import describe_data
+from pipetransformer.core.readings import perplexity as perplexity_of
 from pipetransformer.core.sampler import IGNORE, Batch, ElasticSampler
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout, StageLayout
@@ -539,7 +540,7 @@ class Trainer:
             return False
         reached = result is not None and (
             (accuracy is not None and result.accuracy >= accuracy)
-            or (perplexity is not None and math.exp(min(result.loss, 700.0)) <= perplexity)
+            or (perplexity is not None and perplexity_of(result.loss) <= perplexity)
         )
         return flag_from(self.layout.stages[-1].ranks[0], reached)
 
