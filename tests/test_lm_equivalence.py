@@ -1,7 +1,8 @@
 """A pipelined decoder-only language model trains as `transformers` does (issue 47): on packed
 sequences of a tiny corpus (several documents per row, each attending to itself from position
-0), the rank pipelines (real gloo processes under 1x1, 2x1, 3x1 and 1x2) give the logits of the
-`*ForCausalLM` forward of the same checkpoint, and a few optimizer steps give the losses,
+0), the rank pipelines (real gloo processes under 1x1, 2x1, 3x1 and 1x2, and 2x1 with a frozen
+prefix served from an attached AutoCache) give the logits of the `*ForCausalLM` forward of the
+same checkpoint, and a few optimizer steps give the losses,
 gradient norms and weights of a plain single-process loop whose loss is the sum of the global
 batch's token cross-entropies divided by its counted tokens (not a mean of micro-batch means).
 A tied pair (the output projection tied to the input embedding) keeps both copies equal bit for
@@ -27,6 +28,7 @@ from pipetransformer.core.spec import JobSpec, parse_spec
 from pipetransformer.core.state import Layout
 from pipetransformer.models.decoder import document_positions
 from pipetransformer.orchestrator.sources import resolve_submission
+from pipetransformer.trainer.cache import ActivationCache
 from pipetransformer.trainer.data import load_dataset
 from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
 from pipetransformer.trainer.pipeline import build_rank_pipeline
@@ -55,6 +57,8 @@ LOGITS_TOL = {"rtol": 1e-5, "atol": 2e-5}
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 WEIGHTS_TOL = {"rtol": 1e-4, "atol": 5e-5}
 LAYOUTS = {"1x1": (1, 1), "2x1": (2, 1), "3x1": (3, 1), "1x2": (1, 2)}
+FROZEN = 1  # the frozen-prefix run: the embedding (the tied pair with it) and block 0
+CACHED = f"2x1 F={FROZEN}"
 
 
 def _spec(root: Path, kind: str) -> JobSpec:
@@ -89,23 +93,40 @@ def _case(spec: JobSpec) -> dict:
     }
 
 
-def _layout(stages: int, replicas: int) -> Layout:
+def _layout(stages: int, replicas: int, boundary: int = 0) -> Layout:
+    ranges = [(a + boundary, b + boundary) for a, b in uniform_partition(DEPTH - boundary, stages)]
     return Layout.build(
-        uniform_partition(DEPTH, stages),
+        ranges,
         num_blocks=DEPTH,
         replicas=replicas,
         microbatches=MICROBATCHES,
+        freeze_boundary=boundary,
     )
 
 
-def _runs(rank: int, world: int, layouts: dict[str, str], cases: dict) -> dict:
+def _runs(rank: int, world: int, layouts: dict[str, str], cases: dict, cache: str) -> dict:
     return {
-        name: _run(rank, Layout.model_validate_json(layout), cases)
+        name: _run(rank, Layout.model_validate_json(layout), cases, f"{cache}/{name}")
         for name, layout in layouts.items()
     }
 
 
-def _run(rank: int, layout: Layout, cases: dict) -> dict:
+def _served_logits(pipe, inputs, targets, indices):  # noqa: ANN001, ANN202
+    """Logits entering the pipeline as a training step does: the frozen prefix's outputs from
+    the attached cache, by the sequences' indices."""
+    pipe.model.eval()
+    try:
+        with torch.no_grad():
+            args = (pipe._enter(inputs, indices),) if pipe.is_first else ()
+            if pipe.is_last:
+                return pipe.schedule.eval(*args, target=targets, losses=[])
+            pipe.schedule.eval(*args)
+            return None
+    finally:
+        pipe.model.train()
+
+
+def _run(rank: int, layout: Layout, cases: dict, cache_root: str) -> dict:
     replica = layout.placement(rank)[1]
     per = BATCH // layout.replicas
     out: dict = {"replica": replica}
@@ -115,11 +136,22 @@ def _run(rank: int, layout: Layout, cases: dict) -> dict:
         n = len(tokens)
         pipe = build_rank_pipeline(spec.model, SEED, layout, rank, per)
         share = np.arange(replica * per, (replica + 1) * per)
-        got: dict = {
-            "logits": pipe.forward_only(
-                x[share] if pipe.is_first else None, y[share] if pipe.is_last else None
-            )
-        }
+        first_in = x[share] if pipe.is_first else None
+        last_y = y[share] if pipe.is_last else None
+        if layout.freeze_boundary:  # AutoCache, attached as the Trainer attaches one
+            prefix = pipe.model.prefix
+            if prefix is not None:
+                cache = ActivationCache.for_model(f"{cache_root}/{kind}-{rank}", spec.model, n)
+                cache.set_boundary(layout.freeze_boundary, prefix.fingerprints(FROZEN))
+                pipe.cache = cache
+            out[kind] = {
+                "computed": _served_logits(pipe, first_in, last_y, share),  # misses
+                "served": _served_logits(pipe, first_in, last_y, share),  # hits
+                "cache": pipe.cache.stats() if pipe.cache is not None else None,
+            }
+            pipe.destroy_groups()
+            continue
+        got: dict = {"logits": pipe.forward_only(first_in, last_y)}
         opt = build_optimizer(pipe.model, spec.training)
         sampler = ElasticSampler(n, BATCH, spec.training.seed, weights=tokens)
         epoch, cursor, losses, norms, tied = 0, 0, [], [], []
@@ -228,14 +260,16 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(cases: dict[str, dict]) -> dict[str, dict]:
+def runs(cases: dict[str, dict], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     layouts = {name: _layout(*shape) for name, shape in LAYOUTS.items()}
+    layouts[CACHED] = _layout(2, 1, FROZEN)
     by_world: dict[int, dict[str, str]] = {}
     for name, layout in layouts.items():
         by_world.setdefault(layout.world_size, {})[name] = layout.model_dump_json()
     results = {}
     for world, group in by_world.items():  # one set of processes per world size
-        ranks = run_distributed(_runs, world, group, cases)
+        cache = str(tmp_path_factory.mktemp("cache"))
+        ranks = run_distributed(_runs, world, group, cases, cache)
         results |= {name: [r[name] for r in ranks] for name in group}
     return results
 
@@ -280,6 +314,23 @@ def test_logits_and_training_equal_a_transformers_loop(
         torch.testing.assert_close(
             params[name], value, **WEIGHTS_TOL, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_frozen_prefix_served_from_the_cache_gives_the_transformers_logits(
+    runs: dict, references: dict, kind: str
+) -> None:
+    """2x1 with the embedding (a tied pair with it) and block 0 frozen and their outputs kept
+    in an attached AutoCache, one row per packed sequence: the pass that computed the rows and
+    the pass served from them both give the `transformers` logits."""
+    ranks = runs[CACHED]
+    (last,) = [r[kind] for r in ranks if r[kind]["computed"] is not None]
+    want = references[kind]["logits"]
+    torch.testing.assert_close(last["computed"], want, **LOGITS_TOL)
+    torch.testing.assert_close(last["served"], want, **LOGITS_TOL)
+    (stats,) = [r[kind]["cache"] for r in ranks if r[kind]["cache"] is not None]
+    assert stats.boundary == FROZEN and (stats.hits, stats.misses) == (BATCH, BATCH), stats
 
 
 @pytest.mark.slow
