@@ -112,8 +112,16 @@ def lm_splits(data: DataSpec, model: ModelSpec, checkpoint: str) -> tuple[LMSpli
         test: Any = Path(data.path) / data.test_split
     else:
         train, test = data.train, data.test
+    # every rank opens the entry at every generation's start: its files are checked by size
+    # (entries are renamed into place whole; a truncated file would fault a memory map), not
+    # hashed again, which would read the whole token file on each rank each time
     first, held = open_lm_splits(
-        train, checkpoint, lm, test=test, cross_document_attention=data.cross_document_attention
+        train,
+        checkpoint,
+        lm,
+        test=test,
+        cross_document_attention=data.cross_document_attention,
+        verify="size",
     )
     vocab = int(first.cache.meta["vocab"])
     if model.vocab_size is not None and vocab > model.vocab_size:
