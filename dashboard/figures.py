@@ -329,6 +329,17 @@ def peak_memory_figure(
     return _finish(fig, timeline, x)
 
 
+def _target_line(fig: go.Figure, y: float, text: str) -> None:
+    """A job's held-out target as a dashed grey line."""
+    fig.add_hline(
+        y=y,
+        line_dash="dash",
+        line_color="grey",
+        annotation_text=text,
+        annotation_position="bottom right",
+    )
+
+
 def accuracy_figure(
     evaluations: Sequence[EvaluationRow],
     target: float | None = None,
@@ -343,13 +354,7 @@ def accuracy_figure(
     fig = base_figure(title, axis_title(x), "score" if qa else "accuracy")
     fig.update_yaxes(range=[0, 1.02], tickformat=".0%")
     if target is not None:
-        fig.add_hline(
-            y=target,
-            line_dash="dash",
-            line_color="grey",
-            annotation_text=f"target {target:.0%}",
-            annotation_position="bottom right",
-        )
+        _target_line(fig, target, f"target {target:.0%}")
     if not evaluations:
         return empty_figure(fig)
     traces = [("exact match", [r.accuracy for r in evaluations])] if qa else []
@@ -384,13 +389,7 @@ def perplexity_figure(
     fig = base_figure("Held-out perplexity", axis_title(x), "perplexity")
     fig.update_yaxes(type="log")
     if target is not None:
-        fig.add_hline(
-            y=target,
-            line_dash="dash",
-            line_color="grey",
-            annotation_text=f"target {target:g}",
-            annotation_position="bottom right",
-        )
+        _target_line(fig, target, f"target {target:g}")
     rows = [r for r in evaluations if r.loss is not None]
     if not rows:
         return empty_figure(fig)
