@@ -36,6 +36,7 @@ from pipetransformer.trainer.cache import ActivationCache
 from pipetransformer.trainer.data import load_dataset
 from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
 from pipetransformer.trainer.pipeline import build_rank_pipeline
+from tests.equivalence import checkpoint_name, served_logits
 from tests.mp import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -168,21 +169,6 @@ def _layout(stages: int, replicas: int, boundary: int = 0) -> Layout:
     )
 
 
-def _served_logits(pipe, inputs, targets, indices):  # noqa: ANN001, ANN202
-    """`RankPipeline.forward_only`, but entering the pipeline as a training step does
-    (`_enter` with the samples' indices): the frozen prefix's outputs from the attached cache."""
-    pipe.model.eval()
-    try:
-        with torch.no_grad():
-            args = (pipe._enter(inputs, indices),) if pipe.is_first else ()
-            if pipe.is_last:
-                return pipe.schedule.eval(*args, target=targets, losses=[])
-            pipe.schedule.eval(*args)
-            return None
-    finally:
-        pipe.model.train()
-
-
 def _pipeline_runs(rank: int, world: int, layouts: dict[str, str], cases: dict, cache: str) -> dict:
     """Each layout in turn in the same processes (its training groups destroyed after it, as at
     a re-layout), every model under each: {layout name: {"replica", model: results}}."""
@@ -212,8 +198,8 @@ def _pipeline_run(rank: int, layout: Layout, cases: dict, cache_root: str) -> di
         first_in = x[share] if pipe.is_first else None
         last_y = y[share] if pipe.is_last else None
         if layout.freeze_boundary:
-            got["logits"] = _served_logits(pipe, first_in, last_y, share)  # misses: computed
-            got["logits_hit"] = _served_logits(pipe, first_in, last_y, share)  # served
+            got["logits"] = served_logits(pipe, first_in, last_y, share)  # misses: computed
+            got["logits_hit"] = served_logits(pipe, first_in, last_y, share)  # served
         else:
             got["logits"] = pipe.forward_only(first_in, last_y)
 
@@ -338,14 +324,6 @@ def _as_saved(model, directory: Path) -> dict[str, torch.Tensor]:  # noqa: ANN00
     return load_file(directory / "model.safetensors")
 
 
-def _checkpoint_name(rank_name: str) -> str:
-    """A RankModel state_dict key as the checkpoint names it: the unit prefix (`embed.`,
-    `blocks.<i>.`, `head.`) dropped, what is left is the checkpoint's key (models/vit.py, models/bert.py;
-    trainer/export.py does the same)."""
-    unit, rest = rank_name.split(".", 1)
-    return rest.split(".", 1)[1] if unit == "blocks" else rest
-
-
 # -- runs --------------------------------------------------------------------------------------
 
 LAYOUTS = {"1x1": (1, 1, 0), "2x1": (2, 1, 0), "1x2": (1, 2, 0), f"2x1 F={FROZEN}": (2, 1, FROZEN)}
@@ -387,7 +365,7 @@ def runs(cases: dict[str, dict], tmp_path_factory: pytest.TempPathFactory) -> di
                 "losses": [sum(got["losses"][s] for _, got in last) for s in range(STEPS)],
                 "norms": [got["norms"] for _, got in mine],
                 "params": {
-                    _checkpoint_name(k): v
+                    checkpoint_name(k): v
                     for rep, got in mine
                     if rep == 0
                     for k, v in got["params"].items()

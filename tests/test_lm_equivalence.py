@@ -32,6 +32,7 @@ from pipetransformer.trainer.cache import ActivationCache
 from pipetransformer.trainer.data import load_dataset
 from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
 from pipetransformer.trainer.pipeline import build_rank_pipeline
+from tests.equivalence import checkpoint_name, served_logits
 from tests.lm_assets import make_lm, write_text
 from tests.mp import run_distributed
 
@@ -111,21 +112,6 @@ def _runs(rank: int, world: int, layouts: dict[str, str], cases: dict, cache: st
     }
 
 
-def _served_logits(pipe, inputs, targets, indices):  # noqa: ANN001, ANN202
-    """Logits entering the pipeline as a training step does: the frozen prefix's outputs from
-    the attached cache, by the sequences' indices."""
-    pipe.model.eval()
-    try:
-        with torch.no_grad():
-            args = (pipe._enter(inputs, indices),) if pipe.is_first else ()
-            if pipe.is_last:
-                return pipe.schedule.eval(*args, target=targets, losses=[])
-            pipe.schedule.eval(*args)
-            return None
-    finally:
-        pipe.model.train()
-
-
 def _run(rank: int, layout: Layout, cases: dict, cache_root: str) -> dict:
     replica = layout.placement(rank)[1]
     per = BATCH // layout.replicas
@@ -145,8 +131,8 @@ def _run(rank: int, layout: Layout, cases: dict, cache_root: str) -> dict:
                 cache.set_boundary(layout.freeze_boundary, prefix.fingerprints(FROZEN))
                 pipe.cache = cache
             out[kind] = {
-                "computed": _served_logits(pipe, first_in, last_y, share),  # misses
-                "served": _served_logits(pipe, first_in, last_y, share),  # hits
+                "computed": served_logits(pipe, first_in, last_y, share),  # misses
+                "served": served_logits(pipe, first_in, last_y, share),  # hits
                 "cache": pipe.cache.stats() if pipe.cache is not None else None,
             }
             pipe.destroy_groups()
@@ -189,12 +175,6 @@ def _run(rank: int, layout: Layout, cases: dict, cache_root: str) -> dict:
 
 def _tied_name(key: str) -> bool:
     return key.endswith(("lm_head.weight", "embed_tokens.weight", "wte.weight"))
-
-
-def _checkpoint_name(rank_name: str) -> str:
-    """A RankModel state_dict key as the checkpoint names it (its unit prefix dropped)."""
-    unit, rest = rank_name.split(".", 1)
-    return rest.split(".", 1)[1] if unit == "blocks" else rest
 
 
 def _reference(spec: JobSpec, case: dict) -> dict:
@@ -308,7 +288,7 @@ def test_logits_and_training_equal_a_transformers_loop(
     params = {}
     for r in ranks:
         if r["replica"] == 0:
-            params |= {_checkpoint_name(k): v for k, v in r[kind]["params"].items()}
+            params |= {checkpoint_name(k): v for k, v in r[kind]["params"].items()}
     assert set(want["params"]) == set(params), set(want["params"]) ^ set(params)
     for name, value in want["params"].items():
         torch.testing.assert_close(
