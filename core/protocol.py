@@ -445,6 +445,7 @@ class SplitOrigin(_Model):
     paths: list[_Text] = Field(default_factory=list, max_length=1024)
     split: _Text | None = None
     windows: int | None = Field(None, ge=0)  # question answering: the samples its rows became
+    sequences: int | None = Field(None, ge=0)  # causal-lm: the packed sequences they became
 
 
 class DataOrigin(_Model):

@@ -43,11 +43,12 @@ def describe_data(
     *,
     task: Task = CLASSIFICATION,
     windows: tuple[int, int] | None = None,
+    sequences: tuple[int, int] | None = None,
 ) -> DataOrigin:
     """What to say about a job's data: each split's rows (None where not opened yet), the files
     or folder it comes from and the columns its kind reads for the job's `task`, or a built-in
     data set by its name. Question answering's rows become `windows` (train, held-out)
-    samples."""
+    samples, a causal LM's documents packed `sequences`."""
     if not data.is_source:
         return DataOrigin(
             dataset=data.dataset,
@@ -65,6 +66,9 @@ def describe_data(
     if windows is not None:
         train = train.model_copy(update={"windows": windows[0]})
         test = test.model_copy(update={"windows": windows[1]})
+    if sequences is not None:
+        train = train.model_copy(update={"sequences": sequences[0]})
+        test = test.model_copy(update={"sequences": sequences[1]})
     return DataOrigin(dataset=data.dataset, builtin=False, train=train, test=test, columns=columns)
 
 
@@ -120,10 +124,15 @@ def model_text(model: ModelSpec) -> str:
     return where
 
 
-def _rows(rows: int | None, windows: int | None = None) -> str:
-    if rows is None:
+def _rows(split: SplitOrigin) -> str:
+    if split.rows is None:
         return "rows not reported yet"
-    return f"{rows:,} rows" + ("" if windows is None else f" ({windows:,} windows)")
+    text = f"{split.rows:,} rows"
+    if split.windows is not None:
+        return f"{text} ({split.windows:,} windows)"
+    if split.sequences is not None:
+        return f"{text} ({split.sequences:,} packed sequences)"
+    return text
 
 
 def _paths(paths: Sequence[str]) -> str:
@@ -135,11 +144,11 @@ def _paths(paths: Sequence[str]) -> str:
 def split_text(split: SplitOrigin) -> str:
     """`96 rows from /data/train.parquet`, `40 rows from /data/dd, split 'test'`."""
     if not split.paths:
-        return _rows(split.rows, split.windows)
+        return _rows(split)
     where = _paths(split.paths) + (f", split {split.split!r}" if split.split else "")
     if split.rows is None:
-        return f"{where} ({_rows(None)})"
-    return f"{_rows(split.rows, split.windows)} from {where}"
+        return f"{where} ({_rows(split)})"
+    return f"{_rows(split)} from {where}"
 
 
 def columns_text(columns: Mapping[str, str]) -> str:
@@ -154,7 +163,7 @@ def _builtin_text(data: DataSpec, origin: DataOrigin) -> str:
         name += f" ({details})"
     t, h = origin.train.rows, origin.test.rows
     if t is None or h is None:
-        return f"{name}, {_rows(None)}"
+        return f"{name}, {_rows(SplitOrigin())}"
     return f"{name}, {t:,} train / {h:,} held-out rows"
 
 

@@ -1,17 +1,25 @@
 """Small Hugging Face checkpoints and data sets made here (nothing is downloaded), for the CPU
-examples and the tests: what `save_pretrained` writes for a ViT and a BERT, with the image
-processor and tokenizer they come with, an image folder and a sentence-pair parquet table.
+examples and the tests: what `save_pretrained` writes for a ViT, a BERT and a Llama-shaped
+language model, with the image processor and tokenizers they come with, an image folder, parquet
+tables, a text corpus and chat rows.
 
     .venv/bin/python examples/assets.py [DIR]      # default: examples/assets (git-ignored)
 
 writes DIR/vit-tiny, DIR/digits-images/{train,test}, DIR/bert-tiny, DIR/pairs/{train,test}.parquet
 and DIR/squad/{train,test}.parquet; `examples/hf-vit-images.yaml`, `examples/hf-bert-pairs.yaml`
 and `examples/hf-bert-squad.yaml` train on them. The SQuAD-format questions ask the colour of one
-thing a few sentences describe. The images are scikit-learn's 8x8 digits drawn as 32x32 RGB PNGs; the sentence
-pairs ask whether the second sentence names the first sentence's colour (a task a small encoder
-learns in a few epochs). The checkpoints are pretrained here for a few seconds on a source task
-(the ViT on digits 0-4, the BERT on naming a sentence's colour), standing in for a real
-pretrained model: fine-tuning gets a new head, and its bottom blocks already carry features."""
+thing a few sentences describe. The images are scikit-learn's 8x8 digits drawn as 32x32 RGB PNGs;
+the sentence pairs ask whether the second sentence names the first sentence's colour (a task a
+small encoder learns in a few epochs). The checkpoints are pretrained here for a few seconds on a
+source task (the ViT on digits 0-4, the BERT on naming a sentence's colour), standing in for a
+real pretrained model: fine-tuning gets a new head, and its bottom blocks already carry features.
+
+For the language-model examples (`examples/llama-code.yaml`, `examples/llama-docstring-chat.yaml`)
+it writes DIR/code/{pretrain,train,test}.jsonl (the Python standard library's own modules, one
+document each: text every machine has offline), DIR/docstring-chat/{train,test}.jsonl
+(conversations asking what a standard-library function does, answered with its docstring) and
+DIR/llama-code: a byte-level BPE tokenizer trained on the pretraining modules, with a ChatML chat
+template, and a 4-block Llama-shaped model pretrained on them for a couple of minutes."""
 
 from __future__ import annotations
 
@@ -263,6 +271,205 @@ def pretrain_bert(directory: Path, n: int = 2000, epochs: int = 4) -> Path:
     return directory
 
 
+# -- language models: the Python standard library as the corpus ---------------------------------
+
+CHAT_TEMPLATE = (  # ChatML, as Qwen's; {% generation %} marks the assistant's tokens (the loss's)
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{%- else -%}{{ m['content'] + '<|im_end|>' }}{%- endif -%}{{ '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+LM_SPECIAL = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+
+
+def stdlib_modules() -> list[Path]:
+    """The standard library's top-level modules of 2-40 kB, by name: source text every Python
+    installation has offline (about 120 files, 2 MB on Python 3.11)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if 2_000 <= p.stat().st_size <= 40_000)
+
+
+def _source(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def make_code_corpus(root: Path) -> dict[str, Path]:
+    """The modules as JSON-lines documents (`text`: one module's source each), in three parts:
+    every other module is the pretraining corpus (`pretrain.jsonl`), the rest the continued
+    pretraining's `train.jsonl`, every eighth of those held out as `test.jsonl`."""
+    docs = [(p.stem, text) for p in stdlib_modules() if (text := _source(p))]
+    pretrain = [{"module": m, "text": t} for m, t in docs[0::2]]
+    rest = [{"module": m, "text": t} for m, t in docs[1::2]]
+    return {
+        "pretrain": _write_jsonl(root / "pretrain.jsonl", pretrain),
+        "train": _write_jsonl(root / "train.jsonl", [r for i, r in enumerate(rest) if i % 8]),
+        "test": _write_jsonl(root / "test.jsonl", rest[0::8]),
+    }
+
+
+def docstring_pairs() -> list[tuple[str, str]]:
+    """(qualified name, its docstring's first paragraph on one line) for the public functions
+    and methods of `stdlib_modules()` that have one of 20-200 characters."""
+    import ast
+
+    pairs = []
+    for path in stdlib_modules():
+        text = _source(path)
+        if text is None:
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        nodes = [(f"{path.stem}.", n) for n in tree.body]
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                nodes += [(f"{path.stem}.{node.name}.", n) for n in node.body]
+        for prefix, node in nodes:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            first = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+            if 20 <= len(first) <= 200:
+                pairs.append((prefix + node.name, first))
+    return pairs
+
+
+def make_docstring_chats(root: Path, test_every: int = 10) -> dict[str, Path]:
+    """Conversations (`messages`) asking what a standard-library function does, answered with
+    the first paragraph of its docstring: `root/train.jsonl`, every `test_every`-th held out in
+    `root/test.jsonl`."""
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What does `{name}` do?"},
+                {"role": "assistant", "content": answer},
+            ]
+        }
+        for name, answer in docstring_pairs()
+    ]
+    return {
+        "train": _write_jsonl(
+            root / "train.jsonl", [r for i, r in enumerate(rows) if i % test_every]
+        ),
+        "test": _write_jsonl(root / "test.jsonl", rows[0::test_every]),
+    }
+
+
+def make_code_tokenizer(directory: Path, texts: list[str], vocab_size: int = 2048) -> Path:
+    """A byte-level BPE tokenizer trained on `texts`, with a ChatML chat template whose
+    assistant turns are marked for the loss, saved as `AutoTokenizer` loads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=LM_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|pad|>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+def make_decoder(
+    directory: Path, vocab_size: int, *, hidden: int = 128, layers: int = 4, seed: int = 0
+) -> Path:
+    """A random Llama-shaped causal LM (RoPE, RMSNorm, SwiGLU; grouped-query attention, 4 heads
+    over 2 KV heads), saved beside its tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=hidden * 8 // 3 // 8 * 8,  # SwiGLU's usual 8/3
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def pretrain_decoder(
+    directory: Path, texts: list[str], steps: int, seq_len: int = 128, batch: int = 8
+) -> Path:
+    """Pretrain the causal LM in `directory` for `steps` AdamW steps on `texts` (tokenised by
+    its tokenizer, EOS between documents, cut into rows of `seq_len`): the stand-in for a real
+    pretrained checkpoint, so continued pretraining and fine-tuning start from weights that
+    already know the corpus' tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory)
+    stream = [i for text in texts for i in (*tok(text)["input_ids"], tok.eos_token_id)]
+    rows = torch.tensor(stream[: len(stream) // seq_len * seq_len]).view(-1, seq_len)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 3e-3, total_steps=steps, pct_start=0.1)
+    model.train()
+    for step in range(steps):
+        ids = rows[torch.randint(0, len(rows), (batch,), generator=gen)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  {directory.name}: step {step + 1}/{steps} loss {loss.item():.3f}", flush=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_language_models(out: Path, steps: int = 600) -> dict[str, Path]:
+    """The code corpus, the docstring chats, and `llama-code`: a Llama-shaped decoder with a
+    tokenizer trained on the corpus, pretrained on its pretraining part."""
+    corpus = make_code_corpus(out / "code")
+    chats = make_docstring_chats(out / "docstring-chat")
+    texts = [json.loads(line)["text"] for line in corpus["pretrain"].open(encoding="utf-8")]
+    directory = make_code_tokenizer(out / "llama-code", texts)
+    from transformers import AutoTokenizer
+
+    make_decoder(directory, len(AutoTokenizer.from_pretrained(directory)))
+    return {
+        "code": corpus["train"].parent,
+        "docstring-chat": chats["train"].parent,
+        "llama-code": pretrain_decoder(directory, texts, steps),
+    }
+
+
 def make_all(out: Path) -> dict[str, Path]:
     images = make_digit_images(out / "digits-images")
     made = {
@@ -271,6 +478,7 @@ def make_all(out: Path) -> dict[str, Path]:
         "bert": pretrain_bert(make_bert(out / "bert-tiny")),
         "pairs": make_pairs(out / "pairs"),
         "squad": make_squad(out / "squad"),
+        **make_language_models(out),
     }
     (out / "README.txt").write_text("made by examples/assets.py; safe to delete\n")
     return made

@@ -17,10 +17,12 @@ from pipetransformer.edge.manifest import (
 )
 
 # the fields that decide the shape and meaning of the weights (dropout does not)
+_DECODER = ("vocab_size", "kv_heads", "head_dim", "tie_embeddings")  # and a tied pair's keys
 _ARCHITECTURE = {
     "any": ("family", "dim", "depth", "heads", "mlp_ratio"),
     "vit": ("image_size", "patch_size", "channels"),
     "bert": ("vocab_size", "seq_len"),
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "gpt2"), _DECODER),
 }
 
 

@@ -135,3 +135,48 @@ def finished_run(trained_run: RealRun, tmp_path: Path) -> Iterator[StoreRun]:
         yield StoreRun(store, url, trained_run.job_id)
     finally:
         store.close()
+
+
+def probe(workdir: Path, job_id: str, read):  # noqa: ANN001, ANN201
+    """`store_probe` of the store a `pipetransformer run --workdir workdir` keeps."""
+    return store_probe(workdir / "store.db", job_id, read)
+
+
+def workers_of(store: Store, job_id: str) -> dict[int, dict]:
+    """rank -> `worker_started` data of the newest generation's workers (those started since
+    its `generation_started`)."""
+    out: dict[int, dict] = {}
+    for e in reversed(store.events(job_id, limit=1000)):  # oldest first
+        if e.kind == "generation_started":
+            out = {}
+        elif e.kind == "worker_started":
+            out[e.rank] = e.data
+    return out
+
+
+def running_after_checkpoint(
+    workdir: Path, job_id: str, log: Path, world: int = 2
+) -> tuple[int, dict[int, dict]]:
+    """Wait until the job has committed a checkpoint and a generation of `world` workers runs,
+    all of them started; return that generation's number and its workers (with min_nodes 1 a
+    node late for a round joins at the next, so an earlier generation may be narrower)."""
+
+    def ready(store: Store, job: str) -> tuple[int, dict[int, dict]] | None:
+        gens = store.generations(job)
+        if not gens or gens[-1].state != "running" or gens[-1].world_size != world:
+            return None
+        workers = workers_of(store, job)
+        if store.latest_checkpoint(job) is None or sorted(workers) != list(range(world)):
+            return None
+        return gens[-1].number, workers
+
+    return wait_for(probe(workdir, job_id, ready), 150, f"a checkpoint and {world} workers", log)
+
+
+def finish(proc, log: Path, timeout: float = 240) -> None:  # noqa: ANN001
+    """Wait for a `start_cli` process to end; it must succeed (else its log's tail)."""
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    assert code == 0, log.read_text(errors="replace")[-4000:]

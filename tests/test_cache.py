@@ -305,6 +305,14 @@ def test_a_cache_decides_for_its_own_directory_and_ram_share(tmp_path: Path) -> 
     assert decision.ram_fraction == cache.ram_fraction
     costs = decision.costs
     assert costs is not None and "10% of rows in RAM" in decision.reason
+    # what it needs and where, before it is turned on: 96 rows, 10 in RAM, the rest on disk
+    row = num_tokens(spec) * spec.dim * 4
+    assert decision.reason.startswith(
+        f"needs {N * row / (1 << 20):.1f} MiB for 96 rows of {num_tokens(spec)}x{spec.dim} "
+        f"float32 ({row / 1024:.1f} KiB each): 10 in RAM, 86 on disk, 0 recomputed; measured"
+    )
+    capped = _cache(spec, tmp_path / "small", rows_in_ram=10, disk_bytes=20 * row)
+    assert capped.needs().endswith("10 in RAM, 10 on disk, 76 recomputed")
     assert f"cache {costs.lookup_s(cache.ram_fraction) * 1e3:.2f} ms" in decision.reason
     assert decision.use == CachePolicy("auto").should_use_cache(
         costs.compute_s, costs.lookup_s(cache.ram_fraction)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import (
@@ -55,7 +56,7 @@ from pipetransformer.models.hf import load_units
 from pipetransformer.models.stage import StageModule, stage_input_shape, stage_output_shape
 from pipetransformer.models.units import initial_units
 from pipetransformer.orchestrator.sources import resolve_pretrained
-from pipetransformer.trainer.checkpoint import save_checkpoint
+from pipetransformer.trainer.checkpoint import load_checkpoint, save_checkpoint, tied_names
 from pipetransformer.trainer.export import export
 
 TOL = dict(rtol=0, atol=1e-5)  # fp32 (module docstring)
@@ -585,10 +586,10 @@ def _greedy(module: StageModule, prompt: torch.Tensor, steps: int) -> torch.Tens
     return ids
 
 
-def _exported(directory: Path, root: Path, diverge: bool = False):  # noqa: ANN202
-    """A checkpoint of a causal-lm job on `directory` (written as the pipeline writes one, after
-    training moved every weight, a tied pair's copies alike unless `diverge`), exported:
-    (the job's model, its units, the export's result)."""
+def _checkpointed(directory: Path, root: Path):  # noqa: ANN202
+    """A checkpoint of a causal-lm job on `directory`, written as the pipeline writes one after
+    training moved every weight (a tied pair's copies alike): (the spec, the model, its units,
+    the checkpoint's directory, the optimizer)."""
     spec = _job_spec(directory, root)
     names = spec.model.family_info.parse_config(_config(directory)).unit_names()
     units = initial_units(spec.model, 0, names)
@@ -597,15 +598,21 @@ def _exported(directory: Path, root: Path, diverge: bool = False):  # noqa: ANN2
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-        if tied is not None and not diverge:
+        if tied is not None:
             (_, source), (_, copy_name) = tied
             units["head"].get_parameter(copy_name).copy_(units["embed"].get_parameter(source))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.randn_like(p)
     optimizer.step()  # state for every parameter, nothing moved
     step = root / "checkpoints" / "step-00000001"
-    save_checkpoint(step, model, optimizer, {"step": 1})
+    save_checkpoint(step, model, optimizer, {"step": 1}, tied=tied_names(spec.model))
+    return spec, model, units, step, optimizer
+
+
+def _exported(directory: Path, root: Path):  # noqa: ANN202
+    """`_checkpointed`'s checkpoint exported: (the job's model, its units, the export's result)."""
+    spec, model, units, step, _ = _checkpointed(directory, root)
     return model, units, export(step, spec, root / "exported")
 
 
@@ -617,7 +624,7 @@ def test_the_export_is_the_causal_lm(checkpoints, tmp_path, kind):
     picks the tokens the units pick."""
     model, units, done = _exported(checkpoints[kind], tmp_path)
     out = done.directory
-    assert done.notes == [] and done.left_out == []
+    assert done.left_out == []
     config = _config(out)
     assert config["architectures"] == [MODELS[kind][1].__name__]
     assert "id2label" not in config and config["vocab_size"] == VOCAB
@@ -642,11 +649,71 @@ def test_the_export_is_the_causal_lm(checkpoints, tmp_path, kind):
         assert torch.equal(generated, _greedy(model, prompt, 6))
 
 
-def test_an_export_says_when_the_tied_copies_differ(checkpoints, tmp_path):
-    _, units, done = _exported(checkpoints["llama-tied"], tmp_path, diverge=True)
-    (note,) = done.notes
-    assert note.startswith("lm_head.weight differed from model.embed_tokens.weight")
-    with safe_open(str(done.directory / "model.safetensors"), framework="pt") as f:
-        assert "lm_head.weight" not in f.keys()
-        written = f.get_tensor("model.embed_tokens.weight")
-    assert torch.equal(written, units["embed"].get_parameter("model.embed_tokens.weight"))
+@pytest.mark.parametrize("kind", ["llama-tied", "gpt2", "qwen3"])
+def test_a_checkpoint_holds_the_tied_pair_once(checkpoints, tmp_path, kind):
+    """A tied pair's weights and optimizer state are one tensor each in the checkpoint (the
+    untied head's projection its own); a rank holding only the head (the last stage of a
+    pipeline) loads its copy, and the copy's optimizer state, from it."""
+    spec, model, units, step, saved = _checkpointed(checkpoints[kind], tmp_path)
+    stored = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    sizes = {k: v.size.numel() for k, v in stored.items()}
+    tied = tied_names(spec.model)
+    unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    vocab_x_width = VOCAB * spec.model.dim
+    if tied is None:
+        assert not any("+" in k for k in sizes)
+        assert sum(v for k, v in sizes.items() if k.startswith("model.")) == unique
+        return
+    key = f"embed+{tied[0].partition('.')[2]}"
+    assert sizes[f"model.{key}"] == vocab_x_width
+    assert sum(v for k, v in sizes.items() if k.startswith("model.")) == unique - vocab_x_width
+    moments = [k for k in sizes if k.startswith(f"optim.{key}")]
+    assert sizes[moments[0]] == 2 * vocab_x_width + 1  # exp_avg, exp_avg_sq, step: once
+
+    names = spec.model.family_info.parse_config(_config(checkpoints[kind])).unit_names()
+    head = torch.nn.Module()  # the last stage's rank: the head alone, under its state name
+    head.add_module("head", initial_units(spec.model, 1, names[-1:])["head"])
+    optimizer = torch.optim.AdamW(head.parameters(), lr=0.0)
+    load_checkpoint(step, head, optimizer, tied=tied)
+    (_, source), (_, copy_name) = spec.model.family_info.tied_parameters(spec.model)
+    want = units["embed"].get_parameter(source)
+    got = head.get_parameter(f"head.{copy_name}")
+    assert torch.equal(got, want)
+    assert torch.equal(optimizer.state[got]["exp_avg"], saved.state[want]["exp_avg"])
+
+
+def test_fine_tuning_from_another_decoder_names_what_differs(checkpoints, tmp_path):
+    """`init.checkpoint` from a job of another decoder: the grouped-query width and the tied
+    pair (which changes the checkpoint's keys) are named, as the encoders' fields are."""
+    from pipetransformer.orchestrator.pretrained import architecture_mismatch
+
+    untied = _job_spec(checkpoints["llama"], tmp_path / "a").model
+    tied = _job_spec(checkpoints["llama-tied"], tmp_path / "b").model
+    assert architecture_mismatch(untied.model_dump(), untied, []) == []
+    named = architecture_mismatch(tied.model_dump(), untied, [])
+    assert "model.tie_embeddings: True there, False here" in named
+    wider = {**untied.model_dump(), "kv_heads": 4}  # a checkpoint of 4 KV heads, not 2
+    assert architecture_mismatch(wider, untied, []) == ["model.kv_heads: 4 there, 2 here"]
+
+
+def test_both_tied_copies_on_one_rank_resume_with_state_of_their_own(checkpoints, tmp_path):
+    """1x1 holds both copies: loaded from the one tensor, each gets its own weights and moments
+    (shared moments would be stepped twice), and a step after the resume keeps them equal."""
+    spec, _, _, step, _ = _checkpointed(checkpoints["llama-tied"], tmp_path)
+    names = spec.model.family_info.parse_config(_config(checkpoints["llama-tied"])).unit_names()
+    model = stages(spec.model, initial_units(spec.model, 3, names), [])[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_checkpoint(step, model, optimizer, tied=tied_names(spec.model))
+    embed, head = (model.get_parameter(n) for n in tied_names(spec.model))
+    assert torch.equal(embed, head) and embed.data_ptr() != head.data_ptr()
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        a, b = optimizer.state[embed][key], optimizer.state[head][key]
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), key
+    grad = torch.randn_like(embed)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    embed.grad.copy_(grad)
+    head.grad.copy_(grad)  # as TiedGrads leaves them: both the sum
+    optimizer.step()
+    assert torch.equal(embed, head)
+    assert float(optimizer.state[embed]["step"]) == float(optimizer.state[head]["step"]) == 2.0

@@ -19,7 +19,18 @@ from pipetransformer.core.spec import JobSpec
 from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.edge.manifest import verify_checkpoint
 from pipetransformer.store import Store, sqlite_url
-from tests.fixtures_run import STEPS_PER_EPOCH, cli, start_cli, store_probe, wait_for, write_spec
+from tests.fixtures_run import (
+    STEPS_PER_EPOCH,
+    cli,
+    finish,
+    probe,
+    running_after_checkpoint,
+    start_cli,
+    store_probe,
+    wait_for,
+    workers_of,
+    write_spec,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,52 +59,9 @@ def _run(tmp_path: Path, job_id: str, spec: Path | None = None, *extra: str):
     return workdir, log, proc
 
 
-def _probe(workdir: Path, job_id: str, read):
-    return store_probe(workdir / "store.db", job_id, read)
-
-
 def _events(workdir: Path, job_id: str, kind: str):
     """For `wait_for`: the job's store events of `kind` (newest first)."""
-    return _probe(workdir, job_id, lambda s, j: [e for e in s.events(j) if e.kind == kind])
-
-
-def _workers(store: Store, job_id: str) -> dict[int, dict]:
-    """rank -> `worker_started` data of the newest generation's workers (those started since
-    its `generation_started`)."""
-    out: dict[int, dict] = {}
-    for e in reversed(store.events(job_id, limit=1000)):  # oldest first
-        if e.kind == "generation_started":
-            out = {}
-        elif e.kind == "worker_started":
-            out[e.rank] = e.data
-    return out
-
-
-def _running_after_checkpoint(
-    workdir: Path, job_id: str, log: Path, world: int = 2
-) -> tuple[int, dict[int, dict]]:
-    """Wait until the job has committed a checkpoint and a generation of `world` workers runs,
-    all of them started; return that generation's number and its workers (with min_nodes 1 a
-    node late for a round joins at the next, so an earlier generation may be narrower)."""
-
-    def ready(store: Store, job: str) -> tuple[int, dict[int, dict]] | None:
-        gens = store.generations(job)
-        if not gens or gens[-1].state != "running" or gens[-1].world_size != world:
-            return None
-        workers = _workers(store, job)
-        if store.latest_checkpoint(job) is None or sorted(workers) != list(range(world)):
-            return None
-        return gens[-1].number, workers
-
-    return wait_for(_probe(workdir, job_id, ready), 150, f"a checkpoint and {world} workers", log)
-
-
-def _finish(proc, log: Path, timeout: float = 240) -> None:
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        proc.kill()
-    assert code == 0, log.read_text(errors="replace")[-4000:]
+    return probe(workdir, job_id, lambda s, j: [e for e in s.events(j) if e.kind == kind])
 
 
 def _check_consistent(
@@ -128,12 +96,12 @@ def _resumed_steps(store: Store, job_id: str) -> list[int]:
 def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Path) -> None:
     workdir, log, proc = _run(tmp_path, "k")
     try:
-        number, workers = _running_after_checkpoint(workdir, "k", log)
-        committed = _probe(workdir, "k", lambda s, j: s.latest_checkpoint(j).step)()
+        number, workers = running_after_checkpoint(workdir, "k", log)
+        committed = probe(workdir, "k", lambda s, j: s.latest_checkpoint(j).step)()
         os.kill(workers[1]["pid"], signal.SIGKILL)
         killed_at = time.time()
     finally:
-        _finish(proc, log)
+        finish(proc, log)
     store = _check_consistent(workdir, "k")
     kinds = _kinds(store, "k")
     assert "generation_aborted" in kinds
@@ -163,7 +131,7 @@ def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Pa
 def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:
     workdir, log, proc = _run(tmp_path, "t")
     try:
-        _, workers = _running_after_checkpoint(workdir, "t", log)
+        _, workers = running_after_checkpoint(workdir, "t", log)
         os.kill(workers[1]["pid"], signal.SIGTERM)
         leaving = wait_for(
             _events(workdir, "t", "worker_leaving"),
@@ -172,7 +140,7 @@ def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:
             log,
         )[0]
     finally:
-        _finish(proc, log)
+        finish(proc, log)
     store = _check_consistent(workdir, "t")
     left_at = leaving.data["step"]
     assert leaving.data["ranks"] == [1]
@@ -189,7 +157,7 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
     workdir, log, proc = _run(tmp_path, "n", spec)
     joiner = None
     try:
-        number, workers = _running_after_checkpoint(workdir, "n", log)
+        number, workers = running_after_checkpoint(workdir, "n", log)
         agent = int(workers[1]["node"].rsplit(":", 1)[1])
         os.killpg(agent, signal.SIGKILL)  # the whole node: its agent ...
         os.kill(workers[1]["pid"], signal.SIGKILL)  # ... and its worker (own session)
@@ -199,7 +167,7 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
             return gens[-1].world_size if gens[-1].state == "running" else None
 
         wait_for(
-            lambda: _probe(workdir, "n", world_of_last_generation)() == 1,
+            lambda: probe(workdir, "n", world_of_last_generation)() == 1,
             90,
             "a generation of one",
             log,
@@ -211,7 +179,7 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
             "--workdir", str(workdir), log=tmp_path / "joiner.log",
         )  # fmt: skip
         wait_for(
-            lambda: _probe(workdir, "n", world_of_last_generation)() == 2,
+            lambda: probe(workdir, "n", world_of_last_generation)() == 2,
             90,
             "the job to widen again",
             tmp_path / "joiner.log",
@@ -221,7 +189,7 @@ def test_node_loss_shrinks_the_job_and_a_new_node_widens_it(tmp_path: Path) -> N
             resumed = [e for e in store.events(job) if e.kind == "generation_resumed"]
             return resumed[0].data["generation"] == store.generations(job)[-1].number
 
-        wait_for(_probe(workdir, "n", widened_and_training), 60, "a step after widening", log)
+        wait_for(probe(workdir, "n", widened_and_training), 60, "a step after widening", log)
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=120)
     finally:
@@ -263,7 +231,7 @@ def test_controller_sigkill_and_restart_carries_on(tmp_path: Path, etcd_factory)
     )  # fmt: skip
     ctl2 = ctl3 = None
     try:
-        _running_after_checkpoint(workdir, "c", tmp_path / "ctl1.log")
+        running_after_checkpoint(workdir, "c", tmp_path / "ctl1.log")
         ctl.send_signal(signal.SIGKILL)
         ctl.wait(timeout=10)
         time.sleep(2)  # workers keep training, their reports queue in etcd
@@ -297,12 +265,12 @@ def test_etcd_restart_is_ridden_out(tmp_path: Path, etcd_factory) -> None:
     server = etcd_factory()
     workdir, log, proc = _run(tmp_path, "e", None, "--etcd", server.endpoint)
     try:
-        _running_after_checkpoint(workdir, "e", log)
+        running_after_checkpoint(workdir, "e", log)
         server.stop()
         time.sleep(2)
         server.start()
     finally:
-        _finish(proc, log)
+        finish(proc, log)
     store = _check_consistent(workdir, "e")
     assert "control_plane_recovered" in _kinds(store, "e")
 
@@ -356,7 +324,7 @@ def _unwritable_from(workdir: Path, job_id: str, step: int) -> None:
 
 
 def _committed(workdir: Path, job_id: str) -> list:
-    return _probe(workdir, job_id, lambda s, j: s.checkpoints(j))() or []
+    return probe(workdir, job_id, lambda s, j: s.checkpoints(j))() or []
 
 
 def test_a_shard_torn_after_commit_falls_back_to_the_previous_checkpoint(tmp_path: Path) -> None:
@@ -372,13 +340,13 @@ def test_a_shard_torn_after_commit_falls_back_to_the_previous_checkpoint(tmp_pat
             "the second checkpoint",
             log,
         )
-        workers = _probe(workdir, "torn", _workers)()
+        workers = probe(workdir, "torn", workers_of)()
         torn = next(c for c in _committed(workdir, "torn") if c.step == 2 * EVERY)
         shard = sorted(Path(torn.path).glob("*.distcp"))[-1]
         shard.write_bytes(shard.read_bytes()[:-100])
         os.kill(workers[1]["pid"], signal.SIGKILL)
     finally:
-        _finish(proc, log)
+        finish(proc, log)
     # step 20's checkpoint was written again, whole
     store = _check_consistent(workdir, "torn", total=CK_TOTAL)
     corrupt = [e for e in store.events("torn") if e.kind == "checkpoint_corrupt"]
@@ -400,10 +368,10 @@ def test_a_checkpoint_that_cannot_be_written_is_never_committed(tmp_path: Path) 
             "the failed checkpoint to be reported",
             log,
         )
-        workers = _probe(workdir, "unw", _workers)()
+        workers = probe(workdir, "unw", workers_of)()
         os.kill(workers[1]["pid"], signal.SIGKILL)
     finally:
-        _finish(proc, log)
+        finish(proc, log)
     store = _check_consistent(workdir, "unw", total=CK_TOTAL)
     first = failed[-1]  # events come newest first
     assert first.data["step"] == 2 * EVERY and "not committed" in first.message
@@ -425,7 +393,7 @@ def test_the_store_unreachable_for_seconds_is_ridden_out(tmp_path: Path, private
         time.sleep(3)
         private_postgres.start()
     finally:
-        _finish(proc, log)
+        finish(proc, log)
     store = _check_consistent(workdir, "db", db)
     recovered = [e for e in store.events("db") if e.kind == "control_plane_recovered"]
     assert recovered and all(e.data["service"] == "store" for e in recovered)

@@ -497,7 +497,7 @@ def test_a_recipe_resolves_against_its_checkpoint_s_architecture(
     recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each recipe names a hub checkpoint as it is on the hub: a `ViTModel` or a `BertForMaskedLM`
-    (no head for the job's task). Stand-ins of those classes (tiny) in a local hub cache under the
+    (no head for the job's task), or a tied `*ForCausalLM` (Llama 3.2, Qwen3, GPT-2). Stand-ins of those classes (tiny) in a local hub cache under the
     same ids: the recipe's model section resolves (a new head of the recipe's task and labels);
     its data paths are the cluster's, so they are named as missing."""
     from transformers import AutoConfig, BertForMaskedLM, ViTModel
@@ -510,7 +510,9 @@ def test_a_recipe_resolves_against_its_checkpoint_s_architecture(
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / f"models--{source.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
-    if "vit" in source:
+    if spec.model.task == "causal-lm":  # the hub's *ForCausalLM, tied as the recipe's is
+        _decoder_stand_in(source, snapshot)
+    elif "vit" in source:
         config = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=8, **_TINY_HEADS)
         ViTModel(config).save_pretrained(snapshot)
     else:
@@ -525,12 +527,32 @@ def test_a_recipe_resolves_against_its_checkpoint_s_architecture(
     assert model.pretrained.commit == commit and model.depth == 8  # as many as the stages
     assert model.task == spec.model.task
     arch = architecture(model)
-    assert arch.architecture.endswith(
-        "QuestionAnswering" if model.task == "question-answering" else "Classification"
-    )
+    if model.task == "causal-lm":
+        assert model.tie_embeddings and arch.architecture.endswith(("ForCausalLM", "LMHeadModel"))
+    else:
+        qa = model.task == "question-answering"
+        assert arch.architecture.endswith("QuestionAnswering" if qa else "Classification")
     with pytest.raises(SpecError) as err:
         resolve_submission(spec, tmp_path)
     assert "no such file or directory" in " ".join(m for _, m in err.value.problems)
 
 
 _TINY_HEADS = {"num_attention_heads": 2, "intermediate_size": 64}
+
+
+def _decoder_stand_in(source: str, snapshot: Path) -> None:
+    """A tiny tied `*ForCausalLM` of the hub checkpoint's family, with a tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.lm_assets import make_tokenizer
+
+    vocab = make_tokenizer(snapshot)
+    family = "gpt2" if "gpt2" in source else "qwen3" if "Qwen3" in source else "llama"
+    if family == "gpt2":
+        config = AutoConfig.for_model("gpt2", n_embd=32, n_layer=8, n_head=2, vocab_size=vocab)
+    else:
+        config = AutoConfig.for_model(
+            family, hidden_size=32, num_hidden_layers=8, num_key_value_heads=1, head_dim=16,
+            vocab_size=vocab, tie_word_embeddings=True, **_TINY_HEADS,
+        )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(snapshot)

@@ -474,6 +474,48 @@ def test_epoch_reads_every_sequence_once(tmp_path: Path, tokenizers_dir: Path) -
     assert train.counted_tokens([0, 1, 2], valid) == int(train.counted[0] + train.counted[1])
 
 
+def test_a_restart_reads_the_rest_of_the_epoch_once(tmp_path: Path, tokenizers_dir: Path) -> None:
+    """A job killed mid-epoch resumes from its last committed cursor in new processes: the
+    splits opened again (from the token cache, and from a fresh one: tokenising again packs the
+    same sequences), a new sampler, another replica count. The committed steps before the kill
+    and the steps after the restart read every packed sequence of the epoch once; the steps
+    after the commit that the kill lost are read again, as they are trained again."""
+    f = _write([{"text": _words(i)} for i in range(60)], tmp_path / "c", "jsonl")
+
+    def open_train(cache: str):  # noqa: ANN202
+        return open_lm_splits(
+            f, tokenizers_dir / "markers", LMData(seq_len=8), test=f, cache_dir=tmp_path / cache
+        )[0]
+
+    first = open_train("cache")
+    n, epoch = len(first), 1
+
+    def read(split, cursor: int, replicas: int, steps: int | None) -> tuple[list, int]:  # noqa: ANN001
+        sampler = ElasticSampler(n, global_batch=6, seed=3)  # a new one, as a new process has
+        batches = [
+            ElasticBatches(sampler, epoch, cursor, replicas, r, steps) for r in range(replicas)
+        ]
+        rows = [
+            (key.index, split[key.index])
+            for b in batches
+            for keys in b
+            for key in keys
+            if key.valid
+        ]
+        return rows, batches[0].end_cursor
+
+    committed, cursor = read(first, 0, 2, 3)  # 3 steps, then a checkpoint at the cursor
+    lost, _ = read(first, cursor, 2, 2)  # 2 more steps, then the kill: never committed
+    for restarted in (open_train("cache"), open_train("fresh")):  # the token cache, a new one
+        after, end = read(restarted, cursor, 1, None)  # one replica after the restart
+        assert end == n
+        ids = [i for i, _ in committed + after]
+        assert sorted(ids) == list(range(n))  # each sequence once in the epoch
+        assert {i for i, _ in lost} <= {i for i, _ in after}  # the lost steps' again
+        for i, (x, y) in after:
+            assert torch.equal(x, first[i][0]) and torch.equal(y, first[i][1])
+
+
 def test_tokenisation_is_chunked(
     tmp_path: Path, tokenizers_dir: Path, count_encodes: list[int]
 ) -> None:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 
 from pipetransformer.store import Store, sqlite_url
-from tests.fixtures_run import cli
+from tests.fixtures_run import REPO, cli, finish, running_after_checkpoint, start_cli
 from tests.lm_assets import make_lm, write_chat, write_text
 
 pytestmark = pytest.mark.slow
@@ -119,4 +123,86 @@ def test_a_chat_job_learns_the_assistants_turns(tmp_path: Path) -> None:
     assert len(evaluations) == 1  # the target was reached at the first evaluation
     assert job.step < 3 * len(losses) and f"ppl {math.exp(evaluations[0].loss):.2f}" in printed
     assert "columns messages" in " ".join(printed.split())
+    store.close()
+
+
+def test_a_tied_decoder_killed_mid_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Two nodes train a tied GPT-2 as 2 stages (the embedding's copy on rank 0, the head's on
+    rank 1); rank 1 is killed after a checkpoint. The job resumes from the checkpoint, which
+    holds the tied pair (weights and optimizer state) once, both ranks loading their copy from
+    it, and finishes with every step recorded once; the export's tied pair is the one tensor."""
+    model = make_lm(tmp_path / "gpt2", family="gpt2", depth=2, tied=True)
+    train = write_text(tmp_path / "train.jsonl", 0, 120)
+    test = write_text(tmp_path / "test.jsonl", 500, 12)
+    spec = {
+        "name": "kill",
+        "model": {"pretrained": str(model), "task": "causal-lm", "seq_len": 32},
+        "data": {"dataset": "table", "train": str(train), "test": str(test), "loader_workers": 0},
+        "training": {"epochs": 3, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2},
+        "parallel": {"stages": 2, "microbatches": 2},
+        "freeze": {"policy": "off"},
+        "checkpoint": {"every_epochs": 1, "keep": 3},
+        "runtime": {"nodes": 2, "min_nodes": 2, "lease_ttl_s": 3},
+    }
+    path = tmp_path / "kill.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    workdir, log = tmp_path / "runs", tmp_path / "run.log"
+    proc = start_cli("run", str(path), "--workdir", str(workdir), "--job-id", "kill", log=log)
+    try:
+        _, workers = running_after_checkpoint(workdir, "kill", log)
+        os.kill(workers[1]["pid"], signal.SIGKILL)
+    finally:
+        finish(proc, log)
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    job = store.get_job("kill")
+    assert job.state == "completed", job.message
+    assert [m.step for m in store.metrics("kill")] == list(range(1, job.step + 1))
+    assert len(store.generations("kill")) >= 2
+    resumed = [
+        e.data["start"]["step"]
+        for e in store.events("kill", limit=1000)
+        if e.kind == "generation_started"
+    ]
+    assert min(resumed) == 0 < max(resumed)  # the second generation resumed from a checkpoint
+
+    checkpoint = store.latest_checkpoint("kill")
+    stored = dcp.FileSystemReader(checkpoint.path).read_metadata().state_dict_metadata
+    tied = [k for k in stored if "+" in k]
+    assert sorted(tied) == [
+        "model.embed+transformer.wte.weight",
+        "optim.embed+transformer.wte.weight",
+    ]
+    assert not any("lm_head" in k for k in stored)
+
+    out = tmp_path / "export"
+    res = cli("export", "kill", "--workdir", str(workdir), "--to", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert exported.lm_head.weight.data_ptr() == exported.transformer.wte.weight.data_ptr()
+    store.close()
+
+
+def test_the_chat_example_runs_on_what_the_assets_script_makes(tmp_path: Path) -> None:
+    """`examples/llama-docstring-chat.yaml` as written, on examples/assets.py's corpus, chats and
+    Llama (pretrained for a few steps only), for two of its epochs: it trains on the assistant's
+    tokens, freezes a block at a decision point and re-lays itself out."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import assets
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    made = assets.make_language_models(tmp_path / "assets", steps=5)
+    chats = made["docstring-chat"]
+    assert (chats / "train.jsonl").stat().st_size > 0 and (made["code"] / "test.jsonl").exists()
+    spec = yaml.safe_load((REPO / "examples" / "llama-docstring-chat.yaml").read_text())
+    spec["model"]["pretrained"] = str(made["llama-code"])
+    spec["data"].update(train=str(chats / "train.jsonl"), test=str(chats / "test.jsonl"))
+    spec["training"]["epochs"] = 2
+    store, printed = _run(tmp_path, "example", spec)
+    job = store.get_job("example")
+    assert job.state == "completed", job.message
+    assert max(v.layout.freeze_boundary for v in store.layouts("example")) >= 1
+    assert "packed sequences" in " ".join(printed.split())
     store.close()

@@ -21,6 +21,7 @@ from pipetransformer.core.provenance import (
     provenance,
 )
 from pipetransformer.core.spec import DataSpec, JobSpec, parse_spec
+from pipetransformer.core.tasks import task_of
 from pipetransformer.orchestrator.cli import main
 from pipetransformer.orchestrator.report import print_summary
 from pipetransformer.store import Store, sqlite_url
@@ -104,6 +105,13 @@ def test_describe_each_kind_of_data() -> None:
     assert data_text(digits) == "built-in digits: train 1,437 rows; held-out 360 rows"
     unopened = describe_data(pairs)  # from the spec alone: no rows yet
     assert unopened.train.rows is None and unopened.test.rows is None
+    corpus = DataSpec(dataset="table", train="/c/train.jsonl", test="/c/test.jsonl")
+    lm = describe_data(corpus, 53, 7, task=task_of("causal-lm"), sequences=(2456, 280))
+    assert (lm.train.sequences, lm.test.sequences, lm.train.windows) == (2456, 280, None)
+    assert data_text(lm) == (
+        "table: train 53 rows (2,456 packed sequences) from /c/train.jsonl; held-out 7 rows "
+        "(280 packed sequences) from /c/test.jsonl; columns text"
+    )
 
 
 def test_the_model_reads_as_its_source() -> None:

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from pipetransformer.core.spec import CheckpointSpec
+from pipetransformer.core.spec import CheckpointSpec, ModelSpec
 from pipetransformer.edge.manifest import (
     MANIFEST,
     META,
@@ -219,9 +219,11 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
     group: dist.ProcessGroup | None = None,
+    tied: Tied | None = None,
 ) -> SavedCheckpoint | None:
     """Collective over `group` (all ranks): write this rank's shard; rank 0 seals the directory
-    and returns what the controller needs to commit it (other ranks return None)."""
+    and returns what the controller needs to commit it (other ranks return None). `tied`: the
+    model's tied pair (`tied_names`), written once."""
     path = Path(path)
     partial = _partial(path)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -230,7 +232,7 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier(group)
-    packed = _SnapshotStager().stage(state_tensors(module, optimizer))
+    packed = _SnapshotStager(tied).stage(state_tensors(module, optimizer))
     dcp.save(packed, checkpoint_id=str(partial), process_group=group)
     if dist.is_initialized():
         dist.barrier(group)  # every shard is written (FileSystemWriter fsyncs each file)
@@ -247,53 +249,79 @@ def unit_of(name: str) -> str:
     return f"{first}.{rest.partition('.')[0]}" if first == "blocks" else first
 
 
-# Parameters packed under a key of their own (`<unit>+<parameter>`), not with the rest of their
-# unit: they can stop training while their unit trains on (a language model's output projection
-# tied to its input embedding freezes with the embedding: `trainer.pipeline.RankModel`), and a
-# unit's packed optimizer state must hold the same members whatever is frozen.
-OWN_KEYS = ("head.lm_head.weight",)
+# A tied pair (`Family.tied_parameters`: a language model's output projection tied to its input
+# embedding), as this rank's state names it: (the embedding's copy, the head's copy). Both copies
+# are packed as one tensor under a key of its own (`embed+<parameter>`): a checkpoint holds the pair
+# once (the ranks holding a copy write the same key, which DCP writes once, as for replicas), and
+# the head's copy loads from it wherever it sits. The key is its own because the pair can stop
+# training while the head trains on (it freezes with the embedding: `trainer.pipeline.RankModel`),
+# and a unit's packed optimizer state must hold the same members whatever is frozen.
+Tied = tuple[str, str]
 
 
-def pack_key(name: str) -> str:
-    """The key a parameter (or its optimizer state) is packed under, less its part: its unit,
-    or `<unit>+<parameter>` for those in OWN_KEYS."""
-    base = name.removeprefix("state.")
-    for own in OWN_KEYS:
-        if base == own or base.startswith(own + "."):
-            return f"{unit_of(name)}+{own.partition('.')[2]}"
-    return unit_of(name)
+def tied_names(model: ModelSpec) -> Tied | None:
+    """The tied pair of `model` under its state names (`embed.<name>`, `head.<name>`), or None."""
+    pair = model.family_info.tied_parameters(model)
+    return None if pair is None else (".".join(pair[0]), ".".join(pair[1]))
+
+
+def _member(name: str, tied: Tied | None) -> tuple[str, str]:
+    """(the key `name` is packed under, less its dtype; the member it is in that key): its unit
+    and itself, or for either copy of a tied pair (and its optimizer state) the pair's key and
+    the embedding copy's name."""
+    if tied is not None:
+        state = name.startswith("state.")
+        base = name.removeprefix("state.")
+        for copy in tied:
+            if base == copy or base.startswith(copy + "."):
+                unit, _, parameter = tied[0].partition(".")
+                member = tied[0] + base[len(copy) :]
+                return f"{unit}+{parameter}", f"state.{member}" if state else member
+    return unit_of(name), name
 
 
 def key_unit(key: str) -> str:
-    """The unit a packing key belongs to (without its dtype or own-key suffix)."""
+    """The unit a packing key belongs to (without its dtype or tied-pair suffix)."""
     return key.partition("@")[0].partition("+")[0]
 
 
-def _units(tensors: dict[str, Any]) -> dict[str, list[tuple[str, torch.Tensor]]]:
+def _units(
+    tensors: dict[str, Any], tied: Tied | None = None
+) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """Tensors grouped by the DCP key they are packed under: their unit (plus the dtype, for any
-    that are not float32), members in name order."""
-    units: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    that are not float32), members in name order. A tied pair's two copies are one member, the
+    first copy met (they are equal bit for bit)."""
+    units: dict[str, dict[str, torch.Tensor]] = {}
     for name in sorted(tensors):
         value = tensors[name]
         if not isinstance(value, torch.Tensor):  # would be pickled: never in a checkpoint
             raise TypeError(f"{name}: only tensors are checkpointed, not {type(value).__name__}")
-        key = pack_key(name)
+        key, member = _member(name, tied)
         if value.dtype != torch.float32:
             key += "@" + str(value.dtype).removeprefix("torch.")
-        units.setdefault(key, []).append((name, value))
-    return units
+        units.setdefault(key, {}).setdefault(member, value)
+    return {key: sorted(members.items()) for key, members in units.items()}
 
 
-def _unpack(state: dict[str, Any], packed: dict[str, Any]) -> dict[str, Any]:
-    """Per-name views into `packed`, for the names and shapes of `state`."""
+def _unpack(
+    state: dict[str, Any], packed: dict[str, Any], tied: Tied | None = None
+) -> dict[str, Any]:
+    """Per-name views into `packed`, for the names and shapes of `state`; a tied pair's second
+    copy on the same rank gets a copy of its one member (the optimizer keeps the tensors it is
+    given: shared moments would be stepped twice)."""
     out: dict[str, Any] = {}
     for part, tensors in state.items():
-        out[part] = {}
-        for key, members in _units(tensors).items():
+        views: dict[str, torch.Tensor] = {}
+        for key, members in _units(tensors, tied).items():
             flat, offset = packed[part][key], 0
-            for name, value in members:
-                out[part][name] = flat[offset : offset + value.numel()].view(value.shape)
+            for member, value in members:
+                views[member] = flat[offset : offset + value.numel()].view(value.shape)
                 offset += value.numel()
+        out[part], given = {}, set()
+        for name in tensors:
+            member = _member(name, tied)[1]
+            out[part][name] = views[member].clone() if member in given else views[member]
+            given.add(member)
     return out
 
 
@@ -310,15 +338,16 @@ class _SnapshotStager:
 
     should_synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, tied: Tied | None = None) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self.tied = tied  # the model's tied pair, packed once
 
     @torch.no_grad()
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         buffers, packed = {}, {}
         for part, tensors in state_dict.items():
             packed[part] = {}
-            for key, members in _units(tensors).items():
+            for key, members in _units(tensors, self.tied).items():
                 size = sum(v.numel() for _, v in members)
                 buf = self._buffers.get((part, key))
                 if buf is None or buf.numel() != size or buf.dtype != members[0][1].dtype:
@@ -433,10 +462,13 @@ class AsyncCheckpointer:
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
         meta: dict[str, Any],
+        tied: Tied | None = None,
     ) -> SavedCheckpoint | None:
-        """Collective: snapshot and start writing a checkpoint to `path`. Waits for the previous
-        one first and returns its result if nobody collected it yet (else None)."""
+        """Collective: snapshot and start writing a checkpoint to `path` (`tied`: the model's
+        tied pair, written once). Waits for the previous one first and returns its result if
+        nobody collected it yet (else None)."""
         previous = self.wait()
+        self._stager.tied = tied
         path = Path(path)
         t0 = time.monotonic()
         job = _Job(path, json.loads(json.dumps(meta)), t0)  # meta is snapshotted too
@@ -622,14 +654,17 @@ class _TensorOnlyPlanner(DefaultLoadPlanner):
 
 
 def _load_packed(
-    path: str | Path, state: dict[str, Any], group: dist.ProcessGroup | None
+    path: str | Path,
+    state: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    tied: Tied | None = None,
 ) -> dict[str, Any]:
     """Read the units of `state` ({part: {name: tensor}}) from a checkpoint: per-name tensors of
     the same shapes. Collective over `group` when a process group is initialised."""
     packed = {
         part: {
             key: torch.empty(sum(v.numel() for _, v in members), dtype=members[0][1].dtype)
-            for key, members in _units(tensors).items()
+            for key, members in _units(tensors, tied).items()
         }
         for part, tensors in state.items()
     }
@@ -643,7 +678,7 @@ def _load_packed(
         )
     except CheckpointException as exc:  # a BaseException: make it an ordinary error
         raise CheckpointError(f"{path}: cannot load: {_describe(exc)}") from exc
-    return _unpack(state, packed)
+    return _unpack(state, packed, tied)
 
 
 def load_checkpoint(
@@ -651,12 +686,13 @@ def load_checkpoint(
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
     group: dist.ProcessGroup | None = None,
+    tied: Tied | None = None,
 ) -> None:
     """Fill this rank's blocks and their optimizer state from a checkpoint written under any
-    layout (DCP reshards by key). Reads tensors only: nothing in the checkpoint is unpickled
-    beyond DCP's own index classes."""
+    layout (DCP reshards by key; a tied pair's copies from its one tensor). Reads tensors only:
+    nothing in the checkpoint is unpickled beyond DCP's own index classes."""
     state = state_tensors(module, optimizer)  # initialises optimizer state, giving load its keys
-    loaded = _load_packed(path, state, group)
+    loaded = _load_packed(path, state, group, tied)
     module.load_state_dict(loaded["model"])
     if not any(group["params"] for group in optimizer.param_groups):
         return  # nothing trains here: no optimizer state to load (DCP refuses an empty one)
@@ -677,6 +713,7 @@ def read_weights(
     path: str | Path,
     tensors: dict[str, torch.Tensor],
     group: dist.ProcessGroup | None = None,
+    tied: Tied | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model tensors named in `tensors` (name -> a tensor of the wanted shape and dtype; on
     the meta device is enough) from a checkpoint written under any layout: views into one flat
@@ -685,7 +722,7 @@ def read_weights(
     process without one (`pipetransformer export`) it reads alone."""
     stored = _SafeReader(str(path)).read_metadata().state_dict_metadata
     problems = []
-    for key, members in _units(tensors).items():
+    for key, members in _units(tensors, tied).items():
         size = sum(v.numel() for _, v in members)
         entry = stored.get(f"model.{key}")
         if entry is None:
@@ -697,7 +734,7 @@ def read_weights(
         raise UnitsDiffer(path, "; ".join(problems))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        return _load_packed(path, {"model": tensors}, group)["model"]
+        return _load_packed(path, {"model": tensors}, group, tied)["model"]
 
 
 def load_weights(
@@ -706,6 +743,7 @@ def load_weights(
     skip: list[str] | tuple[str, ...] = (),
     checksum: str | None = None,
     group: dist.ProcessGroup | None = None,
+    tied: Tied | None = None,
 ) -> list[str]:
     """Fine-tuning: fill this rank's units of `module` with the weights of a checkpoint another
     job wrote (under any layout), except the units in `skip`, which keep their initialisation.
@@ -719,18 +757,16 @@ def load_weights(
     tensors = module.state_dict()
     wanted = {
         name: value
-        for key, members in _units(tensors).items()
-        if key_unit(key) not in skip
-        for name, value in members
+        for name, value in tensors.items()
+        if key_unit(_member(name, tied)[0]) not in skip
     }
-    units = _units(wanted)
     try:
-        loaded = {"model": read_weights(path, wanted, group)}
+        loaded = {"model": read_weights(path, wanted, group, tied)}
     except UnitsDiffer as exc:
         raise CheckpointError(
             f"{path}: cannot initialise this model from it: {exc.problems}. The model spec must "
             "have the checkpoint's architecture (or list the unit in init.skip)"
         ) from None
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
-    assert not unexpected and all(unit_of(n) in skip for n in missing), (missing, unexpected)
-    return sorted({key_unit(key) for key in units})
+    assert not unexpected and all(n not in wanted for n in missing), (missing, unexpected)
+    return sorted({unit_of(name) for name in wanted})

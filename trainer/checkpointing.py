@@ -19,6 +19,7 @@ from pipetransformer.trainer.checkpoint import (
     AsyncCheckpointer,
     CheckpointWriteError,
     checkpoint_due,
+    tied_names,
 )
 from pipetransformer.trainer.collective import from_rank0
 from pipetransformer.trainer.process import Reporter
@@ -61,7 +62,8 @@ class Checkpointing:
                 self.saved_step = -1
         if self.saved_step != ts.step:
             path = self.directory / f"step-{ts.step:08d}"
-            writer.start(path, model, optimizer, ts.state_dict(self.spec, reason, continues_under))
+            meta = ts.state_dict(self.spec, reason, continues_under)
+            writer.start(path, model, optimizer, meta, tied_names(self.spec.model))
             self._pending, self._since = ts.progress, time.monotonic()
             self.saved_step = ts.step
         if wait or not writer.async_save:

@@ -17,8 +17,8 @@ unit prefix gives the names `transformers` loads. The tensors are written as the
 A causal language model (`model.task: causal-lm`) is written as its family's `*ForCausalLM`
 class, its config.json's labels untouched (its outputs are the vocabulary). Where its output
 projection is tied to the input embedding (`tie_word_embeddings`, `Family.tied_parameters`),
-the pipeline held a copy in each unit; the embedding's is written, once, as save_pretrained
-writes a tied pair (a copy that differs from it is said so).
+the pipeline held a copy in each unit and the checkpoint holds the pair once; the embedding's
+tensor is written, once, as save_pretrained writes a tied pair.
 
 The output directory is written beside its destination and renamed into place when complete: an
 interrupted export leaves no half-written model under that name."""
@@ -26,7 +26,6 @@ interrupted export leaves no half-written model under that name."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -79,7 +78,6 @@ class Exported:
     num_labels: int
     copied: list[str]  # tokenizer / processor files taken from the pretrained directory
     left_out: list[str]  # pretrained checkpoint keys the job's model has no unit for
-    notes: list[str] = dataclasses.field(default_factory=list)  # what a person should know
 
 
 def parse_spec_arg(value: str) -> JobSpec:
@@ -126,13 +124,13 @@ def _checkpoint_tensors(spec: JobSpec, checkpoint: Path) -> dict[str, torch.Tens
     """Every model tensor of the checkpoint under its checkpoint key (unit prefix removed),
     read without a process group."""
     from pipetransformer.models.units import architecture, empty_unit
-    from pipetransformer.trainer.checkpoint import UnitsDiffer, read_weights
+    from pipetransformer.trainer.checkpoint import UnitsDiffer, read_weights, tied_names
 
     names = architecture(spec.model).unit_names()
     units = {name: empty_unit(spec.model, name) for name in names}  # meta: names and shapes
     state = {f"{name}.{k}": v for name, unit in units.items() for k, v in unit.state_dict().items()}
     try:
-        loaded = read_weights(checkpoint, state)
+        loaded = read_weights(checkpoint, state, tied=tied_names(spec.model))
     except UnitsDiffer as exc:
         raise ExportError(
             f"{checkpoint}: not a checkpoint of this job's model: {exc.problems}"
@@ -201,23 +199,16 @@ def _set_labels(
         config["num_labels"] = len(labels)
 
 
-def _write_tied_once(
-    tensors: dict[str, torch.Tensor], spec: JobSpec
-) -> tuple[str | None, list[str]]:
-    """Drop the tied copy of a tied pair from `tensors` (the embedding's tensor stands for both,
-    as save_pretrained writes them): its key (None when nothing is tied) and notes."""
+def _write_tied_once(tensors: dict[str, torch.Tensor], spec: JobSpec) -> str | None:
+    """Drop the head's copy of a tied pair from `tensors` (the checkpoint holds the pair once;
+    the embedding's tensor stands for both, as save_pretrained writes them): its key, or None
+    when nothing is tied."""
     tied = spec.model.family_info.tied_parameters(spec.model)
     if tied is None:
-        return None, []
-    (_, source), (_, copy) = tied
-    kept, dropped = tensors[source], tensors.pop(copy)
-    if torch.equal(kept, dropped):
-        return copy, []
-    gap = float((kept - dropped).abs().max())
-    return copy, [
-        f"{copy} differed from {source} it is tied to (by up to {gap:.3g}); {source} was "
-        "written for both"
-    ]
+        return None
+    (_, copy) = tied[1]
+    del tensors[copy]
+    return copy
 
 
 def _original_keys(directory: Path, family: str) -> dict[str, str]:
@@ -287,7 +278,7 @@ def export(
         ) from None
     original = read_config_json(pretrained)
     config = export_config(spec, original)
-    tied_copy, notes = _write_tied_once(tensors, spec)
+    tied_copy = _write_tied_once(tensors, spec)
     original_keys = _original_keys(pretrained, checkpoint_family(original).key_prefix)
     written = set(tensors) | ({tied_copy} if tied_copy else set())  # stored: the embedding
     left_out = sorted(original_keys[k] for k in set(original_keys) - written)
@@ -314,7 +305,6 @@ def export(
         num_labels=len(config.get("id2label") or {}) or spec.model.num_classes,
         copied=[p.name for p in copied],
         left_out=left_out,
-        notes=notes,
     )
 
 
@@ -359,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         f"exported {done.tensors} tensors ({outputs}) to {done.directory}"
         + (f", with {', '.join(done.copied)}" if done.copied else "")
     )
-    for note in done.notes:
-        print(f"note: {note}")
     if done.left_out:
         print(
             f"not exported (the pretrained checkpoint has them, the job's model has no use for "

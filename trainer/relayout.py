@@ -13,7 +13,7 @@ from pipetransformer.core.planner import recompute_flags
 from pipetransformer.core.spec import JobSpec
 from pipetransformer.core.state import Layout
 from pipetransformer.edge.manifest import verify_checkpoint
-from pipetransformer.trainer.checkpoint import load_checkpoint, load_weights
+from pipetransformer.trainer.checkpoint import load_checkpoint, load_weights, tied_names
 from pipetransformer.trainer.collective import once_per_node
 from pipetransformer.trainer.device import Compute
 from pipetransformer.trainer.handover import Previous, receive_state
@@ -67,9 +67,9 @@ def build_training(
     if previous is not None:
         receive_state(previous, layout, rank, state, optimizer, _stateless(spec, previous, layout))
     elif load_from:
-        load_checkpoint(load_from, state, optimizer)
+        load_checkpoint(load_from, state, optimizer, tied=tied_names(spec.model))
     elif init.checkpoint:
-        load_weights(init.checkpoint, state, init.skip)
+        load_weights(init.checkpoint, state, init.skip, tied=tied_names(spec.model))
     if pipe.model.master is not None and (filled or init.checkpoint):
         pipe.model.master.write_back(everything=True)
     return pipe, optimizer

@@ -185,13 +185,11 @@ class Trainer:
         task = task_of(self.spec.model)
         if not hasattr(train, "num_examples"):  # a sample per row
             return describe_data(self.spec.data, len(train), len(test), task=task)
-        # question answering's splits are windows over their rows
+        # question answering's splits are windows over their rows, a causal LM's packed
+        # sequences of its documents
+        samples = {"sequences" if task.vocab_outputs else "windows": (len(train), len(test))}
         return describe_data(
-            self.spec.data,
-            train.num_examples,
-            test.num_examples,
-            task=task,
-            windows=(len(train), len(test)),
+            self.spec.data, train.num_examples, test.num_examples, task=task, **samples
         )
 
     # -- where this rank sits in the layout in force ------------------------------------------------

@@ -12,6 +12,7 @@ computed from the inputs; misses are stored. Validity and concurrency: the packa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,10 @@ def _sizes(
         disk_rows = spill if disk_bytes is None else min(spill, disk_bytes // row_bytes)
         capacity = ram_rows + disk_rows
     return ram_rows, capacity
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
 
 
 class ActivationCache:
@@ -436,7 +441,22 @@ class ActivationCache:
         )
         if decision.costs is not None:
             self._lookups[len(inputs)] = decision.costs
-        return decision
+        if not policy.enabled:
+            return decision
+        return replace(decision, reason=f"{self.needs()}; {decision.reason}")
+
+    def needs(self) -> str:
+        """What the cache holds and where, for a person: `needs 18.9 MiB for 286 rows of
+        128x129 float32 (66.0 KiB each): 286 in RAM, 0 on disk, 0 recomputed`."""
+        total = self.num_samples * self.row_bytes
+        on_disk = self.capacity - self.ram_rows
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"needs {_mib(total)} for {self.num_samples:,} rows of {self.tokens}x{self.dim} "
+            f"{dtype} ({self.row_bytes / 1024:.1f} KiB each): {self.ram_rows:,} in "
+            f"{'GPU memory' if self.memory == 'device' else 'RAM'}, {on_disk:,} on disk, "
+            f"{self.num_samples - self.capacity:,} recomputed"
+        )
 
     def stats(self) -> CacheStats:
         level, source = self._files.level, self._files.source

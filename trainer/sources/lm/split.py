@@ -86,6 +86,11 @@ class LMSplit:
         return np.asarray(self.packed.counted)
 
     @property
+    def num_examples(self) -> int:
+        """The rows (documents, conversations) packed into the split's sequences."""
+        return self.packed.num_documents
+
+    @property
     def num_labels(self) -> int:
         """The labels that count over the whole split (its held-out loss' denominator)."""
         return self.packed.num_labels
