@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -60,7 +61,13 @@ from pipetransformer.orchestrator.exits import (
 from pipetransformer.orchestrator.local import admission_problems, job_etcd, train_here
 from pipetransformer.orchestrator.monitoring import JobMetrics, TensorBoardWriter
 from pipetransformer.orchestrator.progress import ProgressView
-from pipetransformer.orchestrator.report import print_summary, provenance_rows
+from pipetransformer.orchestrator.report import (
+    data_origin,
+    print_summary,
+    provenance_rows,
+    recoveries_of,
+    recovery_rows,
+)
 from pipetransformer.orchestrator.roles import TrainerPods, serve_node
 from pipetransformer.orchestrator.summary import pipeline_from_store
 from pipetransformer.store import (
@@ -210,9 +217,24 @@ def _new_job(
     job_id = check_job_id(args.job_id) if args.job_id is not None else new_job_id(checked)
     if fresh:  # before the workdir is made: nothing is created for a store that cannot be had
         check_reachable(args)
+    _check_metrics_port(args)  # nor recorded, for a port it cannot serve
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     store = open_store(args, create=True, probe=False)
     return spec, job_id, store
+
+
+def _check_metrics_port(args: argparse.Namespace, host: str = "127.0.0.1") -> None:
+    """`--metrics-port` can be served here: checked before a job is recorded, so a busy port is
+    refused with nothing stored (the server binds it again once the controller runs)."""
+    port = getattr(args, "metrics_port", None)
+    if not port:
+        return
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"--metrics-port {port}: cannot serve it ({exc})") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -244,6 +266,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             f"job {job.id} already completed (epoch {job.epoch}, step {job.step}); nothing to resume"
         )
     refuse_if_controlled(job, args.etcd)
+    _check_metrics_port(args)
     started = time.monotonic()
     with job_etcd(args.etcd, args.workdir, job.id) as etcd:
         ctrl = Controller(store, etcd, job.id)
@@ -323,6 +346,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         out = status.model_dump(mode="json")
         out["pipeline"] = None if reading is None else dataclasses.asdict(reading)
+        # what the text form shows of where the model and data came from, typed: the model's
+        # source (a directory or hub id with its commit and fingerprint), the data's origin with
+        # the rows each split read, and the rows as the text form words them
+        job = store.get_job(job_id)
+        pretrained = job.spec.model.pretrained
+        out["model"] = {
+            "family": job.spec.model.family,
+            "pretrained": None if pretrained is None else pretrained.model_dump(mode="json"),
+        }
+        out["data"] = data_origin(store, job).model_dump(mode="json")
+        out["provenance"] = dict(provenance_rows(store, job))
+        out["recoveries"] = [dataclasses.asdict(r) for r in recoveries_of(store, job_id)]
         print(json.dumps(out, indent=2))
         return 0
     table = Table(show_header=False, box=None)
@@ -347,6 +382,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     ckpt = status.checkpoint
     if ckpt:
         table.add_row("checkpoint", f"{ckpt.path} (step {ckpt.step})")
+    for label, text in recovery_rows(recoveries_of(store, job_id)):
+        table.add_row(label, escape(text))
     # where the model and the data came from (the spec; rows from the workers' report)
     for label, text in provenance_rows(store, store.get_job(job_id)):
         table.add_row(label, escape(text))
@@ -391,9 +428,15 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     os.execv(cmd[0], cmd)  # signals (kill, container stop) reach the dashboard directly
 
 
-def _file_request(job: JobInfo, args: argparse.Namespace, file: Callable[[EtcdClient], R]) -> R:
-    """`file(etcd)` on the running job's etcd (`--etcd`, else the one its launch serves); an
-    etcd that does not answer is the user's to check, said in one line."""
+def _file_request(
+    job: JobInfo, args: argparse.Namespace, what: str, file: Callable[[EtcdClient], R]
+) -> R:
+    """`file(etcd)` on the running job's etcd (`--etcd`, else the one its launch serves). A job
+    that is not running is said first (no etcd to look for); an etcd that does not answer is
+    the user's to check, said in one line."""
+    if job.state in ("completed", "failed", "interrupted"):
+        after = f"; `pipetransformer resume {job.id}` first" if job.state == "interrupted" else ""
+        raise UsageError(f"job {job.id} is {job.state}: {what} needs a running job{after}")
     endpoint = live_etcd_endpoint(job, args.etcd)
     try:
         with EtcdClient(endpoint, retry_timeout=3) as etcd:
@@ -407,7 +450,10 @@ def cmd_freeze(args: argparse.Namespace) -> int:
     store = open_store(args)
     job = store.get_job(args.job)
     request = _file_request(
-        job, args, lambda etcd: file_freeze_request(etcd, job, args.layers, args.reason)
+        job,
+        args,
+        "a freeze request",
+        lambda etcd: file_freeze_request(etcd, job, args.layers, args.reason),
     )
     console.print(
         f"freeze request {request.id} filed: blocks 0..{args.layers - 1} at the next decision "
@@ -421,7 +467,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     for every rank's `StepTrace` in the store, write them as a Chrome / Perfetto trace."""
     store = open_store(args)
     job = store.get_job(args.job)
-    request = _file_request(job, args, lambda etcd: file_trace_request(etcd, job))
+    request = _file_request(job, args, "a trace", lambda etcd: file_trace_request(etcd, job))
     layout = store.current_layout(job.id)
     ranks = layout.world_size if layout else 1
     every = job.spec.runtime.control_every_steps

@@ -38,6 +38,7 @@ class ProgressView:
         self._last_line = 0.0
         self._last_acc: float | None = None
         self._shown = False
+        self._noticed = 0  # the controller's notices printed so far
 
     def __enter__(self) -> ProgressView:
         if self.console.is_terminal:
@@ -54,6 +55,10 @@ class ProgressView:
         return self
 
     def update(self, p: JobProgress) -> None:
+        # what a failure changed, one line each, as it happens (before the layout it led to)
+        for notice in p.notices[self._noticed :]:
+            self.console.print(f"[bold yellow]recovery[/] {escape(notice)}", soft_wrap=True)
+        self._noticed = len(p.notices)
         # the layout in force, once the supervision started (after what the launch printed)
         # and again whenever it changes
         if not self._shown or (p.layout is not None and p.layout != self.layout):

@@ -12,8 +12,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipetransformer.core.provenance import DATA_OPENED, origin_of, provenance
+from pipetransformer.core.protocol import DataOrigin
+from pipetransformer.core.provenance import DATA_OPENED, describe_data, origin_of, provenance
 from pipetransformer.core.readings import held_out_text
+from pipetransformer.core.recoveries import ABORTED, STARTED, Recovery, recoveries
 from pipetransformer.core.tasks import task_of
 from pipetransformer.orchestrator.summary import (
     bought_line,
@@ -25,11 +27,39 @@ from pipetransformer.orchestrator.summary import (
 from pipetransformer.store import JobInfo, Store
 
 
+def data_origin(store: Store, job: JobInfo) -> DataOrigin:
+    """Where the job's data came from: the newest `data_opened` event's (the workers' report,
+    with the rows read), or the spec's data set and paths before one."""
+    opened = store.events(job.id, limit=1, kinds=[DATA_OPENED])
+    return origin_of(opened[0].data if opened else None) or describe_data(job.spec.data)
+
+
+SHOWN_RECOVERIES = 5  # the newest; older ones are counted
+
+
+def recoveries_of(store: Store, job_id: str) -> list[Recovery]:
+    """The job's recoveries (`core.recoveries`), oldest first, from its stored events and steps."""
+    events = store.events(job_id, limit=100_000, kinds=[ABORTED, STARTED])
+    reasons = {g.number: g.reason for g in store.generations(job_id)}
+    return recoveries(events, store.metrics(job_id), reasons)
+
+
+def recovery_rows(found: list[Recovery]) -> list[tuple[str, str]]:
+    """(label, text) rows of the newest recoveries, for `status` and the summary."""
+    if not found:
+        return []
+    label = f"recoveries ({len(found)})" if len(found) > 1 else "recovery"
+    shown = found[-SHOWN_RECOVERIES:]
+    rows = [(label if i == 0 else "", r.text()) for i, r in enumerate(shown)]
+    if len(found) > len(shown):
+        rows.append(("", f"and {len(found) - len(shown)} earlier (pipetransformer status --json)"))
+    return rows
+
+
 def provenance_rows(store: Store, job: JobInfo) -> list[tuple[str, str]]:
     """Where the job's model and data came from (`core.provenance.provenance`): the model from
     its stored spec, the data's rows from the newest `data_opened` event (the workers' report)."""
-    opened = store.events(job.id, limit=1, kinds=[DATA_OPENED])
-    return provenance(job.spec, origin_of(opened[0].data if opened else None))
+    return provenance(job.spec, data_origin(store, job))
 
 
 def print_summary(
@@ -60,6 +90,8 @@ def print_summary(
     )
     table.add_row("progress", f"epoch {job.epoch}, step {job.step}")
     table.add_row("wall time", f"{wall_s:.1f}s")
+    for label, text in recovery_rows(recoveries_of(store, job.id)):
+        table.add_row(label, escape(text))
     for label, text in provenance_rows(store, job):
         table.add_row(label, escape(text))
     table.add_row("store", store_url)

@@ -145,6 +145,12 @@ def test_a_running_job_is_not_resumed_and_a_request_for_nothing_is_not_filed(
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+    # the job is interrupted now: a freeze or a trace says so first, whatever etcd is named
+    for command in (["freeze", job, "--layers", "1"], ["trace", job], ["freeze", job, "--layers", "1", "--etcd", "127.0.0.1:9"]):  # fmt: skip
+        res = cli(*command, "--workdir", str(workdir), timeout=60)
+        said = " ".join(res.stderr.split())
+        assert res.returncode == 2 and f"job {job} is interrupted: a " in said, said
+        assert f"pipetransformer resume {job}` first" in said and "etcd" not in said
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     try:
         kinds = [e.kind for e in store.events(job)]
@@ -163,6 +169,24 @@ def test_metrics_port_that_is_not_a_port(capsys, tmp_path: Path, spec: Path, por
         assert exc.value.code == 2
         assert f"'{port}' is not a port: give 0..65535" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_busy_metrics_port_is_refused_before_the_job_is_recorded(
+    capsys, tmp_path: Path, spec: Path
+) -> None:
+    """A port another process serves: one line naming it, and no job left `pending` in the
+    store (before: recorded first, then exit 2, pending forever in `status --all`)."""
+    workdir = tmp_path / "runs"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        line = _refused(capsys, "run", str(spec), "--metrics-port", port, "--workdir", str(workdir))
+    assert f"--metrics-port {port}: cannot serve it" in line
+    store = workdir / "store.db"
+    if store.exists():
+        with Store.open(sqlite_url(store), migrate=False) as opened:
+            assert opened.list_jobs() == []
 
 
 @pytest.mark.parametrize("budget", ["-1", "three"])

@@ -5,6 +5,7 @@ happened."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -126,6 +127,17 @@ def test_worker_sigkill_recovers_from_the_last_committed_checkpoint(tmp_path: Pa
     # lost work is bounded by the checkpoint interval
     assert store.metrics("k")[-1].step == TOTAL
     assert resumed > 0 and resumed % STEPS_PER_EPOCH == 0
+    # what the person who ran it saw: a line per change, and the recovery in status and JSON
+    printed = " ".join(log.read_text(errors="replace").split())
+    assert f"recovery generation {number} aborted: rank 1 (pid {workers[1]['pid']}" in printed
+    assert f"formed with 2 workers, from checkpoint at step {resumed}" in printed
+    assert f"recovery generation {number + 1} is training again: step {resumed + 1}" in printed
+    shown = json.loads(cli("status", "k", "--json", "--workdir", str(workdir)).stdout)
+    (recovery,) = shown["recoveries"]
+    assert (recovery["generation"], recovery["resumed_from_step"]) == (number, resumed)
+    assert recovery["reason"] == first.reason and recovery["seconds_lost"] > 0
+    text = " ".join(cli("status", "k", "--workdir", str(workdir)).stdout.split())
+    assert f"recovery generation {number}: rank 1 (pid {workers[1]['pid']}" in text
 
 
 def test_sigterm_leaves_gracefully_and_loses_no_step(tmp_path: Path) -> None:

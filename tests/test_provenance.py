@@ -6,6 +6,7 @@ jobs' output is checked in tests/test_hf_jobs.py and tests/test_e2e.py)."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,15 @@ def test_status_and_summary_show_where_model_and_data_came_from(
         "img (image), label",
     ):
         assert _flat(text) in out
+    # the JSON has what the text shows: the model's source, the data with its rows, typed
+    assert main(["status", "hub", "--db", url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["model"]["pretrained"]["source"] == "acme/vit-tiny"
+    assert shown["model"]["pretrained"]["commit"].startswith("0123456789ab")
+    assert DataOrigin.model_validate(shown["data"]).train.rows == 1000
+    assert shown["data"]["test"]["paths"] == ["/data/test.parquet"]
+    assert shown["provenance"]["train"].startswith("1,000 rows from /data/a.parquet")
+    assert "fingerprint fedcba987654" in shown["provenance"]["model"]
     assert main(["status", "seeded", "--db", url]) == 0
     out = _flat(capsys.readouterr().out)
     assert _flat("seeded vit, 6 blocks of dim 64, 10 classes on built-in digits") in out

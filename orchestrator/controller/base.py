@@ -30,7 +30,8 @@ class ControllerBase:
         self.job = store.get_job(job_id)
         self.spec: JobSpec = self.job.spec
         self.layout: Layout | None = store.current_layout(job_id)
-        self.progress = Progress()
+        self.notices: list[str] = []  # Progress.notices, kept across generations
+        self.progress = Progress(notices=self.notices)
         self.roster = Roster(store, job_id)  # the store's `workers` rows
         # the newest generation answered (None before the first), and every generation this
         # controller knows of by number: ended ones are still explained, and late reports of

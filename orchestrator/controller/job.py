@@ -11,7 +11,7 @@ import os
 import re
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -128,6 +128,9 @@ class Progress:
     error: str | None = None
     layout: Layout | None = None
     waiting: str | None = None  # no layout fits the workers that joined: why
+    # lines for a person, one per change a failure made (a generation aborted and why, the one
+    # formed after it, its first step): the controller's one list, shared by every Progress
+    notices: list[str] = field(default_factory=list)
 
 
 class ResumePoint(NamedTuple):

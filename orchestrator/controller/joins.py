@@ -57,7 +57,9 @@ class Joins(ControllerBase):
         self.roster.load(a.generation)
         self.layout = a.layout or self.layout
         job = self.store.get_job(self.job_id)
-        self.progress = Progress(step=job.step, epoch=job.epoch, layout=self.layout)
+        self.progress = Progress(
+            step=job.step, epoch=job.epoch, layout=self.layout, notices=self.notices
+        )
         self.progress.waiting = a.waiting
         self.store.add_event(
             self.job_id,
@@ -108,6 +110,8 @@ class Joins(ControllerBase):
             # re-formed before its lease loss was seen (the agents noticed first)
             self.generations.end(previous, "aborted", "re-formed by the agents")
             self.aborted_at = time.time()
+            self.notices.append(f"generation {previous.number} re-formed by the agents")
+        last_step = self.progress.step  # the newest step seen before this generation
         world = request.world
         start, ckpt, frozen = self.resume_point()
         layout, waiting = self.layout, None
@@ -147,9 +151,22 @@ class Joins(ControllerBase):
                 self.job_id,
                 "generation_started",
                 f"generation {number} with {world} workers, {how}",
-                data={"layout": layout.describe(), "start": start.model_dump(), "world": world},
+                data={
+                    "generation": number,
+                    "layout": layout.describe(),
+                    "start": start.model_dump(),
+                    "world": world,
+                },
             )
-        self.progress = Progress(step=start.step, epoch=start.epoch, layout=layout)
+        if self.aborted_at is not None and not waiting:
+            redo = last_step - start.step
+            self.notices.append(
+                f"generation {number} formed with {world} workers, {how}"
+                + (f" ({redo} step{'s' if redo != 1 else ''} to redo)" if redo > 0 else "")
+            )
+        self.progress = Progress(
+            step=start.step, epoch=start.epoch, layout=layout, notices=self.notices
+        )
         self.progress.waiting = waiting
         return assignment
 
@@ -230,6 +247,7 @@ class Joins(ControllerBase):
             f"generation {gen} aborted: {reason}",
             data={"generation": gen, "reason": reason},
         )
+        self.notices.append(f"generation {gen} aborted: {reason}")
 
     def _follow_up(self) -> None:
         """Keep explaining ended generations (orchestrator/generations.py)."""

@@ -295,6 +295,10 @@ class Reports(ControllerBase):
                     f"generation {e.generation} completed its first step ({e.step}){since}",
                     data=e.payload() | {"generation": e.generation, "aborted_at": self.aborted_at},
                 )
+                if self.aborted_at is not None:
+                    self.notices.append(
+                        f"generation {e.generation} is training again: step {e.step}{since}"
+                    )
                 self.aborted_at = None
             case Leaving():
                 if gen := self.generations.get(e.generation):
