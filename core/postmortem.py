@@ -19,7 +19,7 @@ Pure: plain values in, a verdict out; the controller does the I/O (etcd, store).
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pipetransformer.core.protocol import is_abnormal
@@ -63,6 +63,7 @@ class RankEnd:
     exit_code: int | None = None
     signal: int | None = None
     phase: str | None = None  # failed: "build" (before the first step) or "train"
+    repeats: bool = False  # failed: the rank says a restart would fail the same way (its data)
 
     @property
     def is_cause(self) -> bool:
@@ -123,9 +124,17 @@ class PostMortem:
 
     # -- facts ---------------------------------------------------------------------------------
 
-    def report(self, rank: int, kind: str, detail: str = "", phase: str | None = None) -> bool:
-        """The rank's own final report (failed / peer_lost / aborted / left). Returns whether it
-        told something new. Its own word wins over an exit status or a vanished key."""
+    def report(
+        self,
+        rank: int,
+        kind: str,
+        detail: str = "",
+        phase: str | None = None,
+        repeats: bool = False,
+    ) -> bool:
+        """The rank's own final report (failed / peer_lost / aborted / left; `repeats`: a
+        failure a restart repeats). Returns whether it told something new. Its own word wins
+        over an exit status or a vanished key."""
         if kind == "aborted":
             kind, detail = "left", detail or "the controller aborted the generation"
         if kind not in OWN_WORD:
@@ -134,7 +143,7 @@ class PostMortem:
         if current is not None and current.kind in OWN_WORD:
             return False
         code, sig = self._exits.get(rank, (None, None))
-        self.ends[rank] = RankEnd(self.member(rank), kind, detail, code, sig, phase)  # type: ignore[arg-type]
+        self.ends[rank] = RankEnd(self.member(rank), kind, detail, code, sig, phase, repeats)  # type: ignore[arg-type]
         return True
 
     def exited(self, rank: int, exit_code: int | None, signum: int | None) -> bool:
@@ -147,9 +156,7 @@ class PostMortem:
         status = describe_status(exit_code, signum)
         if current is not None and current.kind != "vanished":
             # its own report explains the exit (a failure exits 1): keep it, note the status
-            self.ends[rank] = RankEnd(
-                current.member, current.kind, current.detail, exit_code, signum, current.phase
-            )
+            self.ends[rank] = replace(current, exit_code=exit_code, signal=signum)
             return False
         self.ends[rank] = RankEnd(self.member(rank), "died", status, exit_code, signum)
         return True
@@ -178,9 +185,25 @@ class PostMortem:
         ranks = set(self.members) | set(range(self.world))
         return bool(self.causes or self.re_formed) and set(self.ends) >= ranks
 
+    def repeating(self) -> RankEnd | None:
+        """The first rank that failed with an error it says a restart repeats, if any."""
+        ends = (self.ends.get(r) for r in range(self.world))
+        return next((e for e in ends if e and e.kind == "failed" and e.repeats), None)
+
+    def fatal_text(self) -> str | None:
+        """`deterministic_failure` as the job's message says it."""
+        if (repeating := self.repeating()) is not None:
+            return f"rank {repeating.member.rank} met an error a restart would repeat: {repeating.detail}"
+        error = self.deterministic_failure()
+        return None if error is None else f"every rank failed the same way while starting: {error}"
+
     def deterministic_failure(self) -> str | None:
-        """The error, if every one of the generation's ranks failed while starting with the
-        same exception: a spec or environment problem that a restart repeats exactly."""
+        """The error, if a restart would repeat it exactly: a rank failed with an error it says
+        repeats (the user's data: a corrupt file read mid-epoch, by whichever rank reads it), or
+        every one of the generation's ranks failed while starting with the same exception (a
+        spec or environment problem)."""
+        if (repeating := self.repeating()) is not None:
+            return repeating.detail
         ends = [self.ends.get(r) for r in range(self.world)]
         if self.world < 1 or any(
             e is None or e.kind != "failed" or e.phase != "build" for e in ends

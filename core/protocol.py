@@ -480,6 +480,9 @@ class Failed(_Event):
     kind: Literal["failed"] = "failed"
     error: str
     phase: Phase | None = None
+    # a restart would fail the same way (a data error: the same file read again): the job fails
+    # now instead of restarting
+    repeats: bool = False
 
 
 class PeerLost(_Event):

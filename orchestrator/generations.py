@@ -51,7 +51,8 @@ class Generation:
     seen: set[int] = field(default_factory=set)  # ranks whose lease was seen
     open: bool = False  # its store row is running (this controller is the store's only writer)
     leaving: bool = False  # its workers leave on purpose (SIGTERM): a re-formation, not a loss
-    fatal: str | None = None  # every rank failed the same way while starting: the job fails
+    # a restart would repeat its failure (PostMortem.fatal_text): the job fails
+    fatal: str | None = None
     reason: str | None = None  # the explanation last written to its store row
     # ended, its end still being explained until then (time.monotonic()): a dead rank's lease
     # lapses a TTL after its peers' reports arrive
@@ -186,7 +187,7 @@ class Generations:
         pm = gen.postmortem
         detail = e.error if isinstance(e, Failed | PeerLost) else e.why
         phase = e.phase if isinstance(e, Failed | PeerLost) else None
-        if pm.report(e.rank, e.kind, detail, phase):
+        if pm.report(e.rank, e.kind, detail, phase, isinstance(e, Failed) and e.repeats):
             self._record_end(pm, e.rank)
             aborted = isinstance(e, Aborted)
             self.roster.ended(e.generation, pm.ends[e.rank], aborted=aborted, own_word=True)

@@ -78,7 +78,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "pipetransformer_step": ("gauge", (), "the newest optimizer step the store recorded"),
     "pipetransformer_epoch": ("gauge", (), "the epoch of the newest recorded progress"),
     "pipetransformer_epochs": ("gauge", (), "epochs the job's spec trains for"),
-    "pipetransformer_samples_consumed": ("gauge", (), "training samples consumed so far"),
+    "pipetransformer_epoch_position_samples": (
+        "gauge",
+        (),
+        "training samples of the current epoch trained so far (the position within the epoch: "
+        "0 at each epoch's start, the training set's size at its end; not a running total)",
+    ),
     "pipetransformer_loss": (
         "gauge",
         (),
@@ -274,7 +279,7 @@ class JobCollector(Collector):
                 "pipetransformer_step": st.step,
                 "pipetransformer_epoch": st.epoch,
                 "pipetransformer_epochs": st.epochs,
-                "pipetransformer_samples_consumed": st.samples_consumed,
+                "pipetransformer_epoch_position_samples": st.samples_consumed,
                 "pipetransformer_accuracy_ratio": st.accuracy,
                 "pipetransformer_freeze_boundary_blocks": st.freeze_boundary,
                 # the newest recorded layout's (the boundary is that layout's too); the job

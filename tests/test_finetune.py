@@ -77,10 +77,10 @@ def source_ckpt(tmp_path: Path) -> Path:
             "data",
             "needs dataset 'digits'",
         ),
-        ({"data": {"classes": [0, 1]}}, "<spec>", "model.num_classes=2"),
+        ({"data": {"classes": [0, 1]}}, "data", "model.num_classes=2"),
         ({"init": {"skip": ["head"]}}, "init", "need init.checkpoint"),
         ({"init": {"checkpoint": "x", "skip": ["neck"]}}, "init.skip", "'embed', 'head' or"),
-        ({"init": {"checkpoint": "x", "skip": ["blocks.6"]}}, "<spec>", "beyond the model"),
+        ({"init": {"checkpoint": "x", "skip": ["blocks.6"]}}, "init.skip", "beyond the model"),
     ],
 )
 def test_bad_fine_tuning_specs_name_the_field(data: dict, field: str, phrase: str) -> None:

@@ -439,7 +439,7 @@ def test_spec_errors_name_the_field(freeze: dict, field: str, phrase: str) -> No
 
 def test_keep_trainable_must_leave_a_freezable_block() -> None:
     msg = _problems({"model": {"depth": 4}, "freeze": {"policy": "gradient", "keep_trainable": 4}})[
-        "<spec>"
+        "freeze.keep_trainable"
     ]
     assert "freeze.keep_trainable (4)" in msg and "model.depth (4)" in msg
     ok = parse_spec(

@@ -96,6 +96,26 @@ def test_a_deterministic_failure_needs_every_rank_failing_alike_while_starting()
     lost.report(0, "failed", "MemoryError: 8 GB", "build")
     lost.report(1, "peer_lost", GONE, "build")
     assert lost.deterministic_failure() is None
+    assert lost.fatal_text() is None
+
+
+def test_a_failure_a_restart_repeats_is_fatal_on_its_own_at_any_phase() -> None:
+    """One rank's data error mid-training (the others only lost it) is the job's end: reading
+    the same file again fails the same way."""
+    pm = _pm()
+    pm.report(0, "peer_lost", GONE, "train")
+    assert pm.deterministic_failure() is None
+    pm.report(1, "failed", "DataError: cannot read image /d/7.png (row 7)", "train", repeats=True)
+    assert pm.deterministic_failure() == "DataError: cannot read image /d/7.png (row 7)"
+    assert pm.fatal_text() == (
+        "rank 1 met an error a restart would repeat: DataError: cannot read image /d/7.png (row 7)"
+    )
+    pm.exited(1, 1, None)  # its exit status comes later: still its own word, still repeating
+    assert pm.ends[1].repeats and pm.ends[1].exit_code == 1
+    alike = _pm()
+    for rank in (0, 1):
+        alike.report(rank, "failed", "MemoryError: 8 GB", "build")
+    assert alike.fatal_text() == "every rank failed the same way while starting: MemoryError: 8 GB"
 
 
 def test_exit_reports_match_ranks_by_host_and_pid() -> None:

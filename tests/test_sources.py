@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.trainer.failures import own_failure
 from pipetransformer.trainer.sources import DataError
 from pipetransformer.trainer.sources import dataset as dataset_module
 from pipetransformer.trainer.sources.dataset import (
@@ -160,8 +161,18 @@ def test_unreadable_image_names_the_file(
     ds = open_image_folder(image_folder, cache_dir=tmp_path / "c2")  # lazy: fails on read
     src = SourceDataset(ds, Columns(image="image"), image=ImagePreprocessor(model_dir))
     i = [Path(p["path"]).name for p in src.table["image"]].index("broken.jpg")
-    with pytest.raises(DataError, match=r"broken\.jpg"):
+    with pytest.raises(DataError, match=rf"broken\.jpg.* \(row {i}\)"):
         src[i]
+    # read by a DataLoader's loader process, it comes back as torch re-raises it (the loader's
+    # traceback as its message); the worker still reports it in one line, as one a restart repeats
+    loader = torch.utils.data.DataLoader(src, batch_size=None, sampler=[i], num_workers=1)
+    with pytest.raises(DataError) as raised:
+        next(iter(loader))
+    assert "DataLoader worker process 0" in str(raised.value)
+    error, repeats = own_failure(raised.value)
+    assert repeats and error.startswith("DataError: cannot read image ") and "\n" not in error
+    assert "broken.jpg" in error and error.endswith(f"(row {i})")
+    assert own_failure(RuntimeError("CUDA error\nmore")) == ("RuntimeError: CUDA error", False)
 
 
 # --- tables ----------------------------------------------------------------------------------

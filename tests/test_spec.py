@@ -52,20 +52,24 @@ def test_defaults_fill_everything_but_the_name() -> None:
             "greater than 0",
         ),
         ({"name": "x", "training": {"lr": 0}}, "training.lr", "greater than 0"),
-        ({"name": "x", "parallel": {"stages": 7}}, "<spec>", "exceeds model.depth"),
+        ({"name": "x", "parallel": {"stages": 7}}, "parallel.stages", "exceeds model.depth"),
         (
             {"name": "x", "data": {"dataset": "imagenet"}},
             "data.dataset",
             "'imagenet' is not available",
         ),
         ({"name": "x", "parallel": {"schedule": "pipedream"}}, "parallel", "choose one of gpipe"),
-        ({"name": "x", "training": {"global_batch_size": 30}}, "<spec>", "multiple of"),
+        (
+            {"name": "x", "training": {"global_batch_size": 30}},
+            "training.global_batch_size",
+            "multiple of",
+        ),
         (
             {"name": "x", "model": {"dim": 30, "heads": 4}},
             "model",
             "heads (4) must divide dim (30)",
         ),
-        ({"name": "Bad Name"}, "<spec>", "lowercase"),
+        ({"name": "Bad Name"}, "name", "lowercase"),
         ({"name": "x", "training": {"epochs": "many"}}, "training.epochs", "valid integer"),
         ({"name": "x", "parallel": {"schedule": "zbv"}}, "parallel", "exactly 2 stage(s) per rank"),
         (
@@ -115,12 +119,12 @@ def test_relayout_modes_parse_and_repartition_needs_a_trainable_block_per_stage(
     # with policy 'off' too: a manual override may freeze up to keep_trainable
     for policy in ("gradient", "schedule", "off"):
         freeze = {"relayout": "repartition", "policy": policy}
-        msg = _problems({**base, "freeze": freeze})["<spec>"]
+        msg = _problems({**base, "freeze": freeze})["freeze.keep_trainable"]
         assert "freeze.keep_trainable (1)" in msg and "parallel.stages" in msg, msg
         assert "(2 x 1 = 2)" in msg and "'repartition'" in msg and "raise" in msg, msg
     virtual = {"stages": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b"}
     freeze = {"relayout": "repartition", "policy": "schedule", "keep_trainable": 3}
-    msg = _problems({**base, "parallel": virtual, "freeze": freeze})["<spec>"]
+    msg = _problems({**base, "parallel": virtual, "freeze": freeze})["freeze.keep_trainable"]
     assert "freeze.keep_trainable (3)" in msg and "(2 x 2 = 4)" in msg, msg
 
 
@@ -139,6 +143,26 @@ def test_measured_and_multi_stage_options_parse() -> None:
 def test_every_problem_is_reported_at_once() -> None:
     problems = _problems({"name": "x", "colour": 1, "training": {"epochs": 0, "lr": -1}})
     assert {"colour", "training.epochs", "training.lr"} <= set(problems)
+    # a bad field, a bad name and two contradictions between sections: one round, each named
+    # (before: the field first, then the name, then one contradiction per run)
+    spec = {
+        "name": "Bad_Name",
+        "model": {"depth": 4, "bogus": 1},
+        "training": {"epochs": 0, "global_batch_size": 30},
+        "parallel": {"stages": 5, "microbatches": 4},
+    }
+    problems = _problems(spec)
+    assert set(problems) == {
+        "name",
+        "model.bogus",
+        "training.epochs",
+        "parallel.stages",
+        "training.global_batch_size",
+    }, problems
+    assert "exceeds model.depth (4)" in problems["parallel.stages"]
+    # a contradiction that names a field in error is not guessed at from its default
+    only = _problems({"name": "x", "model": {"depth": "four"}, "parallel": {"stages": 9}})
+    assert set(only) == {"model.depth"}, only
 
 
 def test_error_message_is_readable(tmp_path: Path) -> None:

@@ -40,6 +40,27 @@ def is_peer_loss(exc: BaseException) -> bool:
     return False
 
 
+# how torch's DataLoader re-raises an exception from a loader process: the same type, its message
+# the loader's traceback text, the original message on the traceback's last line
+_CAUGHT = re.compile(r"^Caught \w+ in DataLoader worker process \d+\.")
+
+
+def own_failure(exc: BaseException) -> tuple[str, bool]:
+    """This rank's failure on one line, and whether a restart would repeat it: a `DataError`
+    (the user's data cannot be used as given, e.g. a corrupt image; also when a DataLoader's
+    loader process raised it) names the file and row and fails the same way every time, so the
+    job fails instead of restarting."""
+    from pipetransformer.trainer.sources import DataError  # the data plane's, imported anyway
+
+    text = str(exc)
+    if _CAUGHT.match(text):  # the loader's traceback: its last line is the original error
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        name, _, message = last.partition(": ")
+        return f"{name.rpartition('.')[2]}: {message}", isinstance(exc, DataError)
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}", isinstance(exc, DataError)
+
+
 def _flag(argv: list[str], name: str) -> str | None:
     for i, arg in enumerate(argv):
         if arg == name and i + 1 < len(argv):

@@ -31,7 +31,7 @@ from pipetransformer.core.protocol import (
 )
 from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.trainer.device import Compute, worker_device
-from pipetransformer.trainer.failures import is_peer_loss
+from pipetransformer.trainer.failures import is_peer_loss, own_failure
 from pipetransformer.trainer.failures import report_exit as on_worker_exit  # noqa: F401 (fork-server hook)
 from pipetransformer.trainer.process import (
     AbortWatch,
@@ -98,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                 reporter.emit(Finished, kind=kind, outcome=outcome)
         dist.barrier()  # every final report is queued before any lease is revoked
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error, repeats = own_failure(exc)
         if not is_peer_loss(exc):
-            reporter.emit(Failed, error=error, phase=phase)
+            reporter.emit(Failed, error=error, phase=phase, repeats=repeats)
+            if repeats:  # said in full once, without the traceback a restart would repeat
+                log.error("rank %d: %s (a restart would fail the same way)", rank, error)
+                return 1
             raise
         # not this rank's fault: say so, and leave to re-form without a traceback
         log.warning("rank %d lost a peer (%s); leaving to re-form", rank, error)

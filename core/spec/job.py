@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import (
-    Field,
-    ValidationError,
-    model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipetransformer.core.spec.base import SpecError, _Strict
 from pipetransformer.core.spec.data import DataSpec
@@ -37,80 +34,100 @@ class JobSpec(_Strict):
     freeze: FreezeSpec = FreezeSpec()
     init: InitSpec = InitSpec()
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _NAME_RE.match(name):
+            raise ValueError(
+                "must be 1-40 lowercase letters, digits or '-', starting and ending with a "
+                "letter or digit"
+            )
+        return name
+
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        if not _NAME_RE.match(self.name):
-            raise ValueError(
-                f"name {self.name!r} must be 1-40 lowercase letters, digits or '-', "
-                "starting and ending with a letter or digit"
-            )
-        if problem := self.data.model_problem(self.model):
-            raise ValueError(problem)
-        p, t = self.parallel, self.training
-        if t.target_perplexity is not None and not task_of(self.model).targets_per_token:
-            raise ValueError(
-                f"training.target_perplexity is for model.task 'causal-lm' (got "
-                f"{self.model.task!r}); use training.target_accuracy"
-            )
-        if self.model.pending:
-            pass  # the depth checks below wait until the checkpoint has filled in the model
-        elif p.num_stages > self.model.depth:
-            raise ValueError(
-                f"parallel.stages x parallel.virtual_stages ({p.stages} x {p.virtual_stages}) "
-                f"exceeds model.depth ({self.model.depth}): each stage needs at least one block; "
-                "lower stages or raise depth"
-            )
-        fz = self.freeze
-        if self.model.pending:
-            pass
-        elif fz.policy != "off" and fz.keep_trainable >= self.model.depth:
-            raise ValueError(
-                f"freeze.keep_trainable ({fz.keep_trainable}) must be less than model.depth "
-                f"({self.model.depth}) when freeze.policy is {fz.policy!r}: at least one block "
-                "must be freezable; lower freeze.keep_trainable or raise model.depth"
-            )
-        if fz.relayout == "repartition" and fz.keep_trainable < p.num_stages:
-            # checked whatever the policy: manual overrides freeze up to keep_trainable too
-            raise ValueError(
-                f"freeze.keep_trainable ({fz.keep_trainable}) must be at least parallel.stages "
-                f"x parallel.virtual_stages ({p.stages} x {p.virtual_stages} = {p.num_stages}) "
-                "with freeze.relayout 'repartition': it keeps every stage, and each needs a "
-                "trainable block after freezing; raise freeze.keep_trainable, lower "
-                "parallel.stages or use freeze.relayout 'elastic'"
-            )
-        beyond = [
-            u
-            for u in self.init.skip
-            if u.startswith("blocks.") and int(u[7:]) >= self.model.depth and not self.model.pending
-        ]
-        if beyond:
-            raise ValueError(
-                f"init.skip names {', '.join(beyond)}, beyond the model's blocks "
-                f"(blocks.0 .. blocks.{self.model.depth - 1})"
-            )
-        rt = self.runtime
-        if rt.min_nodes is not None and rt.min_nodes > rt.nodes:
-            raise ValueError(
-                f"runtime.min_nodes ({rt.min_nodes}) exceeds runtime.nodes ({rt.nodes}); "
-                "lower min_nodes or raise nodes"
-            )
-        world = p.world_size
-        if world % rt.nodes:
-            raise ValueError(
-                f"runtime.nodes ({rt.nodes}) must divide the workers of the layout "
-                f"(parallel.stages x parallel.replicas = {world}): every node runs the same "
-                "number of processes"
-            )
-        per_step = p.replicas * (1 if p.microbatches == "auto" else p.microbatches)
-        if t.global_batch_size % per_step:
-            raise ValueError(
-                f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                f"parallel.replicas x parallel.microbatches ({per_step})"
-            )
+        if problems := consistency_problems(self):
+            # one error carrying every problem; parse_spec splits it back into fields
+            raise ValueError(_JOINED + "\n".join(f"{f}\t{m}" for f, m in problems))
         return self
 
     def to_json(self) -> str:
         return self.model_dump_json()
+
+
+_JOINED = "problems:\n"  # how _consistent hands several (field, message) pairs to _problems
+
+
+def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """What the sections of a spec that are each valid contradict in one another: (the field
+    to change, why), every one of them."""
+    out: list[tuple[str, str]] = []
+    model, p, t, fz, rt = spec.model, spec.parallel, spec.training, spec.freeze, spec.runtime
+    if problem := spec.data.model_problem(model):
+        out.append(("data", problem))
+    if t.target_perplexity is not None and not task_of(model).targets_per_token:
+        out.append((
+            "training.target_perplexity",
+            f"training.target_perplexity is for model.task 'causal-lm' (got {model.task!r}); "
+            "use training.target_accuracy",
+        ))  # fmt: skip
+    # the depth checks wait until a pending checkpoint has filled in the model
+    if not model.pending and p.num_stages > model.depth:
+        out.append((
+            "parallel.stages",
+            f"parallel.stages x parallel.virtual_stages ({p.stages} x {p.virtual_stages}) "
+            f"exceeds model.depth ({model.depth}): each stage needs at least one block; lower "
+            "stages or raise depth",
+        ))  # fmt: skip
+    if not model.pending and fz.policy != "off" and fz.keep_trainable >= model.depth:
+        out.append((
+            "freeze.keep_trainable",
+            f"freeze.keep_trainable ({fz.keep_trainable}) must be less than model.depth "
+            f"({model.depth}) when freeze.policy is {fz.policy!r}: at least one block must be "
+            "freezable; lower freeze.keep_trainable or raise model.depth",
+        ))  # fmt: skip
+    if fz.relayout == "repartition" and fz.keep_trainable < p.num_stages:
+        # checked whatever the policy: manual overrides freeze up to keep_trainable too
+        out.append((
+            "freeze.keep_trainable",
+            f"freeze.keep_trainable ({fz.keep_trainable}) must be at least parallel.stages x "
+            f"parallel.virtual_stages ({p.stages} x {p.virtual_stages} = {p.num_stages}) with "
+            "freeze.relayout 'repartition': it keeps every stage, and each needs a trainable "
+            "block after freezing; raise freeze.keep_trainable, lower parallel.stages or use "
+            "freeze.relayout 'elastic'",
+        ))  # fmt: skip
+    beyond = [
+        u
+        for u in spec.init.skip
+        if u.startswith("blocks.") and not model.pending and int(u[7:]) >= model.depth
+    ]
+    if beyond:
+        out.append((
+            "init.skip",
+            f"init.skip names {', '.join(beyond)}, beyond the model's blocks (blocks.0 .. "
+            f"blocks.{model.depth - 1})",
+        ))  # fmt: skip
+    if rt.min_nodes is not None and rt.min_nodes > rt.nodes:
+        out.append((
+            "runtime.min_nodes",
+            f"runtime.min_nodes ({rt.min_nodes}) exceeds runtime.nodes ({rt.nodes}); lower "
+            "min_nodes or raise nodes",
+        ))  # fmt: skip
+    if p.world_size % rt.nodes:
+        out.append((
+            "runtime.nodes",
+            f"runtime.nodes ({rt.nodes}) must divide the workers of the layout (parallel.stages "
+            f"x parallel.replicas = {p.world_size}): every node runs the same number of "
+            "processes",
+        ))  # fmt: skip
+    per_step = p.replicas * (1 if p.microbatches == "auto" else p.microbatches)
+    if t.global_batch_size % per_step:
+        out.append((
+            "training.global_batch_size",
+            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"parallel.replicas x parallel.microbatches ({per_step})",
+        ))  # fmt: skip
+    return out
 
 
 def _shown(value: Any, limit: int = 80) -> str:
@@ -127,6 +144,9 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<spec>"
         msg = e["msg"].removeprefix("Value error, ")
+        if msg.startswith(_JOINED):  # JobSpec._consistent's problems, each with its field
+            out += [tuple(line.split("\t", 1)) for line in msg.removeprefix(_JOINED).splitlines()]
+            continue
         if e["type"] == "extra_forbidden":
             msg = "unknown field; remove it or check its spelling"
         elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
@@ -142,7 +162,35 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(_problems(err), source) from None
+        problems = _problems(err)
+        failed = [".".join(str(p) for p in e["loc"]) for e in err.errors() if e["loc"]]
+    # the sections' contradictions too, at once: checked again with each field in error left at
+    # its default, keeping those that do not name such a field (a default may contradict)
+    try:
+        JobSpec.model_validate(_without(data, failed))
+    except ValidationError as again:
+        problems += [
+            (f, m)
+            for f, m in _problems(again)
+            if (f, m) not in problems and not any(bad in m or bad == f for bad in failed)
+        ]
+    raise SpecError(problems, source) from None
+
+
+def _without(data: dict, fields: list[str]) -> dict:
+    """`data` (a spec mapping) without the values at the dotted `fields`; a required `name` is
+    kept as a placeholder, so that the rest can be checked."""
+    out = copy.deepcopy(data)
+    for field in fields:
+        *path, leaf = field.split(".")
+        node: Any = out
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    if not isinstance(out.get("name"), str) or "name" in fields:
+        out["name"] = "placeholder"
+    return out
 
 
 def spec_from_text(text: str, source: str) -> JobSpec:

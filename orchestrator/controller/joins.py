@@ -265,11 +265,10 @@ class Joins(ControllerBase):
         a = gen.assignment
         if gen is not self.current or a is None or gen.fatal:
             return
-        error = gen.postmortem.deterministic_failure()
-        if error is None:
+        error, message = gen.postmortem.deterministic_failure(), gen.postmortem.fatal_text()
+        if error is None or message is None:
             return
         gen.fatal = error
-        message = f"every rank failed the same way while starting: {error}"
         # failed, whether or not the first failure reports already got it aborted
         self.store.end_generation(self.job_id, gen.number, "failed", reason=message)
         gen.open, gen.reason, gen.explain_until = False, message, None

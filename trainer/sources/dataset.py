@@ -142,7 +142,10 @@ class SourceDataset(TorchDataset[Sample]):
         group: list[PILImage.Image] = []
         held = 0
         for value, k in zip(values, keys, strict=True):
-            picture = decode_image(value)
+            try:
+                picture = decode_image(value)
+            except DataError as exc:
+                raise DataError(f"{exc} (row {k.index})") from exc
             if self.augmentation is not None:
                 picture = self.augmentation(picture, k.epoch, k.index)
             group.append(picture)
