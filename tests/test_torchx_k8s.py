@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -303,6 +304,36 @@ def test_torchx_kubernetes_dryrun_of_every_example(example: Path) -> None:
         container(t)["resources"]["limits"].get("nvidia.com/gpu") for t in tasks(job, "trainer")
     }
     assert gpus == ({str(nproc)} if spec.runtime.device == "cuda" else {None}), gpus
+
+
+def _readme_submission() -> list[str]:
+    """The `torchx run -s kubernetes ...` command of the README's "Run on Kubernetes", as words."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Run on Kubernetes") :]
+    start = section.index("\ntorchx run -s kubernetes") + 1  # a line of a code block
+    lines = []
+    for line in section[start:].splitlines():
+        lines.append(line.rstrip("\\ "))
+        if not line.rstrip().endswith("\\"):
+            break
+    return shlex.split(" ".join(lines))
+
+
+def test_the_readme_s_submission_dry_runs_without_a_cluster(tmp_path: Path) -> None:
+    """The README's command with `--dryrun` on a machine with no kubeconfig (before: a 60-line
+    traceback, `LocationValueError: No host specified`): the Volcano Job, and a note that no
+    API server validated it."""
+    words = _readme_submission()
+    assert words[:4] == ["torchx", "run", "-s", "kubernetes"], words
+    cmd = [sys.executable, "-m", "torchx.cli.main", *words[1:4], "--dryrun", *words[4:]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env |= {"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "no-kubeconfig")}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "no Kubernetes configuration" in proc.stderr and "not validated" in proc.stderr
+    job = yaml.safe_load(proc.stdout[proc.stdout.index("apiVersion: batch.volcano.sh/v1alpha1") :])
+    assert job["kind"] == "Job" and job["spec"]["queue"] == "pipetransformer"
 
 
 def test_trainer_overlay_places_trainers_on_gpu_nodes(tmp_path: Path) -> None:
