@@ -776,7 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("resume", help="continue a job from its last committed checkpoint")
-    p.add_argument("job")
+    p.add_argument("job", help="the job's id (`pipetransformer status --all` lists them)")
     p.add_argument(
         "--metrics-port",
         type=port_number,
@@ -789,14 +789,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_resume)
 
     p = sub.add_parser("status", help="job state, layout and progress (newest job by default)")
-    p.add_argument("job", nargs="?")
+    p.add_argument(
+        "job", nargs="?", help="the job's id (default: the newest job; --all: every job)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="list every job")
     common(p, etcd=False)
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("freeze", help="ask a running job to freeze blocks [0, N) (manual override)")
-    p.add_argument("job")
+    p.add_argument("job", help="the running job's id")
     p.add_argument("--layers", type=int, required=True, help="new freeze boundary N")
     p.add_argument("--reason", default="manual override", help="kept in the audit trail")
     common(p)
@@ -810,7 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
         "them, the optimizer, data and frozen prefix. Written as a Chrome / Perfetto trace "
         "(Trace Event Format JSON); the dashboard's Pipeline view draws the same as a Gantt chart.",
     )
-    p.add_argument("job")
+    p.add_argument("job", help="the running job's id")
     p.add_argument(
         "--out", metavar="FILE", help="where to write the trace (default: the job's directory)"
     )
@@ -829,7 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
         "labels), model.safetensors (float32) and the tokenizer or image processor files. The "
         "checkpoint is verified against the checksum the store committed first.",
     )
-    p.add_argument("job")
+    p.add_argument("job", help="the job's id (a job on a Hugging Face model)")
     p.add_argument(
         "--step", type=int, help="the committed checkpoint at this step (default: the newest)"
     )
@@ -857,7 +859,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_dashboard)
 
     p = sub.add_parser("db", help="database schema: `upgrade` to the latest, `current` revision")
-    p.add_argument("action", choices=["upgrade", "current"])
+    p.add_argument(
+        "action",
+        choices=["upgrade", "current"],
+        help="upgrade: migrate to the latest schema; current: print the revision",
+    )
     common(p, etcd=False)
     p.set_defaults(fn=cmd_db)
 

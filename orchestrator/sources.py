@@ -70,7 +70,7 @@ def locate_checkpoint(source: str, revision: str | None, cwd: Path) -> tuple[Pat
         ) from None
     cache = hub_cache()
     try:
-        # local_files_only: a job never downloads; offline clusters fetch ahead (README)
+        # local_files_only: a job never downloads; offline clusters fetch ahead (docs/models-and-data.md)
         path = Path(
             snapshot_download(source, revision=revision, cache_dir=cache, local_files_only=True)
         )
@@ -80,7 +80,7 @@ def locate_checkpoint(source: str, revision: str | None, cwd: Path) -> tuple[Pat
             "model.pretrained.source",
             f"{source!r}{at} is neither a directory here nor in the local Hugging Face cache "
             f"({cache}); fetch it first: `hf download {source}"
-            f"{f' --revision {revision}' if revision else ''}` (README, 'Your model')",
+            f"{f' --revision {revision}' if revision else ''}` (docs/models-and-data.md)",
         ) from None
     except Exception as exc:  # a malformed cache entry, an invalid revision name
         raise _problem("model.pretrained.source", f"{source!r}: {exc}") from None
