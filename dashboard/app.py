@@ -116,6 +116,17 @@ def live(
     fragment()
 
 
+def first_job(store: Store, every: float) -> None:
+    """Look for the store's first job every `every` seconds; rerun the page once there is one."""
+
+    @st.fragment(run_every=timedelta(seconds=every))
+    def poll() -> None:
+        if store.list_jobs():
+            st.rerun(scope="app")
+
+    poll()
+
+
 def main() -> None:
     st.set_page_config(page_title="pipetransformer", page_icon="🧱", layout="wide")
     st.sidebar.title("pipetransformer")
@@ -125,7 +136,12 @@ def main() -> None:
         return
     jobs = store.list_jobs()
     if not jobs:
-        st.info("No jobs in this store yet. Submit one with `pipetransformer run <spec>`.")
+        st.info(
+            "No jobs in this store yet. Start one where this store lives (the same `--workdir` "
+            "or `--db`), e.g. `pipetransformer run examples/vit-digits-elastic.yaml`: this page "
+            "shows it as soon as it is recorded."
+        )
+        first_job(store, options.refresh_s)
         return
     selected = select_job(jobs)
     opts = chart_options()

@@ -392,11 +392,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _check_readable(args: argparse.Namespace) -> None:
-    """The dashboard's store exists and has its schema. Read only: the dashboard may hold
+    """The dashboard's store exists and has its schema. A local workdir's store that does not
+    exist yet is made (empty, as `run` would make it), so the page opens on its empty state and
+    shows the first job `run` records there. Any other store is only read: the dashboard may hold
     read-only credentials, and migrations are `pipetransformer db upgrade`'s job."""
     url = db_url(args)
     if url == local_store_url(args):
-        open_store(args).close()  # a local run's store: the same message as `status`
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        open_store(args, create=True).close()
         return
     check_reachable(args)
     store = Store(url, read_only=True)

@@ -180,8 +180,36 @@ def test_missing_database_is_reported_not_created(
 def test_empty_store_says_no_jobs(monkeypatch: pytest.MonkeyPatch, store: Store, db_url) -> None:
     at = run_app(monkeypatch, db_url)
     assert not at.exception
-    assert any("No jobs" in i.value for i in at.info)
+    (said,) = [i.value for i in at.info if "No jobs" in i.value]
+    assert "pipetransformer run examples/vit-digits-elastic.yaml" in said  # how to start one
     assert not at.sidebar.radio
+
+
+def test_the_dashboard_opens_before_the_first_job(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pipetransformer dashboard` in a directory where nothing ran yet (before: refused, "no
+    store ... run a job first"): the local store is made, empty, and the page opens on it."""
+    from pipetransformer.orchestrator import cli
+
+    handed: list[list[str]] = []
+
+    def execv(path: str, argv: list[str]) -> None:
+        handed.append(argv)
+        raise SystemExit(0)  # instead of becoming Streamlit
+
+    monkeypatch.setattr(cli.os, "execv", execv)
+    monkeypatch.delenv("PIPETRANSFORMER_DB", raising=False)
+    workdir = tmp_path / "fresh" / "runs"
+    with pytest.raises(SystemExit):
+        cli.main(["dashboard", "--workdir", str(workdir)])
+    assert "error" not in capsys.readouterr().err
+    url = handed[-1][handed[-1].index("--db") + 1]
+    assert url == sqlite_url(workdir / "store.db")
+    with Store.open(url, migrate=False) as opened:
+        assert opened.list_jobs() == []
+    at = run_app(monkeypatch, url)
+    assert not at.exception and any("No jobs" in i.value for i in at.info)
 
 
 def test_database_without_schema(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
