@@ -97,19 +97,19 @@ def chart_options() -> ChartOptions:
 
 def live(
     store: Store,
-    job_id: str,
-    seen_state: str,
+    seen: JobInfo,
     every: float | None,
     draw: Callable[[JobInfo], None],
 ) -> None:
     """Draw `draw(job)` now and, while the job runs, again every `every` seconds (a fragment:
     the rest of the page, and the reader's choices, stay as they are). When the job stops
-    running, the whole page reruns once, which stops the polling."""
+    running, or has a new held-out result the sidebar's job list shows, the whole page reruns
+    once (which stops the polling of a job that ended; the list is not left behind)."""
 
     @st.fragment(run_every=timedelta(seconds=every) if every else None)
     def fragment() -> None:
-        job = store.get_job(job_id)
-        if job.state != seen_state and every:
+        job = store.get_job(seen.id)
+        if every and (job.state, job.accuracy) != (seen.state, seen.accuracy):
             st.rerun(scope="app")
         draw(job)
 
@@ -150,12 +150,11 @@ def main() -> None:
     every = options.refresh_s if running else None
     if running:
         st.sidebar.caption(f"Live: updates every {options.refresh_s:g} s.")
-    live(store, selected.id, selected.state, every, lambda job: job_view.header(store, job))
+    live(store, selected, every, lambda job: job_view.header(store, job))
     view = st.radio("View", VIEWS, horizontal=True, key="view", label_visibility="collapsed")
     live(
         store,
-        selected.id,
-        selected.state,
+        selected,
         every,
         lambda job: job_view.render(view, store, job, jobs, options, opts),
     )

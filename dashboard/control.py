@@ -169,9 +169,17 @@ def freeze_override_control(
         why_not = "Sign in (sidebar) to file freeze requests."
     elif job.state != "running":
         why_not = f"The job is {job.state}: freeze requests need a running job."
+    elif lo > hi:
+        why_not = (
+            f"No further freezing: blocks 0..{job.freeze_boundary - 1} are frozen and the last "
+            f"{job.spec.freeze.keep_trainable} block(s) stay trainable."
+        )
     else:
         why_not = None
     depth = job.spec.model.depth
+    # offered first: the lowest boundary a request may ask for, or the one in force where none
+    # may be asked for (never a value the rules refuse)
+    default = lo if lo <= hi else job.freeze_boundary
     with st.form("freeze_override", border=True):
         # the boundary in force is in the live header ("Frozen"); this form is not redrawn
         st.markdown("**Freeze override** · applied at the job's next decision point")
@@ -179,7 +187,7 @@ def freeze_override_control(
             "New freeze boundary (blocks below it freeze)",
             min_value=0,
             max_value=depth,
-            value=min(lo, depth),
+            value=default,
             step=1,
             disabled=why_not is not None,
             help=(f"forward only: {lo}..{hi}" if lo <= hi else "no further freezing is allowed")

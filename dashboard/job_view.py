@@ -226,7 +226,12 @@ def _stage_timings(store: Store, job: JobInfo, rows: list[StageTimesRow]) -> Non
     with right:
         _chart(pf.bubble_over_time_figure(rows, history), "pipeline_bubble_over_time")
     _chart(
-        pf.predicted_figure(ranks, layout, _predictions(store, job).get(chosen)),
+        pf.predicted_figure(
+            ranks,
+            layout,
+            _predictions(store, job).get(chosen),
+            next((rec.reason for rec in history if rec.layout.version == chosen), None),
+        ),
         "pipeline_predicted",
     )
     st.dataframe(views.phase_rows(ranks), hide_index=True, key="pipeline_phases")

@@ -385,12 +385,25 @@ def stage_compute_per_step(ranks: Sequence[RankTimes]) -> dict[int, float]:
     return {s: sum(v) / len(v) for s, v in sorted(by_stage.items())}
 
 
+def unplanned_text(layout: Layout, reason: str | None) -> str:
+    """What a layout without AutoPipe's prediction was planned from: the spec's split for the
+    job's first layout, else its recorded reason (a re-plan at a freeze, a recovery)."""
+    if layout.version == 1 and (reason is None or reason == "initial"):
+        return "not planned from measurement (the spec's split)"
+    why = f": {reason}" if reason else ""
+    return f"no AutoPipe prediction recorded for v{layout.version}{why}"
+
+
 def predicted_figure(
-    ranks: Sequence[RankTimes], layout: Layout, predicted: Sequence[float] | None
+    ranks: Sequence[RankTimes],
+    layout: Layout,
+    predicted: Sequence[float] | None,
+    reason: str | None = None,
 ) -> go.Figure:
     """AutoPipe's predicted forward + backward seconds per step of each stage beside the
     measured ones, under `layout` (`predicted`: `LayoutPlanned.predicted_stage_s`, None where
-    the layout was not planned from measurement)."""
+    the layout was not planned from measurement; `reason`: why the layout was recorded, which
+    says where it came from instead)."""
     fig = _base(
         f"Stage compute per step, planned and measured · v{layout.version}", "", "ms per step"
     )
@@ -415,7 +428,7 @@ def predicted_figure(
         )
     else:
         fig.add_annotation(
-            text="not planned from measurement (the spec's even split)",
+            text=unplanned_text(layout, reason),
             showarrow=False,
             xref="paper",
             yref="paper",

@@ -36,6 +36,7 @@ GENERATION_COLOR = "#7f7f7f"
 # narrower than the second none at all: labels must not pile up at 800 px.
 FULL_LABEL_WIDTH = 0.12
 SHORT_LABEL_WIDTH = 0.03
+LABEL_LINE_PX = 14  # a band label's line height (font size 10)
 
 
 # ---- axes
@@ -261,6 +262,8 @@ def decorate(fig: go.Figure, tl: Timeline, x: XAxis = "step") -> go.Figure:
         span = (span[0], max(span[1], *marks))
     full = _width(*span) if span and span[1] != span[0] else None
     drawn = 0
+    lowered = False  # the previous label went one line down (it followed a short band's)
+    previous_short = False  # the previous label was a short band's "vN"
     for band in tl.bands:
         if x == "step":
             x0, x1 = band.start_step, band.end_step
@@ -288,12 +291,18 @@ def decorate(fig: go.Figure, tl: Timeline, x: XAxis = "step") -> go.Figure:
         drawn += 1
         share = _width(x0, x1) / full if full else 1.0
         if share < SHORT_LABEL_WIDTH:
+            previous_short = False
             continue
+        # a label right after a short band's would run on from it ("v2 v3 · 1x2 · F=5"):
+        # it goes one line down instead, and the next back up
+        lowered = previous_short and not lowered
+        previous_short = share < FULL_LABEL_WIDTH
         fig.add_annotation(
             x=x0,
             xref="x",
             y=1,
             yref="paper",
+            yshift=-LABEL_LINE_PX if lowered else 0,
             xanchor="left",
             yanchor="top",
             text=band.label if share >= FULL_LABEL_WIDTH else f"v{band.version}",

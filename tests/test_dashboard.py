@@ -351,6 +351,32 @@ def test_freeze_override_needs_a_signed_in_user(
     assert any("already has a pending freeze request" in e.value for e in at.error)
 
 
+def test_the_freeze_form_offers_only_what_the_rules_allow(
+    monkeypatch: pytest.MonkeyPatch, store: Store, db_url: str
+) -> None:
+    """A completed job frozen as far as it may be (5 of 6 blocks, the last one kept trainable):
+    the form's default is the boundary in force, not 6, which the rules refuse (before: 6)."""
+    from pipetransformer.core.spec import parse_spec
+    from pipetransformer.core.state import Layout, StageLayout
+
+    spec = parse_spec({"name": "done", "model": {"depth": 6}, "parallel": {"stages": 2}})
+    store.create_job("done-1", spec, "/tmp/nowhere")
+    packed = Layout(
+        version=2,
+        num_blocks=6,
+        freeze_boundary=5,
+        stages=[StageLayout(index=0, start=5, end=6, ranks=[0, 1])],
+        replicas=2,
+        microbatches=4,
+    )
+    store.record_layout("done-1", packed, reason="autofreeze")
+    store.set_job_state("done-1", "completed")
+    at = show(run_app(monkeypatch, db_url, job="done-1"), "Freezing")
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.number_input(key="override_layers").value == 5
+    assert button(at, "File freeze request").disabled
+
+
 def test_without_credentials_nothing_can_be_filed(
     monkeypatch: pytest.MonkeyPatch, running_job: str, etcd, caplog: pytest.LogCaptureFixture
 ) -> None:

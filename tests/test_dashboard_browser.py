@@ -270,6 +270,16 @@ def test_running_job_live_and_freeze_override(tmp_path: Path, browser) -> None:
             first = int(metric(page, "Step").inner_text())
             expect(metric(page, "Step")).not_to_have_text(str(first))  # no click, no reload
             assert int(metric(page, "Step").inner_text()) > first
+            # a new held-out result reaches the sidebar's job list too, not the header alone
+            # (before: the list kept the accuracy the page was opened with)
+            held_out = metric(page, "Accuracy")
+            expect(held_out).not_to_have_text("—", timeout=60_000)
+            jobs = page.locator('[data-testid="stSidebar"] [data-testid="stRadio"]').first
+            wait_for(
+                lambda: held_out.inner_text() in jobs.inner_text(),
+                30,
+                "the header's accuracy in the sidebar's job list",
+            )
             choose_view(page, "Freezing", page.get_by_role("button", name="File freeze request"))
             expect(page.get_by_role("button", name="File freeze request")).to_be_disabled()
             expect(page.get_by_text("Actions are disabled")).to_be_visible()

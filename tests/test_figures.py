@@ -37,6 +37,7 @@ from pipetransformer.dashboard.figures import (
 from pipetransformer.dashboard.timeline import (
     BAND_FILLS,
     GENERATION_COLOR,
+    LABEL_LINE_PX,
     RECOVERY_COLOR,
     Band,
     Timeline,
@@ -318,6 +319,22 @@ def test_decorate_skips_zero_width_bands_and_shortens_narrow_labels() -> None:
     assert [(b.x0, b.x1) for b in rects(fig)] == [(1, 96), (96, 100)]
     assert [b.fillcolor for b in rects(fig)] == [BAND_FILLS[0], BAND_FILLS[1]]  # still alternate
     assert notes(fig) == ["v2 · 2x1 · F=0", "v3"]
+
+
+def test_a_label_after_a_short_bands_goes_one_line_down() -> None:
+    """v3 lasts 5 % of the run, v4 the rest: "v3" and v4's label would read as one
+    ("v3 v4 · 1x2 · F=5"); v4's is drawn a line lower, the others on the top line."""
+    tl = Timeline(
+        bands=[
+            Band(2, "v2 · 2x1 · F=0", 1, 60, T0 + 1, T0 + 60, 0),
+            Band(3, "v3 · 2x1 · F=2", 60, 65, T0 + 60, T0 + 65, 2),
+            Band(4, "v4 · 1x2 · F=5", 65, None, T0 + 65, None, 5),
+        ],
+        marks=[],
+    )
+    fig = decorate(go.Figure(go.Scatter(x=[1, 100], y=[0, 1])), tl)
+    shifts = {a.text: a.yshift or 0 for a in fig.layout.annotations}
+    assert shifts == {"v2 · 2x1 · F=0": 0, "v3": 0, "v4 · 1x2 · F=5": -LABEL_LINE_PX}
 
 
 def test_decorate_a_figure_with_two_y_axes() -> None:

@@ -38,6 +38,7 @@ from pipetransformer.dashboard.pipeline_figures import (
     bubble_figure,
     bubble_over_time_figure,
     interval_readings,
+    predicted_figure,
     rank_name,
     trace_figure,
     trace_lanes,
@@ -143,6 +144,22 @@ def test_breakdown_stacks_each_ranks_phases_as_shares_of_its_wall_time() -> None
     title = fig.layout.title.text
     assert "v3" in title and "2x2" in title and "gpipe" in title
     assert list(fig.layout.yaxis.categoryarray)[-1] == names[0]  # rank 0 on top
+
+
+def test_a_layout_without_a_prediction_says_where_it_came_from() -> None:
+    """The spec's split for the first layout; a re-plan at a freeze by its recorded reason
+    (before: every unpredicted layout read "the spec's even split")."""
+    ranks = [times(0, (0,), 0, secs(0.4, 0.1)), times(1, (1,), 0, secs(0.3, 0.2))]
+    first = two_by_two(version=1)
+    assert annotations(predicted_figure(ranks, first, None, "initial")) == [
+        "not planned from measurement (the spec's split)"
+    ]
+    replanned = predicted_figure(ranks, two_by_two(), None, "autofreeze (decision 2: F=2)")
+    assert annotations(replanned) == [
+        "no AutoPipe prediction recorded for v3: autofreeze (decision 2: F=2)"
+    ]
+    planned = predicted_figure(ranks, two_by_two(), [0.5, 0.4], "autopipe")
+    assert annotations(planned) == [] and [t.name for t in planned.data][-1] == "planned (AutoPipe)"
 
 
 def test_breakdown_leaves_out_phases_nobody_spent_time_in_and_caps_overruns() -> None:
