@@ -157,24 +157,13 @@ def make_model(directory: Path, texts: list[str], cfg: dict[str, int]) -> int:
     """A byte-level BPE tokenizer trained on `texts` and a random Llama of its vocabulary,
     saved with save_pretrained in `directory`; the parameter count."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    directory.mkdir(parents=True, exist_ok=True)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=cfg["vocab"],
-        special_tokens=["<|endoftext|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(texts, trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>"
-    )
-    tok.save_pretrained(str(directory))
+    sys.path.insert(0, str(ROOT / "examples"))
+    import assets  # examples/assets.py: the examples' tokenizer maker, shared
+
+    assets.make_code_tokenizer(directory, texts, cfg["vocab"])
+    tok = AutoTokenizer.from_pretrained(directory)
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=cfg["hidden"],
