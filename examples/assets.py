@@ -19,7 +19,7 @@ it writes DIR/code/{pretrain,train,test}.jsonl (the Python standard library's ow
 document each: text every machine has offline), DIR/docstring-chat/{train,test}.jsonl
 (conversations asking what a standard-library function does, answered with its docstring) and
 DIR/llama-code: a byte-level BPE tokenizer trained on the pretraining modules, with a ChatML chat
-template, and a 4-block Llama-shaped model pretrained on them for a couple of minutes."""
+template, and a 4-block Llama-shaped model pretrained on them for 600 steps (all of it about a minute on 2 idle cores)."""
 
 from __future__ import annotations
 
