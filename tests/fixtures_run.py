@@ -180,3 +180,13 @@ def finish(proc, log: Path, timeout: float = 240) -> None:  # noqa: ANN001
     finally:
         proc.kill()
     assert code == 0, log.read_text(errors="replace")[-4000:]
+
+
+def run_job(tmp_path: Path, name: str, spec: dict[str, Any]) -> tuple[Store, str]:
+    """`pipetransformer run` of `spec` named `name`, in `tmp_path/name`, to its successful end:
+    the job's store and what `run` printed (its end-of-run summary)."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**spec, "name": name}))
+    res = cli("run", str(path), "--workdir", str(tmp_path / name), "--job-id", name, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return Store.open(sqlite_url(tmp_path / name / "store.db"), migrate=False), res.stdout

@@ -6,22 +6,18 @@ and chat files."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
+if EXAMPLES not in sys.path:  # examples/assets.py, shared with the CPU examples
+    sys.path.insert(0, EXAMPLES)
+from assets import make_code_tokenizer  # noqa: E402
+
 WORDS = "the cat sat on a mat while dogs ran far away from home and birds sang".split()
-CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{{ '<|im_start|>' + m['role'] + '\n' }}"
-    "{%- if m['role'] == 'assistant' -%}"
-    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{%- else -%}{{ m['content'] + '<|im_end|>' }}{%- endif -%}{{ '\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
-)
-SPECIAL = ["<|endoftext|>", "<pad>", "<|im_start|>", "<|im_end|>"]
 
 
 def sentence(i: int) -> str:
@@ -30,26 +26,13 @@ def sentence(i: int) -> str:
 
 
 def make_tokenizer(directory: Path, vocab_size: int = 300) -> int:
-    """A byte-level BPE tokenizer with a chat template saved in `directory`; its length."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer with a chat template saved in `directory` (the examples' own
+    maker, `examples/assets.make_code_tokenizer`, on a few sentences); its length."""
+    from transformers import AutoTokenizer
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator([sentence(i) for i in range(300)] + ["user assistant"], trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>"
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(directory))
-    return len(tok)
+    texts = [sentence(i) for i in range(300)] + ["user assistant"]
+    make_code_tokenizer(directory, texts, vocab_size)
+    return len(AutoTokenizer.from_pretrained(directory))
 
 
 def make_lm(directory: Path, family: str = "llama", depth: int = 4, tied: bool = False) -> Path:

@@ -22,7 +22,7 @@ from pipetransformer.models.units import CheckpointChanged, architecture
 from pipetransformer.orchestrator.sources import resolve_submission
 from pipetransformer.store import Store, sqlite_url
 from pipetransformer.trainer.pipeline import RankModel
-from tests.fixtures_run import REPO, cli
+from tests.fixtures_run import REPO, cli, run_job
 
 sys.path.insert(0, str(REPO / "examples"))
 import assets  # noqa: E402  (examples/assets.py, shared with the CPU examples)
@@ -254,15 +254,6 @@ def test_rank_model_equals_the_transformers_model(made: dict[str, Path], kind: s
 # -- real jobs --------------------------------------------------------------------------------
 
 
-def _run(tmp_path: Path, name: str, spec: dict) -> tuple[Store, str]:
-    """The job's store and what `run` printed (its end-of-run summary)."""
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**spec, "name": name}))
-    res = cli("run", str(path), "--workdir", str(tmp_path / name), "--job-id", name, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    return Store.open(sqlite_url(tmp_path / name / "store.db"), migrate=False), res.stdout
-
-
 def _flat(text: str) -> str:
     """Without whitespace: a table may fold a long path across lines."""
     return "".join(text.split())
@@ -281,7 +272,7 @@ def test_an_image_folder_job_freezes_and_relays_out(made: dict[str, Path], tmp_p
     """2 stages from a pretrained ViT with a new 10-label head, read by a loader process,
     frozen by the schedule and re-laid out; with augmentation AutoCache stays off and says so."""
     data = {**_image_data(made), "augment": True, "loader_workers": 1}
-    store, _ = _run(
+    store, _ = run_job(
         tmp_path,
         "vit",
         {"model": {"pretrained": str(made["vit"]), "num_classes": 10}, "data": data, **TRAIN},
@@ -326,7 +317,7 @@ def test_a_corrupt_image_fails_the_job_once_naming_it(made: dict[str, Path], tmp
 
 @pytest.mark.slow
 def test_a_sentence_pair_job_trains_and_caches(made: dict[str, Path], tmp_path: Path) -> None:
-    store, summary = _run(
+    store, summary = run_job(
         tmp_path,
         "bert",
         {
@@ -498,7 +489,7 @@ def test_a_question_answering_job_scores_exact_match_and_f1(
         _squad_data(made, loader_workers=1),
         **TRAIN,
     )
-    store, summary = _run(tmp_path, "qa", spec)
+    store, summary = run_job(tmp_path, "qa", spec)
     job = store.get_job("qa")
     assert job.state == "completed", job.message
     evaluations = store.evaluations("qa")

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from pipetransformer.store import Store, sqlite_url
-from tests.fixtures_run import REPO, cli, finish, running_after_checkpoint, start_cli
+from tests.fixtures_run import REPO, cli, finish, run_job, running_after_checkpoint, start_cli
 from tests.lm_assets import make_lm, write_chat, write_text
 
 pytestmark = pytest.mark.slow
@@ -30,14 +29,6 @@ TRAIN = {
     "freeze": {"policy": "schedule", "alpha": 0.5, "keep_trainable": 1, "cache": "on"},
     "checkpoint": {"every_epochs": 1, "keep": 2},
 }
-
-
-def _run(tmp_path: Path, name: str, spec: dict) -> tuple[Store, str]:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**spec, "name": name}))
-    res = cli("run", str(path), "--workdir", str(tmp_path / name), "--job-id", name, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    return Store.open(sqlite_url(tmp_path / name / "store.db"), migrate=False), res.stdout
 
 
 def test_a_text_job_on_a_tied_decoder_freezes_caches_and_exports(tmp_path: Path) -> None:
@@ -52,7 +43,7 @@ def test_a_text_job_on_a_tied_decoder_freezes_caches_and_exports(tmp_path: Path)
         "data": {"dataset": "table", "train": str(train), "test": str(test), "loader_workers": 1},
         **TRAIN,
     }
-    store, printed = _run(tmp_path, "text", spec)
+    store, printed = run_job(tmp_path, "text", spec)
     job = store.get_job("text")
     assert job.state == "completed", job.message
     losses = [m.loss for m in store.metrics("text")]
@@ -114,7 +105,7 @@ def test_a_chat_job_learns_the_assistants_turns(tmp_path: Path) -> None:
         **TRAIN,
     }
     spec["training"] = {**TRAIN["training"], "target_perplexity": 1e6}
-    store, printed = _run(tmp_path, "chat", spec)
+    store, printed = run_job(tmp_path, "chat", spec)
     job = store.get_job("chat")
     assert job.state == "completed", job.message
     losses = [m.loss for m in store.metrics("chat")]
@@ -188,11 +179,8 @@ def test_the_chat_example_runs_on_what_the_assets_script_makes(tmp_path: Path) -
     """`examples/llama-docstring-chat.yaml` as written, on examples/assets.py's corpus, chats and
     Llama (pretrained for a few steps only), for two of its epochs: it trains on the assistant's
     tokens, freezes a block at a decision point and re-lays itself out."""
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        import assets
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    import assets  # examples/assets.py: tests.lm_assets put examples/ on the path
+
     made = assets.make_language_models(tmp_path / "assets", steps=5)
     chats = made["docstring-chat"]
     assert (chats / "train.jsonl").stat().st_size > 0 and (made["code"] / "test.jsonl").exists()
@@ -200,7 +188,7 @@ def test_the_chat_example_runs_on_what_the_assets_script_makes(tmp_path: Path) -
     spec["model"]["pretrained"] = str(made["llama-code"])
     spec["data"].update(train=str(chats / "train.jsonl"), test=str(chats / "test.jsonl"))
     spec["training"]["epochs"] = 2
-    store, printed = _run(tmp_path, "example", spec)
+    store, printed = run_job(tmp_path, "example", spec)
     job = store.get_job("example")
     assert job.state == "completed", job.message
     assert max(v.layout.freeze_boundary for v in store.layouts("example")) >= 1
