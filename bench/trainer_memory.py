@@ -37,22 +37,26 @@ MIB = 1024 * 1024
 
 def role_of(cmdline: list[str], parent_role: str | None) -> str:
     """The pod role a process of the job belongs to, from its command line (and its parent's:
-    the fork server's children are the workers, and share its command line)."""
+    the fork server's children are the workers). The job's own processes name their role in
+    their title (`pipetransformer forkserver job=...`, edge/proctitle.py); until they have set
+    it, their command line tells."""
     text = " ".join(cmdline)
+    titled = text.split()[1:2] if text.startswith("pipetransformer ") else []
     if cmdline and os.path.basename(cmdline[0]) == "etcd":
         return "etcd"
     if "compile_worker" in text or "_inductor" in text:
         return "compile_workers"
     if parent_role in ("forkserver", "worker"):
-        return "worker"  # forked by the fork server: same command line as it
+        return "worker"  # forked by the fork server (or a worker's loader)
     if "torch.distributed.run" in text or "torchrun" in text:
         return "agent"
-    if "pipetransformer.orchestrator.forkserver" in text and "--serve-fd" in text:
+    forkserver = "pipetransformer.orchestrator.forkserver" in text
+    if titled == ["forkserver"] or (forkserver and "--serve-fd" in text):
         return "forkserver"
     if parent_role == "agent":
         # the agent's children: thin clients that have the fork server fork the real worker,
         # or (without a fork server) the workers themselves
-        return "worker_stub" if "pipetransformer.orchestrator.forkserver" in text else "worker"
+        return "worker_stub" if titled == ["worker-client"] or forkserver else "worker"
     return "controller"
 
 

@@ -30,6 +30,7 @@ from pipetransformer.core import keys
 from pipetransformer.core.readings import mfu_text, peak_memory_text
 from pipetransformer.core.spec import JobSpec, SpecError, load_spec, spec_from_text
 from pipetransformer.core.stage_times import chrome_trace
+from pipetransformer.edge import proctitle
 from pipetransformer.edge.etcd_client import EtcdClient, EtcdUnavailable
 from pipetransformer.edge.overrides import (
     OverrideError,
@@ -249,6 +250,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"job {job_id} already exists ({existing.state}); `pipetransformer resume {job_id}` "
             "continues it, or choose another --job-id"
         )
+    proctitle.set_title("controller", job=job_id)  # this process is the job's controller now
     with job_etcd(args.etcd, args.workdir, job_id) as etcd:
         ctrl = Controller.create(store, etcd, spec, args.workdir, job_id)
         store_url = shown_url(db_url(args))
@@ -268,6 +270,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     refuse_if_controlled(job, args.etcd)
     _check_metrics_port(args)
     started = time.monotonic()
+    proctitle.set_title("controller", job=job.id)
     with job_etcd(args.etcd, args.workdir, job.id) as etcd:
         ctrl = Controller(store, etcd, job.id)
         with monitored(ctrl, args, host="127.0.0.1"):
@@ -615,6 +618,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     except (SpecError, UsageError) as exc:
         write_termination_log(str(exc))
         raise
+    proctitle.set_title("controller", job=job_id)
     if (ended := _ended_or_over_budget(store, job_id, args)) is not None:
         return ended
     with job_etcd(args.etcd, args.workdir, job_id, port=args.etcd_port) as etcd:
@@ -699,6 +703,7 @@ def _ended_or_over_budget(store: Store, job_id: str, args: argparse.Namespace) -
 def cmd_workers(args: argparse.Namespace) -> int:
     """Trainer role of a torchx launch: waits for the job's assignment in etcd, then runs
     torchrun (etcd3 rendezvous) for the current generation."""
+    proctitle.set_title("launcher", job=args.job_id, node=socket.gethostname())
     return serve_node(
         args.etcd,
         args.job_id,

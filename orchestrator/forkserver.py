@@ -3,8 +3,8 @@
 A re-formed generation's workers are new processes (torchrun restarts them), and importing torch,
 DCP and the pipelining package costs about 4.5 s of a recovery on this machine. Each node's
 launcher therefore starts one server that imports `trainer.worker` and waits; the command torchrun
-runs is this module's thin client (stdlib only, tens of milliseconds), which hands its argv,
-environment, working directory and stdio to the server and gets a forked worker in return.
+runs is this module's thin client (stdlib and setproctitle only, tens of milliseconds), which hands
+its argv, environment, working directory and stdio to the server and gets a forked worker in return.
 
 The client stands in for the worker towards torchrun: it forwards the signals torchrun sends
 (SIGTERM stops a worker group gracefully) and exits as the worker did (the same code, or the same
@@ -18,7 +18,11 @@ reachable, or not Linux) the client simply execs `python -m pipetransformer.trai
 Multiprocessing's own forkserver does not fit: torchrun starts workers as commands, not as
 Python callables of a `multiprocessing` context.
 
-    start(env)                                          # per node, by its launcher
+The server and each client title their processes with the job and node (and the client with its
+rank), `pipetransformer forkserver job=J node=N`, `pipetransformer worker-client job=J rank=R
+node=N` (edge/proctitle.py); each worker titles itself.
+
+    start(env, job_id=J)                                # per node, by its launcher
     python -m pipetransformer.orchestrator.forkserver --server NAME pipetransformer.trainer.worker ARGS...   # per worker
 """
 
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pipetransformer.core.keys import AGENT_PID_ENV
+from pipetransformer.edge import proctitle
 from pipetransformer.orchestrator.procs import tied_to_parent
 
 TARGET = "pipetransformer.trainer.worker"  # imported by the server, its main(argv) run by each forked worker
@@ -64,11 +69,13 @@ def start(
     log: Path | None = None,
     new_session: bool = False,
     target: str = TARGET,
+    job_id: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start a node's server for `target` (a module with `main(argv) -> int`), tied to this
     process and logging to `log` (else to our stdout); returns it and its name for
     `client_args`. Its socket is bound and listening before this returns (we bind it and hand
-    it over), so no worker started afterwards misses it."""
+    it over), so no worker started afterwards misses it. Its process title names `job_id` and
+    the node `env` names (`proctitle.NODE_ENV`)."""
     name = f"pipetransformer-forkserver-{uuid.uuid4().hex[:12]}"
     with contextlib.ExitStack() as stack:
         listener = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
@@ -83,6 +90,7 @@ def start(
             "--serve-fd",
             fd,
             target,
+            *([job_id] if job_id else []),
         ]
         out = stack.enter_context(open(log, "ab")) if log else None  # noqa: SIM115
         proc = subprocess.Popen(
@@ -142,6 +150,16 @@ def _exec_directly(target: str, argv: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-P", "-m", target, *argv])
 
 
+def _option(argv: list[str], flag: str) -> str | None:
+    """The value of `flag VALUE` or `flag=VALUE` in `argv`, else None."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
+
+
 def client(name: str, target: str, argv: list[str]) -> int:
     """Run `target`'s main(argv) forked from the server `name`, and exit as it did."""
     env = dict(os.environ)
@@ -165,6 +183,13 @@ def client(name: str, target: str, argv: list[str]) -> int:
     for fd in (wakeup_r, wakeup_w):
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wakeup_w, warn_on_full_buffer=False)
+    # one client per rank lives as long as its worker: say whose (torchrun sets RANK)
+    proctitle.set_title(
+        "worker-client",
+        job=_option(argv, "--job-id"),
+        rank=os.environ.get("RANK"),
+        node=os.environ.get(proctitle.NODE_ENV),
+    )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(_address(name))
@@ -397,9 +422,20 @@ def _become_client(message: dict, fds: list[int], server_pid: int, go: int) -> N
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--serve-fd"] and len(argv) == 3:
+    if argv[:1] == ["--serve-fd"] and len(argv) in (3, 4):  # --serve-fd FD TARGET [JOB_ID]
         target = argv[2]
+        # titled before the target's import, which takes seconds (torch)
+        job_id = argv[3] if len(argv) == 4 else None
+        proctitle.set_title("forkserver", job=job_id, node=os.environ.get(proctitle.NODE_ENV))
         request = serve(socket.socket(fileno=int(argv[1])), target)
+        # a forked worker, no longer the server (the target may title itself in more detail);
+        # the environment is its client's now
+        proctitle.set_title(
+            "worker",
+            job=job_id,
+            rank=os.environ.get("RANK"),
+            node=os.environ.get(proctitle.NODE_ENV),
+        )
         sys.argv = [target, *request["argv"]]
         return importlib.import_module(target).main(request["argv"])
     if argv[:1] == ["--server"] and len(argv) >= 3:

@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from pipetransformer.core import keys
 from pipetransformer.core.spec import JobSpec, gpu_shortfall, local_device_type
+from pipetransformer.edge import proctitle
 from pipetransformer.edge.etcd_client import EtcdClient, EtcdUnavailable
 from pipetransformer.edge.overrides import endpoint_file
 from pipetransformer.orchestrator import admission, forkserver
@@ -149,7 +150,8 @@ class Agents:
     """The local torchrun agents of one launch, one per node, each with the node's fork server
     (workers start without importing torch again). Each runs in its own session (a terminal
     Ctrl-C reaches only us; the first one stops the workers gracefully through `on_interrupt`,
-    a second kills them), tied to this process (they die with it), and logs to its own file."""
+    a second kills them), tied to this process (they die with it), and logs to its own file.
+    The processes of node k are titled with `job_id` and node k (edge/proctitle.py)."""
 
     def __init__(
         self,
@@ -158,6 +160,7 @@ class Agents:
         env: dict[str, str],
         node_env: list[dict[str, str]] | None = None,
         on_interrupt: Callable[[], None] | None = None,
+        job_id: str | None = None,
     ):
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
@@ -166,10 +169,10 @@ class Agents:
         self._on_interrupt = on_interrupt
         self._previous = signal.signal(signal.SIGINT, self._interrupt) if on_interrupt else None
         for k, path in enumerate(logs):
-            env_k = env | (node_env[k] if node_env else {})
+            env_k = env | (node_env[k] if node_env else {}) | {proctitle.NODE_ENV: str(k)}
             name = None
             if forkserver.available():
-                server, name = forkserver.start(env_k, path, new_session=True)
+                server, name = forkserver.start(env_k, path, new_session=True, job_id=job_id)
                 self.servers.append(server)
             with open(path, "ab") as log:
                 self.procs.append(
@@ -243,7 +246,8 @@ def train_here(ctrl: Controller, etcd: EtcdClient, console: Console, err: Consol
         env = worker_env(spec.runtime.threads_per_worker)
         env[keys.RDZV_SECRET_FILE_ENV] = str(job_secret_file(ctrl.job.workdir, ctrl.job_id))
         env.pop(keys.RDZV_SECRET_ENV, None)  # the job's own secret, not one from the shell
-        launched.append(Agents(command, logs, env, node_devices(spec, len(logs)), stop))
+        devices = node_devices(spec, len(logs))
+        launched.append(Agents(command, logs, env, devices, stop, job_id=ctrl.job_id))
         return launched[-1]
 
     with ProgressView(console, ctrl.layout) as view:

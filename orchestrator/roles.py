@@ -13,6 +13,7 @@ import time
 from pipetransformer.core import keys
 from pipetransformer.core.protocol import TrainerRefused
 from pipetransformer.core.spec import JobSpec, gpu_shortfall
+from pipetransformer.edge import proctitle
 from pipetransformer.edge.etcd_client import EtcdClient, EtcdUnavailable
 from pipetransformer.orchestrator import forkserver
 from pipetransformer.orchestrator.controller import Controller
@@ -107,9 +108,10 @@ def serve_node(
             time.sleep(0.2)
         raise UsageError(problem)
     env = with_job_secret(worker_env(1), workdir, job_id)  # a node joining a local job
+    env[proctitle.NODE_ENV] = socket.gethostname()  # the node its processes' titles name
     server, name = None, None
     if forkserver.available():  # this node's workers are forked from it, torch imported once
-        server, name = forkserver.start(env)
+        server, name = forkserver.start(env, job_id=job_id)
     cmd = torchrun_command(
         etcd,
         job_id,

@@ -29,6 +29,7 @@ from pipetransformer.core.protocol import (
     Phase,
     RunOutcome,
 )
+from pipetransformer.edge import proctitle
 from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.trainer.device import Compute, worker_device
 from pipetransformer.trainer.failures import is_peer_loss, own_failure
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--etcd", required=True, help="etcd endpoint HOST:PORT")
     args = parser.parse_args(argv)
+    # `ps` tells ranks and jobs apart (torchrun sets RANK; the generation once it is known)
+    node = os.environ.get(proctitle.NODE_ENV)
+    proctitle.set_title("worker", job=args.job_id, rank=os.environ.get("RANK"), node=node)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s [rank {os.environ.get('RANK', '?')}] %(message)s"
     )
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     generation = assignment.generation
+    proctitle.set_title("worker", job=args.job_id, rank=rank, gen=generation, node=node)
     reporter = Reporter(etcd, args.job_id, generation, rank)
     keepalive = hold_presence(etcd, args.job_id, rank, generation, spec.runtime.lease_ttl_s)
     aborted = "the controller aborted the generation"

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Sampler, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
 from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.edge import proctitle
 from pipetransformer.trainer.sources import DataError
 from pipetransformer.trainer.sources.image_folder import (
     Augmentation,
@@ -243,10 +244,12 @@ def elastic_loader(
     **kwargs: Any,
 ) -> DataLoader:
     """A DataLoader reading `dataset` in the order `batches` gives (batches as
-    `collate_samples` makes them, unless `collate_fn` says otherwise); checks the sizes agree."""
+    `collate_samples` makes them, unless `collate_fn` says otherwise); checks the sizes agree.
+    Its loader processes are titled as their worker's loaders (edge/proctitle.py)."""
     if batches.sampler.num_samples != len(dataset):
         raise ValueError(
             f"the sampler has {batches.sampler.num_samples} samples but the data set {len(dataset)}"
         )
     kwargs.setdefault("collate_fn", collate_samples)
+    kwargs.setdefault("worker_init_fn", proctitle.title_loader)
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, **kwargs)
