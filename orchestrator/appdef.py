@@ -20,8 +20,7 @@ from pipetransformer.orchestrator.platforms.base import (
     TrainInputs,
     TrainOptions,
 )
-
-METRICS_PORT_NAME = "metrics"  # the container port's name: k8s/monitoring/podmonitor.yaml
+from pipetransformer.orchestrator.pods import METRICS_PORT_NAME  # the container port's name
 
 
 def app_def(inputs: TrainInputs) -> specs.AppDef:

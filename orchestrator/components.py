@@ -99,10 +99,12 @@ def train(
     db_secret: str = "pipetransformer-db",
     rdzv_secret: str = "pipetransformer-rdzv",
     etcd_client_secrets: str = "etcd-client",
+    etcd_trainer_secret: str = "",
     workdir_pvc: str = "pipetransformer-workdir",
     grace_period_s: int = 120,
     trainer_overlay: str = "",
     metrics_port: int = -1,
+    shm_mib: int = 0,
 ) -> specs.AppDef:
     """Train a pipetransformer job: one controller role and `nnodes` trainer roles.
 
@@ -160,8 +162,14 @@ def train(
         etcd_client_secrets: container mode: the Secrets holding each role's etcd client
             certificate, `<this>-controller` and `<this>-trainer` (keys ca.crt, tls.crt, tls.key;
             k8s/README.md "etcd: TLS and roles"); the trainers sign in as etcd user
-            `trainer-<job id>` with a password made for this launch, which the controller
+            `trainer-<job id>` with the password in etcd_trainer_secret, which the controller
             creates (empty: an etcd without TLS or auth, for trials)
+        etcd_trainer_secret: container mode, with etcd_client_secrets: the Secret holding the
+            trainers' etcd password under the key `password`, which the controller and the
+            trainers read (`secretKeyRef`; never a value in the Job). Default: one made for
+            each launch by `torchx run -s kubernetes`, `<Volcano Job name>-etcd-trainer`,
+            owned by the Job and deleted with it (so no other job's trainers know it). A
+            Secret named here is yours, and every job that names it shares its password
         workdir_pvc: container mode: the ReadWriteMany PVC mounted at workdir in every pod
         grace_period_s: container mode: seconds a pod gets after SIGTERM (a leaving trainer
             checkpoints in that time)
@@ -170,8 +178,10 @@ def train(
             GPU tolerations and node selectors
         metrics_port: port on which the controller serves the job's Prometheus metrics at
             /metrics (default: 9400 in container mode, where the pod gets a container port
-            named `metrics` and the prometheus.io/scrape, port and path annotations; off
-            locally); 0 turns them off
+            named `metrics` and the prometheus.io/scrape, port and path annotations, and is
+            ready once it serves them; off locally); 0 turns them off
+        shm_mib: container mode: size limit of each trainer pod's /dev/shm in MiB (memory,
+            counted against the pod's memory: at most memMB; default half the pod's memory)
     """
     args = TrainArgs(**locals())  # every parameter above, as given
     return app_def(gather(args))

@@ -34,14 +34,17 @@ requests people file now live under a prefix of their own, ``/pipetransformer/re
 (``core/keys.py`` builds them as before; no caller changed), so one static role covers them for
 every job. The trainers' cannot: a trainer of one job must not write another's reports or
 rendezvous, and trainers of all jobs hold the same pod Secrets, so no shared certificate can
-tell them apart. What does tell them apart is their pod specification: the torchx component
-makes a random password per launch and gives it to the trainers (``PIPETRANSFORMER_ETCD_USER``
-``=trainer-<job>``, ``PIPETRANSFORMER_ETCD_PASSWORD``) and to the controller
+tell them apart. What does tell them apart is their pod specification: a random password per
+launch, in a Secret of that launch's own (``<Volcano Job>-etcd-trainer``, made at submission
+and owned by the Volcano Job: orchestrator/volcano.py; never a value in the Job), which the
+launch's pods alone reference: the trainers (``PIPETRANSFORMER_ETCD_USER``
+``=trainer-<job>``, ``PIPETRANSFORMER_ETCD_PASSWORD``) and the controller
 (``PIPETRANSFORMER_ETCD_TRAINER_PASSWORD``), which creates the user and its role before it
 publishes the launch (`admit_trainers_from_env`); until then the trainers' clients wait for the
 user as they wait for an outage. (Deriving it from the rendezvous secret would not do: that
-Secret is usually one per namespace.) A finished job's user can still write that job's keys
-only; ``etcdctl user delete trainer-<job> && etcdctl role delete trainer-<job>`` removes it.
+Secret is usually one per namespace; so would one password Secret for every job.) A finished
+job's user can still write that job's keys only; ``etcdctl user delete trainer-<job> &&
+etcdctl role delete trainer-<job>`` removes it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """What the torchx component adds to the Kubernetes pods torchx generates for its roles
-(`pod_overlay`, `PodVolumes`): the image's non-root user, the checkpoint volume, a node-local
-AutoCache directory, the store's Secret, the grace period a leaving trainer checkpoints in, the
-project's label and, on the controller, the annotations that let Prometheus find its metrics
-(`metrics_annotations`).
+(`pod_overlay`, `PodVolumes`): the image's non-root user on a read-only root file system with
+writable volumes where the processes write (`/tmp`, the image's HOME, a size-limited
+`/dev/shm`), the checkpoint volume, a node-local AutoCache directory, the store's Secret, the
+grace period a leaving trainer checkpoints in, the project's label and, on the controller, the
+annotations that let Prometheus find its metrics (`metrics_annotations`) and a readiness probe
+on them (`metrics_readiness_probe`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from torchx.specs.overlays import JOIN
 
 CACHE_DIR = "/cache"  # a node-local emptyDir in each trainer pod
 IMAGE_UID = 10001  # the non-root user of the project's image (Dockerfile)
+IMAGE_HOME = "/home/pipetransformer"  # its HOME (Dockerfile)
 TORCHX_SHM_VOLUME = "dshm"  # the /dev/shm volume torchx gives every pod (a test checks the name)
+# The root file system is read-only: what the processes write goes to these emptyDirs. /tmp:
+# torchrun's log directories, torch.compile's (inductor) cache, multiprocessing's sockets;
+# HOME: ~/.cache (data and profile caches, Hugging Face), ~/.triton, CUDA's kernel cache. The
+# workdir (checkpoints, the store's SQLite) and the AutoCache directory are volumes already.
+SCRATCH_DIRS = {"tmp": "/tmp", "home": IMAGE_HOME}
+METRICS_PORT_NAME = "metrics"  # the container port's name: k8s/monitoring/podmonitor.yaml
 # on every pod of a job, beside torchx's own labels (`torchx.pytorch.org/role-name` names the
 # role): k8s/monitoring/podmonitor.yaml selects the controller pods by the two
 POD_LABELS = {"app.kubernetes.io/part-of": "pipetransformer"}
@@ -47,6 +56,19 @@ def metrics_annotations(port: int) -> dict[str, str]:
     }
 
 
+def metrics_readiness_probe(port_name: str = METRICS_PORT_NAME) -> dict[str, Any]:
+    """The controller is ready once it serves its job's metrics: it does so from the moment it
+    supervises the job (the job recorded, etcd reached, the trainers' etcd user made). The path
+    Prometheus scrapes, so a ready pod is one that a scrape reaches; a store outage still
+    answers (`pipetransformer_scrape_error 1`) within the timeout."""
+    return {
+        "httpGet": {"path": METRICS_PATH, "port": port_name},
+        "periodSeconds": 10,
+        "timeoutSeconds": 5,
+        "failureThreshold": 3,
+    }
+
+
 @dataclass(frozen=True)
 class PodVolumes:
     """The volumes of a job's pods: the checkpoint PVC at the workdir, and the user's mounts."""
@@ -56,19 +78,29 @@ class PodVolumes:
     extra: list[specs.BindMount | specs.VolumeMount]  # device mounts are refused before
 
     def volumes(
-        self, cache: bool, cache_mib: int | None = None
+        self, cache: bool, shm_mib: int, cache_mib: int | None = None
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(pod volumes, container volume mounts), torchx's shared-memory mount included: the
-        overlay replaces the container's list, so it must list everything. The cache's emptyDir
+        overlay replaces the container's list, so it must list everything. torchx's /dev/shm
+        volume (merged by name) is limited to `shm_mib`: it is memory, counted against the
+        pod's limit, and unlimited a runaway writer takes all of it. The cache's emptyDir
         is limited to `cache_mib` (the kubelet evicts a pod whose volume outgrows its limit:
-        the trainer caps its files below it, `ACTIVATION_CACHE_BYTES_ENV`)."""
+        the trainer caps its files below it, `ACTIVATION_CACHE_BYTES_ENV`). The scratch
+        volumes (`SCRATCH_DIRS`) are what a read-only root file system leaves writable."""
         vols: list[dict[str, Any]] = [
-            {"name": "workdir", "persistentVolumeClaim": {"claimName": self.workdir_pvc}}
+            {
+                "name": TORCHX_SHM_VOLUME,
+                "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_mib}Mi"},
+            },
+            {"name": "workdir", "persistentVolumeClaim": {"claimName": self.workdir_pvc}},
         ]
         mounts: list[dict[str, Any]] = [
             {"name": TORCHX_SHM_VOLUME, "mountPath": "/dev/shm"},
             {"name": "workdir", "mountPath": self.workdir},
         ]
+        for name, path in SCRATCH_DIRS.items():  # on the node's disk: ephemeral storage
+            vols.append({"name": name, "emptyDir": {}})
+            mounts.append({"name": name, "mountPath": path})
         if cache:
             empty_dir = {"sizeLimit": f"{cache_mib}Mi"} if cache_mib else {}
             vols.append({"name": "activation-cache", "emptyDir": empty_dir})
@@ -99,6 +131,9 @@ def pod_overlay(
     resources: Mapping[str, Mapping[str, str]] | None = None,
     cache_mib: int | None = None,
     etcd_cert_secret: str | None = None,
+    *,
+    shm_mib: int,
+    readiness_probe: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What torchx's generated pod lacks: the non-root user and volume group of the image, a
     security context the Pod Security "restricted" profile admits, no API token (the pods never
@@ -110,14 +145,17 @@ def pod_overlay(
     grace period a leaving trainer checkpoints in, the environment from `env_secrets` (`envFrom`: each key is
     a variable's name: the controller's store URL, PIPETRANSFORMER_DB; the trainers'
     rendezvous secret, PIPETRANSFORMER_RDZV_SECRET), the checkpoint volume and a node-local
-    cache; the project's label (`POD_LABELS`) and `annotations` (the controller's
-    `metrics_annotations`) merged into the pod's metadata.
+    cache; a read-only root file system with scratch volumes where the processes write and
+    /dev/shm limited to `shm_mib`; `readiness_probe` (the controller's
+    `metrics_readiness_probe`); the project's label (`POD_LABELS`) and `annotations` (the
+    controller's `metrics_annotations`) merged into the pod's metadata.
 
     The container is found by its image (each role's pod has one container, named per replica)
     and merged field by field: a list given here replaces the generated one, so only
-    `volumeMounts` (listed whole), `envFrom` (absent before) and `securityContext` (a mapping,
-    merged) are set on it."""
-    pod_volumes, container_mounts = volumes.volumes(cache, cache_mib)
+    `volumeMounts` (listed whole), `envFrom` (absent before), `readinessProbe` (absent before)
+    and `securityContext` (a mapping, merged) are set on it. The pod's volumes are merged by
+    name: torchx's /dev/shm volume gets its size limit, the others are added."""
+    pod_volumes, container_mounts = volumes.volumes(cache, shm_mib, cache_mib)
     if etcd_cert_secret:
         pod_volumes.append(
             {
@@ -143,8 +181,13 @@ def pod_overlay(
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
             "runAsNonRoot": True,
+            # nothing of the image can be changed in a running pod; what the processes write
+            # goes to the volumes mounted above (`SCRATCH_DIRS`, the workdir, the cache)
+            "readOnlyRootFilesystem": True,
         },
     }
+    if readiness_probe:
+        container["readinessProbe"] = dict(readiness_probe)
     if resources:  # mappings merge: torchx's nvidia.com/gpu stays, cpu and memory are ours
         container["resources"] = {k: dict(v) for k, v in resources.items()}
     if env_secrets:
@@ -183,7 +226,8 @@ def pod_overlay(
                 }
                 for condition in ("not-ready", "unreachable")
             ],
-            "volumes": pod_volumes,  # appended to torchx's shared-memory volume
+            # by name: torchx's shared-memory volume gets its limit, ours are appended
+            JOIN("volumes", on="name"): pod_volumes,
             JOIN("containers", on="image"): [container],
         },
     }

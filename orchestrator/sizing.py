@@ -53,6 +53,13 @@ NODE_CPUS = 1
 
 CONTROLLER_CPUS = 1
 CONTROLLER_MIB = 1024  # measured 280 (CPU machine) to 580 MiB (a GPU machine's torch)
+CONTROLLER_SHM_MIB = 64  # no data loaders, no NCCL: Docker's default /dev/shm is plenty
+
+# /dev/shm's default size limit in a trainer pod: this share of the pod's memory. It is memory
+# counted against the pod's limit, which the sizing above grants NCCL's and the loaders' shares
+# of; half leaves room for batches larger than those allowances, while a runaway writer (leaked
+# loader batches) gets "No space left on device" instead of the pod's OOM kill.
+SHM_SHARE = 0.5
 
 # ephemeral storage besides the cache: logs, /tmp (torch.compile's and triton's caches)
 SCRATCH_MIB = 2048
@@ -126,6 +133,12 @@ def trainer_size(spec: JobSpec, nproc_per_node: int, gpus: int) -> PodSize:
         ephemeral_mib=SCRATCH_MIB + cache_mib,
         cache_mib=cache_mib,
     )
+
+
+def shm_limit_mib(memory_mib: int) -> int:
+    """The default size limit of /dev/shm (memory-backed) in a pod with `memory_mib` of
+    memory: `SHM_SHARE` of it."""
+    return max(1, int(memory_mib * SHM_SHARE))
 
 
 def controller_size() -> PodSize:

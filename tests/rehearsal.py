@@ -21,18 +21,25 @@ cluster, not through the shortcuts of one machine:
 - **Volumes.** Bind mounts onto the paths the pod spec names, in the pod's mount namespace: a
   PersistentVolumeClaim is one host folder per claim shared by every pod that mounts it (the
   ReadWriteMany checkpoint volume), an emptyDir a fresh folder of that pod's own, an emptyDir
-  in memory a tmpfs (torchx's /dev/shm); HOME is the image's, /home/pipetransformer, on a
-  tmpfs over /home. Bind-mounting rather than rewriting paths in the commands keeps the pods'
+  in memory a tmpfs of its `sizeLimit` (torchx's /dev/shm), a Secret a folder of its items
+  (read-only where the mount says so); HOME is the image's, /home/pipetransformer, on a
+  tmpfs over /home (its volume, where the pod mounts one, over that). Bind-mounting rather than
+  rewriting paths in the commands keeps the pods'
   commands, environment and what they record (checkpoint paths in the store are /workdir/...)
   exactly as on a cluster. Mount points must exist: /workdir and /cache are created on the
   host when missing, as empty folders, and left there (removing one would unmount it in the
   pods of a concurrent run). A pod without a volume at the image's WORKDIR (/workdir) gets the
   image's folder there: a tmpfs holding `runs/`, as the Dockerfile makes it.
+- **Root file system.** A container with `readOnlyRootFilesystem` gets `/` and the image's
+  folders above remounted read-only in its mount namespace once its volumes are mounted: a
+  write anywhere but a volume fails (EROFS, even as root), as in the container.
 - **Environment.** Only what the container would get: the image's variables (PATH with this
   venv's bin first: `python` and `pipetransformer` resolve to it, as to the image's venv, which
   has the project installed, so the working directory is the image's /workdir, not this
-  checkout), the container's `env`, its `envFrom` Secrets, HOSTNAME, and the Service links
-  Kubernetes injects (`ETCD_SERVICE_HOST`, `ETCD_PORT`, ...: torchx's pods keep them).
+  checkout), the container's `env`, its `envFrom` Secrets and the variables it reads from a
+  Secret (`valueFrom.secretKeyRef`; the Secrets a launch makes: `create_launch_secrets`),
+  HOSTNAME, and the Service links Kubernetes injects (`ETCD_SERVICE_HOST`, `ETCD_PORT`, ...:
+  torchx's pods keep them).
 - **Memory and CPU.** Each pod of the job gets cgroups of its own when the machine allows them
   (v1 or v2; nothing is limited), sampled for its peak memory (anonymous + shared, what counts
   against a container's limit once page cache is reclaimed), to compare with the limits torchx
@@ -313,7 +320,9 @@ class PodCgroups:
 class PodSpec:
     """One pod as Kubernetes would run it: `command` (entrypoint and arguments, resolved on the
     pod's PATH), `env` (complete: nothing of the caller's environment leaks in), `mounts` (path
-    in the pod -> a host folder to bind there, or "tmpfs"), the user to run as (None: root)."""
+    in the pod -> a host folder to bind there, or "tmpfs", or "tmpfs:BYTES" of that size), the
+    mounts bound read-only (`read_only`), whether the root file system is read-only, the user
+    to run as (None: root)."""
 
     name: str  # the pod's name, also its host name
     command: list[str]
@@ -325,6 +334,8 @@ class PodSpec:
     service_links: bool = True  # Kubernetes' default (enableServiceLinks)
     memory_limit_mb: int | None = None  # the container's limit, for the report only
     accounted: bool = False  # its memory and CPU measured (the job's pods)
+    read_only: frozenset[str] = frozenset()  # mount paths bound read-only
+    read_only_root: bool = False  # the container's readOnlyRootFilesystem
 
     @property
     def fqdn(self) -> str:
@@ -438,6 +449,7 @@ class Cluster:
         self.secrets: dict[str, dict[str, str]] = {
             "pipetransformer-rdzv": {"PIPETRANSFORMER_RDZV_SECRET": secrets.token_hex(32)}
         }
+        self.secret_dirs: set[str] = set()  # Secret volumes' folders (`secret_volume`)
         self.records: dict[str, tuple[str, list[str]]] = {}  # key -> (ip, names)
         self.services: dict[str, tuple[str, int, str]] = {}  # name -> (ip, port, port name)
         self._hosts_of: dict[str, tuple[str, PodSpec]] = {}  # netns -> (ip, spec)
@@ -591,6 +603,21 @@ class Cluster:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def secret_volume(self, source: dict[str, Any]) -> Path:
+        """A Secret volume's folder, as the kubelet projects it: one file per item (every key
+        without `items`), mode `defaultMode` (0644). A missing Secret holds the pod (the
+        kubelet's CreateContainerConfigError): an AssertionError here."""
+        name = source["secretName"]
+        assert name in self.secrets, f"Secret {name} does not exist: the pod would not start"
+        data = self.secrets[name]
+        path = Path(tempfile.mkdtemp(prefix=f"secret-{name}-", dir=self.volumes))
+        for item in source.get("items") or [{"key": k, "path": k} for k in data]:
+            file = path / item["path"]
+            file.write_text(data[item["key"]])
+            file.chmod(source.get("defaultMode", 0o644))
+        self.secret_dirs.add(str(path))
+        return path
+
     def empty_dir(self, pod: str, name: str) -> Path:
         """A fresh emptyDir of one pod (a recreated pod gets a new one)."""
         path = Path(tempfile.mkdtemp(prefix=f"{pod}-{name}-", dir=self.volumes))
@@ -609,6 +636,8 @@ class Cluster:
         if hiding:  # a checkout under /tmp, say: the "image" is not in a container's own files
             spec = replace(spec, mounts={m: s for m, s in spec.mounts.items() if m not in hiding})
         for path in [*spec.mounts, spec.workdir]:  # mount points, and the image's WORKDIR
+            if _in_image_home(spec, path):
+                continue  # made in the pod's own /home (`_pod_script`)
             if not Path(path).is_dir():
                 Path(path).mkdir(parents=True)  # left in place (module doc)
         env = {**(self.service_env() if spec.service_links else {}), **spec.env}
@@ -652,29 +681,46 @@ class Cluster:
 
     @staticmethod
     def _pod_script(spec: PodSpec) -> str:
-        """What the container runtime does before the entrypoint: host name, volumes, working
-        directory, user; then the command (`"$@"`, found on the pod's PATH) as PID 1."""
+        """What the container runtime does before the entrypoint: host name, the image's own
+        folders, volumes, a read-only root, working directory, user; then the command (`"$@"`,
+        found on the pod's PATH) as PID 1."""
         q = shlex.quote
+        mount = tool("mount")
         lines = ["set -eu", f"{tool('hostname')} {q(spec.name)}"]
-        binds = [s for s in spec.mounts.values() if s != "tmpfs"]
+        image_dirs = []  # the image's folders, on tmpfs's of the pod's own, before any volume
+        home = spec.env.get("HOME", "")
+        if home.startswith("/home/"):  # the image's home
+            lines.append(f"{mount} -t tmpfs -o mode=755 tmpfs /home")
+            lines.append(f"{tool('mkdir')} -p {q(home)}")
+            image_dirs.append("/home")
+        if spec.workdir == IMAGE_WORKDIR and IMAGE_WORKDIR not in spec.mounts:
+            # no volume there: the image's own folder (the Dockerfile makes /workdir/runs)
+            lines.append(f"{mount} -t tmpfs -o mode=755 tmpfs {IMAGE_WORKDIR}")
+            lines.append(f"{tool('mkdir')} -p {IMAGE_WORKDIR}/runs")
+            image_dirs.append(IMAGE_WORKDIR)
+        for path in spec.mounts:  # mount points in the image's folders (HOME's volume)
+            if any(Path(path).is_relative_to(d) for d in image_dirs):
+                lines.append(f"{tool('mkdir')} -p {q(path)}")
+        binds = [s for s in spec.mounts.values() if not s.startswith("tmpfs")]
 
         def covers_a_source(path: str) -> bool:
             return any(Path(s).is_relative_to(path) for s in binds)
 
         # a volume over a folder that holds another's source (an emptyDir at /tmp) goes last
         for path, source in sorted(spec.mounts.items(), key=lambda m: covers_a_source(m[0])):
-            if source == "tmpfs":
-                lines.append(f"{tool('mount')} -t tmpfs -o mode=1777 tmpfs {q(path)}")
+            if source.startswith("tmpfs"):
+                size = source.partition(":")[2]  # an emptyDir's sizeLimit: the tmpfs's size
+                options = "mode=1777" + (f",size={size}" if size else "")
+                lines.append(f"{mount} -t tmpfs -o {options} tmpfs {q(path)}")
             else:
-                lines.append(f"{tool('mount')} --bind {q(source)} {q(path)}")
-        home = spec.env.get("HOME", "")
-        if home.startswith("/home/"):  # the image's home, on a tmpfs of the pod's own
-            lines.append(f"{tool('mount')} -t tmpfs -o mode=755 tmpfs /home")
-            lines.append(f"{tool('mkdir')} -p {q(home)}")
-        if spec.workdir == IMAGE_WORKDIR and IMAGE_WORKDIR not in spec.mounts:
-            # no volume there: the image's own folder (the Dockerfile makes /workdir/runs)
-            lines.append(f"{tool('mount')} -t tmpfs -o mode=755 tmpfs {IMAGE_WORKDIR}")
-            lines.append(f"{tool('mkdir')} -p {IMAGE_WORKDIR}/runs")
+                lines.append(f"{mount} --bind {q(source)} {q(path)}")
+            if path in spec.read_only:
+                lines.append(f"{mount} -o remount,bind,ro {q(path)}")
+        if spec.read_only_root:
+            # after the volumes: a bind mount takes the flags of the mount its source is on,
+            # and these are separate mounts that keep their own
+            for path in ["/", *image_dirs]:
+                lines.append(f"{mount} -o remount,bind,ro {q(path)}")
         lines.append(f"cd {q(spec.workdir)}")
         if spec.user:
             account = pwd.getpwnam(spec.user)
@@ -750,7 +796,10 @@ class Cluster:
                     )
                 except OSError:
                     continue
-                what = " ".join(a.decode(errors="replace") for a in argv[1:4])
+                words = [a.decode(errors="replace") for a in argv if a]
+                # a job's process says what it is in its title (edge/proctitle.py)
+                titled = bool(words) and words[0].startswith("pipetransformer ")
+                what = words[0] if titled else " ".join(words[1:4])
                 counts = {w: waits.count(w) for w in dict.fromkeys(waits)}
                 lines.append(f"--- {pod.log.stem} pid {pid} [{what}] threads waiting in {counts}")
                 start = pod.log.stat().st_size
@@ -918,6 +967,11 @@ class Cluster:
         return url
 
 
+def _in_image_home(spec: PodSpec, path: str) -> bool:
+    """Whether `path` is in the image's /home, which a pod gets on a tmpfs of its own."""
+    return spec.env.get("HOME", "").startswith("/home/") and Path(path).is_relative_to("/home")
+
+
 def _postgres_account() -> pwd.struct_passwd:
     """PostgreSQL refuses to run as root: the Debian package's `postgres` user, else nobody."""
     for name in ("postgres", "nobody"):
@@ -998,24 +1052,54 @@ def secret_env(cluster: Cluster, env_from: list[dict[str, Any]]) -> dict[str, st
     return env
 
 
+def create_launch_secrets(cluster: Cluster, job: dict[str, Any]) -> list[str]:
+    """What `torchx run -s kubernetes` creates before the Volcano Job `job` (the dry run's):
+    the Secrets made for its launch (orchestrator/volcano.py `launch_secrets`). Their names."""
+    from pipetransformer.orchestrator import volcano
+
+    made = volcano.launch_secrets(job)
+    for secret in made:
+        cluster.secrets[secret["metadata"]["name"]] = dict(secret["stringData"])
+    return [secret["metadata"]["name"] for secret in made]
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes quantity in binary units (`512Mi`) as bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity.removesuffix(suffix)) * factor
+    return int(quantity)
+
+
 def role_pods(cluster: Cluster, app: Any, job: str) -> dict[str, PodSpec]:
     """The pods of a torchx AppDef in container mode, as the Kubernetes scheduler builds them
     (torchx.schedulers.kubernetes_scheduler.app_to_resource): per replica, the role with torchx's
-    macros applied; the container's command (entrypoint + args) and env; from the role's pod
-    overlay, the container's `envFrom` Secrets and `volumeMounts` with the pod's volumes. Named
-    as Volcano names them: `<job>-<task>-<index>`, host name the same, subdomain the job. The
-    entrypoint stays `python`: the pod's PATH finds this venv's, as the image's PATH finds its
-    venv's."""
+    macros applied; the container's command (entrypoint + args) and env, with the variables the
+    role reads from Secrets (this project's scheduler writes them: orchestrator/volcano.py
+    `secret_env`) resolved from the cluster's Secrets; from the role's pod overlay, the
+    container's `envFrom` Secrets, `volumeMounts` with the pod's volumes (merged by name with
+    torchx's /dev/shm) and its root file system. Named as Volcano names them:
+    `<job>-<task>-<index>`, host name the same, subdomain the job. The entrypoint stays
+    `python`: the pod's PATH finds this venv's, as the image's PATH finds its venv's."""
     from torchx.specs import macros
     from torchx.specs.overlays import JOIN, get_overlay
+
+    from pipetransformer.orchestrator import volcano
 
     pods: dict[str, PodSpec] = {}
     for role_idx, role in enumerate(app.roles):
         overlay = get_overlay(role, "kubernetes", "V1Pod")
         (container,) = overlay["spec"][JOIN("containers", on="image")]
         assert container["image"] == role.image, "the overlay's container is the role's"
-        volumes = {v["name"]: v for v in overlay["spec"].get("volumes", [])}
-        volumes.setdefault("dshm", {"name": "dshm", "emptyDir": {"medium": "Memory"}})  # torchx's
+        volumes = {"dshm": {"name": "dshm", "emptyDir": {"medium": "Memory"}}}  # torchx's
+        for v in overlay["spec"].get(
+            JOIN("volumes", on="name"), overlay["spec"].get("volumes", [])
+        ):
+            volumes[v["name"]] = {**volumes.get(v["name"], {}), **v}  # torchx's JOIN: by name
+        read_only_root = bool(
+            (container.get("securityContext") or {}).get("readOnlyRootFilesystem")
+        )
         for replica in range(role.num_replicas):
             first = role_idx == 0 and replica == 0
             rank0_env = "TORCHX_RANK0_HOST" if first else f"VC_{app.roles[0].name}_0_HOSTS"
@@ -1025,26 +1109,39 @@ def role_pods(cluster: Cluster, app: Any, job: str) -> dict[str, PodSpec]:
             r = values.apply(role)
             task = f"{role.name}-{replica}"
             name = f"{job}-{task}-0"  # Volcano: <job>-<task>-<index in task>
+            from_secrets: dict[str, str] = {}
+            for var, ref in volcano.secret_env(role, job).items():
+                assert ref["name"] in cluster.secrets, (
+                    f"pod {name}: Secret {ref['name']} ({var}) does not exist: Kubernetes "
+                    "would hold the container (CreateContainerConfigError)"
+                )
+                from_secrets[var] = cluster.secrets[ref["name"]][ref["key"]]
             env = {
                 **image_env(),
                 **secret_env(cluster, container.get("envFrom", [])),
                 **r.env,  # a container's env wins over its envFrom
+                **from_secrets,
                 **({"TORCHX_RANK0_HOST": "localhost"} if first else {}),
                 "TORCHX_IMAGE": r.image,
             }
             mounts: dict[str, str] = {}
+            read_only: set[str] = set()
             for m in container.get("volumeMounts", []):
-                volume = volumes[m["name"]]
+                volume, path = volumes[m["name"]], m["mountPath"]
+                empty_dir = volume.get("emptyDir")
                 if "persistentVolumeClaim" in volume:
-                    mounts[m["mountPath"]] = str(
-                        cluster.volume(volume["persistentVolumeClaim"]["claimName"])
-                    )
-                elif volume.get("emptyDir", {}).get("medium") == "Memory":
-                    mounts[m["mountPath"]] = "tmpfs"
-                elif "emptyDir" in volume:
-                    mounts[m["mountPath"]] = str(cluster.empty_dir(name, m["name"]))
+                    mounts[path] = str(cluster.volume(volume["persistentVolumeClaim"]["claimName"]))
+                elif empty_dir is not None and empty_dir.get("medium") == "Memory":
+                    limit = empty_dir.get("sizeLimit")
+                    mounts[path] = f"tmpfs:{_bytes(limit)}" if limit else "tmpfs"
+                elif empty_dir is not None:
+                    mounts[path] = str(cluster.empty_dir(name, m["name"]))
+                elif "secret" in volume:
+                    mounts[path] = str(cluster.secret_volume(volume["secret"]))
                 else:
                     raise AssertionError(f"volume kind not rehearsed: {volume}")
+                if m.get("readOnly"):
+                    read_only.add(path)
             pods[task] = PodSpec(
                 name=name,
                 command=[r.entrypoint, *r.args],
@@ -1054,16 +1151,19 @@ def role_pods(cluster: Cluster, app: Any, job: str) -> dict[str, PodSpec]:
                 subdomain=job,
                 memory_limit_mb=int(r.resource.memMB) if r.resource.memMB else None,
                 accounted=True,
+                read_only=frozenset(read_only),
+                read_only_root=read_only_root,
             )
     return pods
 
 
 def renew_empty_dirs(cluster: Cluster, spec: PodSpec) -> PodSpec:
-    """The same pod recreated: its emptyDirs are new and empty, its PVCs the same."""
-    shared = {str(p) for p in cluster.volumes.glob("pvc-*")}
+    """The same pod recreated: its emptyDirs are new and empty, its PVCs and Secrets the
+    same."""
+    shared = {str(p) for p in cluster.volumes.glob("pvc-*")} | cluster.secret_dirs
     mounts = {}
     for path, source in spec.mounts.items():
-        if source == "tmpfs" or source in shared:
+        if source.startswith("tmpfs") or source in shared:
             mounts[path] = source
         else:
             mounts[path] = str(cluster.empty_dir(spec.name, Path(path).name or "dir"))
@@ -1110,7 +1210,7 @@ def rendered_containers(app: Any, job: dict[str, Any] | None = None) -> dict[str
 def db_upgrade_pod(cluster: Cluster) -> PodSpec:
     """The migration Job's pod from k8s/base/db-upgrade-job.yaml: its command and arguments
     (found on the pod's PATH, the image's `pipetransformer`), its env with `secretKeyRef`s
-    resolved from the cluster's Secrets, its emptyDir volumes."""
+    resolved from the cluster's Secrets, its emptyDir volumes, its root file system."""
     manifest = yaml.safe_load(DB_UPGRADE_JOB.read_text())
     pod = manifest["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -1134,6 +1234,7 @@ def db_upgrade_pod(cluster: Cluster) -> PodSpec:
         mounts=mounts,
         workdir=IMAGE_WORKDIR,
         service_links=pod.get("enableServiceLinks", True),
+        read_only_root=bool((container.get("securityContext") or {}).get("readOnlyRootFilesystem")),
     )
 
 

@@ -18,6 +18,7 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -191,12 +192,12 @@ def _run_in(cluster: rehearsal.Cluster, pod: rehearsal.Pod, code: str, *args: st
 
 
 def _check_pods_match_torchx(
-    app: Any, pods: dict[str, rehearsal.PodSpec], job: dict[str, Any]
+    cluster: rehearsal.Cluster, app: Any, pods: dict[str, rehearsal.PodSpec], job: dict[str, Any]
 ) -> None:
     """The pods run here are the containers torchx's Kubernetes scheduler would submit: same
-    command, the same env entries (plus the image's and the Secrets'), same volume mounts; the
-    store's URL only in the controller's, the rendezvous secret only in the trainers', each from
-    its Secret."""
+    command, the same env entries (plus the image's and the Secrets'; a `secretKeyRef` one with
+    its Secret's value), same volume mounts and root file system; the store's URL only in the
+    controller's, the rendezvous secret only in the trainers', each from its Secret."""
     try:
         rendered = rehearsal.rendered_containers(app, job)
     except ImportError:
@@ -207,8 +208,15 @@ def _check_pods_match_torchx(
         pod = pods[task]
         assert container["command"] == pod.command, task
         for var in container["env"]:
-            assert pod.env[var["name"]] == var["value"], (task, var["name"])
+            if "valueFrom" in var:
+                ref = var["valueFrom"]["secretKeyRef"]
+                value = cluster.secrets[ref["name"]][ref["key"]]
+            else:
+                value = var["value"]
+            assert pod.env[var["name"]] == value, (task, var["name"])
         assert {m["mountPath"] for m in container["volumeMounts"]} == set(pod.mounts), task
+        read_only = container["securityContext"].get("readOnlyRootFilesystem", False)
+        assert pod.read_only_root == read_only, task
     assert rendered["controller-0"]["envFrom"] == [{"secretRef": {"name": "pipetransformer-db"}}]
     assert "PIPETRANSFORMER_DB" in pods["controller-0"].env
     # the trainers: the rendezvous secret, never the store's credentials
@@ -217,6 +225,62 @@ def _check_pods_match_torchx(
     assert "PIPETRANSFORMER_DB" not in pods["trainer-0"].env
     assert "PIPETRANSFORMER_RDZV_SECRET" in pods["trainer-0"].env
     assert "PIPETRANSFORMER_RDZV_SECRET" not in pods["controller-0"].env
+
+
+PROBE = """
+import json, os, sys, tempfile
+out = {}
+for path in sys.argv[1:]:
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path)
+        os.close(fd)
+        os.unlink(name)
+        out[path] = "written"
+    except OSError as exc:
+        out[path] = exc.strerror or type(exc).__name__
+shm = os.statvfs("/dev/shm")
+out["shm bytes"] = shm.f_blocks * shm.f_frsize
+out["tempdir"] = tempfile.gettempdir()
+print("PROBE " + json.dumps(out))
+"""
+
+
+def test_the_pods_write_only_to_their_volumes(tmp_path: Path) -> None:
+    """Each of the component's pods as Kubernetes runs it (read-only root file system, its
+    volumes, /dev/shm of its limit) with a probe for its command: the places the processes
+    write (the temporary directory, ~/.cache under the image's HOME, the workdir, /dev/shm,
+    the trainers' AutoCache) take a file; the root, /etc and the image's virtual environment
+    refuse one even to root; /dev/shm is as large as its limit. Before, every path was
+    writable and /dev/shm as large as the machine's."""
+    if reason := rehearsal.missing():
+        pytest.skip(f"the Kubernetes rehearsal cannot run here: {reason}")
+    with rehearsal.Cluster(tmp_path / "cluster") as cluster:
+        cluster.secrets["pipetransformer-db"] = {"PIPETRANSFORMER_DB": "sqlite:///unused"}
+        app = _app(write_spec(tmp_path / "spec.yaml", model=MODEL, runtime=RUNTIME), JOB)
+        dry_run = rehearsal.volcano_job(app)
+        pods = rehearsal.role_pods(cluster, app, dry_run["metadata"]["name"])
+        shm_limits = {  # MiB
+            t["name"]: int(v["emptyDir"]["sizeLimit"].removesuffix("Mi"))
+            for t in dry_run["spec"]["tasks"]
+            for v in t["template"]["spec"]["volumes"]
+            if v["name"] == "dshm"
+        }
+        home = rehearsal.IMAGE_HOME
+        written = ["/tmp", home, f"{home}/.cache/pipetransformer", "/workdir", "/dev/shm"]
+        refused = ["/", "/etc", str(rehearsal.VENV_BIN)]
+        for task, spec in pods.items():
+            paths = written + refused + (["/cache"] if task.startswith("trainer") else [])
+            probe = replace(spec, command=["python", "-c", PROBE, *paths], accounted=False)
+            pod = cluster.start(probe, f"p{task[0]}{task[-1]}")
+            assert pod.wait(timeout=60) == 0, pod.tail()
+            line = next(x for x in pod.log.read_text().splitlines() if x.startswith("PROBE "))
+            seen = json.loads(line.removeprefix("PROBE "))
+            for path in paths:
+                expected = "Read-only file system" if path in refused else "written"
+                assert seen[path] == expected, (task, path, seen)
+            assert seen["tempdir"] == "/tmp"
+            assert seen["shm bytes"] == shm_limits[task] << 20
 
 
 def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
@@ -247,8 +311,9 @@ def test_the_pods_train_a_job_and_ride_out_the_loss_of_a_trainer_pod(
         # id) names the pods, its restart and lifecycle policies decide what happens to a pod
         # that ends
         dry_run = rehearsal.volcano_job(app)
+        rehearsal.create_launch_secrets(cluster, dry_run)  # as `torchx run` does (none here)
         pods = rehearsal.role_pods(cluster, app, dry_run["metadata"]["name"])
-        _check_pods_match_torchx(app, pods, dry_run)
+        _check_pods_match_torchx(cluster, app, pods, dry_run)
         volcano = rehearsal.VolcanoJob(cluster, dry_run, pods)
         for pod_spec in pods.values():  # `python` in a pod is the image's: this venv's
             found = shutil.which(pod_spec.command[0], path=pod_spec.env["PATH"])
@@ -492,6 +557,7 @@ def test_a_stopped_job_and_a_failed_one_end_their_volcano_jobs_and_release_their
                 )
                 app = _app(spec, job_id, gpu=1 if runtime else -1)
                 dry_run = rehearsal.volcano_job(app)
+                rehearsal.create_launch_secrets(cluster, dry_run)
                 pods = rehearsal.role_pods(cluster, app, dry_run["metadata"]["name"])
                 volcano = rehearsal.VolcanoJob(cluster, dry_run, pods)
                 try:

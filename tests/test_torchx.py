@@ -24,6 +24,7 @@ from torchx.specs.file_linter import get_fn_docstring
 from pipetransformer.core.keys import RDZV_SECRET_ENV, SPEC_ENV
 from pipetransformer.core.spec import SpecError, load_spec, parse_spec
 from pipetransformer.edge.etcd_client import PASSWORD_ENV
+from pipetransformer.orchestrator import volcano
 from pipetransformer.orchestrator.appdef import app_def
 from pipetransformer.orchestrator.components import (
     CONTROLLER_ROLE,
@@ -277,7 +278,11 @@ def test_the_translation_into_an_appdef_is_pure(monkeypatch: pytest.MonkeyPatch)
     assert controller.image == trainer.image == pods_args["image"]
     assert controller.entrypoint == "python" and "specs/tiny.yaml" not in controller.args
     assert controller.env[SPEC_ENV] == "name: tiny-torchx\n"  # the spec's text travels inline
-    assert trainer.env[PASSWORD_ENV] == "5" * 64  # the trainers' etcd password, for this launch
+    # the trainers' etcd password: never a value in the role, read from the launch's Secret
+    assert PASSWORD_ENV not in trainer.env and "5" * 64 not in str(pods)
+    assert volcano.secret_env(trainer, "launch") == {
+        PASSWORD_ENV: {"name": "launch-etcd-trainer", "key": "password"}
+    }
     assert trainer.min_replicas == 1 and "kubernetes" in trainer.metadata
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +28,20 @@ from pipetransformer.core.keys import (
     SPEC_ENV,
 )
 from pipetransformer.core.spec import load_spec, spec_from_text
-from pipetransformer.orchestrator import sizing
+from pipetransformer.orchestrator import sizing, volcano
+from pipetransformer.orchestrator.appdef import app_def
 from pipetransformer.orchestrator.components import (
     METRICS_PORT,
     METRICS_PORT_NAME,
     ComponentArgError,
     train,
 )
+from pipetransformer.orchestrator.platforms.base import TrainArgs, TrainInputs
 from pipetransformer.orchestrator.pods import (
     CACHE_DIR,
     ETCD_CERT_DIR,
+    ETCD_CERT_FILES,
+    IMAGE_HOME,
     POD_LABELS,
     TORCHX_SHM_VOLUME,
 )
@@ -79,6 +85,13 @@ def env(c: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in c.get("env", [])}
 
 
+def secret_ref(c: dict[str, Any], name: str) -> dict[str, str]:
+    """The Secret and key variable `name` of container `c` is read from (`secretKeyRef`)."""
+    (var,) = [e for e in c.get("env", []) if e["name"] == name]
+    assert "value" not in var, var
+    return var["valueFrom"]["secretKeyRef"]
+
+
 def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
     tmp_path: Path,
 ) -> None:
@@ -112,6 +125,12 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
             "pipetransformer-workdir"
         )
         assert mounts["/dev/shm"] == TORCHX_SHM_VOLUME and TORCHX_SHM_VOLUME in volumes
+        # torchx's volume, limited (merged by name: one volume of that name, every name once)
+        assert volumes[TORCHX_SHM_VOLUME]["emptyDir"]["medium"] == "Memory"
+        assert volumes[TORCHX_SHM_VOLUME]["emptyDir"]["sizeLimit"].endswith("Mi")
+        assert len(volumes) == len(pod["volumes"]), [v["name"] for v in pod["volumes"]]
+        # nothing of the image changes in a running pod; the processes write to volumes
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
         # no API token, the image's non-root user, time for the graceful-leave checkpoint
         assert pod["automountServiceAccountToken"] is False
         assert pod["securityContext"]["runAsNonRoot"] is True
@@ -198,11 +217,12 @@ def test_volcano_job_finds_everything_through_services_secrets_and_volumes(
         # trainers never see the store's credentials; they sign the rendezvous state
         assert c["envFrom"] == [{"secretRef": {"name": "pipetransformer-rdzv"}}]
         assert RDZV_SECRET_ENV not in env(c)  # from the Secret, never inline
-        # signed in as this job's etcd user, whose password the controller was given
+        # signed in as this job's etcd user, with the password the controller reads too, from
+        # the Secret made for this launch
         assert env(c)["PIPETRANSFORMER_ETCD_USER"] == f"trainer-{job['metadata']['name']}"
-        password = env(c)["PIPETRANSFORMER_ETCD_PASSWORD"]
-        assert len(password) == 64
-        assert env(container(ctl))["PIPETRANSFORMER_ETCD_TRAINER_PASSWORD"] == password
+        ref = secret_ref(c, "PIPETRANSFORMER_ETCD_PASSWORD")
+        assert ref == {"name": f"{job['metadata']['name']}-etcd-trainer", "key": "password"}
+        assert secret_ref(container(ctl), "PIPETRANSFORMER_ETCD_TRAINER_PASSWORD") == ref
         # part of the job, but nothing to scrape
         meta = task["template"]["metadata"]
         assert POD_LABELS.items() <= meta["labels"].items()
@@ -261,13 +281,14 @@ def test_an_etcd_without_tls_takes_no_certificates_and_no_users(tmp_path: Path) 
         c = container(task)
         assert not any("ETCD" in name for name in env(c)), env(c)
         assert all(v["name"] != "etcd-client" for v in task["template"]["spec"]["volumes"])
-    # each launch its own trainers' password
+    # each launch its own trainers' password: a Secret of its own
     passwords = {
-        env(
+        secret_ref(
             container(
                 tasks(volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379")), "trainer")[0]
-            )
-        )["PIPETRANSFORMER_ETCD_PASSWORD"]
+            ),
+            "PIPETRANSFORMER_ETCD_PASSWORD",
+        )["name"]
         for _ in range(2)
     }
     assert len(passwords) == 2
@@ -334,6 +355,18 @@ def test_the_readme_s_submission_dry_runs_without_a_cluster(tmp_path: Path) -> N
     assert "no Kubernetes configuration" in proc.stderr and "not validated" in proc.stderr
     job = yaml.safe_load(proc.stdout[proc.stdout.index("apiVersion: batch.volcano.sh/v1alpha1") :])
     assert job["kind"] == "Job" and job["spec"]["queue"] == "pipetransformer"
+    # no password in what it prints (before: the trainers' etcd password, 64 hex characters,
+    # as a value in both roles' env): the pods read it from the launch's Secret, which only
+    # the submission makes
+    assert not re.search(r"\b[0-9a-f]{64}\b", proc.stdout + proc.stderr)
+    secret_vars = [
+        var
+        for task in job["spec"]["tasks"]
+        for var in container(task)["env"]
+        if "PASSWORD" in var["name"]
+    ]
+    assert len(secret_vars) == len(job["spec"]["tasks"]), secret_vars  # one per pod
+    assert all(set(var) == {"name", "valueFrom"} for var in secret_vars), secret_vars
 
 
 def test_trainer_overlay_places_trainers_on_gpu_nodes(tmp_path: Path) -> None:
@@ -354,6 +387,15 @@ def test_trainer_overlay_places_trainers_on_gpu_nodes(tmp_path: Path) -> None:
     assert all(
         t["key"].startswith("node.kubernetes.io/") for t in ctl["template"]["spec"]["tolerations"]
     )
+    # an overlay's volumes join the pod's by name: ours stay (a plain list merged after a list
+    # merged by name would replace it), torchx's /dev/shm keeps its limit
+    extra = tmp_path / "volumes.yaml"
+    extra.write_text("spec:\n  volumes:\n    - name: scratch\n      emptyDir: {}\n")
+    job = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379", trainer_overlay=str(extra)))
+    for task in tasks(job, "trainer"):
+        volumes = {v["name"]: v for v in task["template"]["spec"]["volumes"]}
+        assert {"scratch", "workdir", "tmp", "home", "dshm"} <= set(volumes), set(volumes)
+        assert "sizeLimit" in volumes["dshm"]["emptyDir"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("metadata: {}\nspec: {}\n")
     with pytest.raises(ComponentArgError, match="one key, `spec`"):
@@ -475,3 +517,249 @@ def test_the_controller_may_run_the_slim_image(tmp_path: Path) -> None:
     assert container(ctl)["securityContext"]["allowPrivilegeEscalation"] is False
     with pytest.raises(ComponentArgError, match="controller_image is for container mode"):
         train(spec=spec, controller_image=slim)
+
+
+# -- the trainers' etcd password, /dev/shm, the read-only root, the controller's readiness ----
+
+
+def literal_inputs(spec: Path, launch_secret: str, **args: Any) -> TrainInputs:
+    """What `components.gather` hands the translation, written out (tests/test_torchx.py's
+    way): a known value for the secret `train` makes for a launch."""
+    return TrainInputs(
+        args=TrainArgs(spec=str(spec), image=IMAGE, etcd="etcd:2379", **args),
+        job=load_spec(spec),
+        spec_text=spec.read_text(),
+        trainer_overlay=None,
+        free_port=0,
+        launch_secret=launch_secret,
+        cwd="/checkout",
+        python="/venv/bin/python",
+    )
+
+
+def test_the_trainers_etcd_password_is_never_a_value_in_the_job() -> None:
+    """Both roles read the trainers' etcd password from a Secret (`secretKeyRef`); the Volcano
+    Job, which anyone who may read it sees and `--dryrun` prints, holds no value of it. Before,
+    the launch's secret was a plain value in the env of both roles."""
+    spec = REPO / "examples" / "vit-digits.yaml"
+    launch_secret = "5" * 64
+    job = volcano_job(app_def(literal_inputs(spec, launch_secret, nnodes=2)))
+    name = job["metadata"]["name"]
+    assert launch_secret not in yaml.safe_dump(job)
+    refs = [
+        secret_ref(container(task), var)
+        for task in job["spec"]["tasks"]
+        for var in env(container(task))
+        if "PASSWORD" in var
+    ]
+    assert refs == [{"name": f"{name}-etcd-trainer", "key": "password"}] * 3
+    # the Job names the Secret made for its launch; `torchx run` creates it from this
+    assert job["metadata"]["annotations"][volcano.LAUNCH_SECRETS_ANNOTATION] == (
+        f"{name}-etcd-trainer"
+    )
+    (secret,) = volcano.launch_secrets(job)
+    assert secret["metadata"]["name"] == f"{name}-etcd-trainer"
+    assert secret["metadata"]["labels"]["app.kubernetes.io/instance"] == name
+    assert re.fullmatch(r"[0-9a-f]{64}", secret["stringData"]["password"])
+    assert volcano.launch_secrets(job)[0]["stringData"] != secret["stringData"]  # fresh each
+    schemas = pytest.importorskip("tests.k8s_schemas", reason="schema helpers not present")
+    schemas.validate_object(secret)
+    schemas.validate_object(job)
+    # a Secret of the user's: referenced as it is, none made
+    mine = volcano_job(
+        app_def(literal_inputs(spec, launch_secret, etcd_trainer_secret="team-etcd-trainer"))
+    )
+    assert {secret_ref(container(t), var)["name"] for t in mine["spec"]["tasks"]
+            for var in env(container(t)) if "PASSWORD" in var} == {"team-etcd-trainer"}  # fmt: skip
+    assert volcano.launch_secrets(mine) == []
+    assert volcano.LAUNCH_SECRETS_ANNOTATION not in (mine["metadata"].get("annotations") or {})
+
+
+class FakeKubernetes:
+    """The two API groups `schedule` calls, recording every call in order."""
+
+    def __init__(self, fail_job: bool = False) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.fail_job = fail_job
+        self.secrets: dict[str, dict[str, Any]] = {}
+
+    # CustomObjectsApi
+    def create_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, body: dict, **kw: Any
+    ) -> dict[str, Any]:
+        self.calls.append(("create job", body["metadata"]["name"]))
+        if self.fail_job:
+            raise RuntimeError("admission webhook refused the job")
+        return {"metadata": {"name": body["metadata"]["name"], "uid": "uid-1"}}
+
+    def get_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str
+    ) -> dict[str, Any]:
+        return {"metadata": {"name": name, "uid": "uid-1"}}
+
+    # CoreV1Api
+    def create_namespaced_secret(self, namespace: str, body: dict[str, Any]) -> None:
+        self.calls.append(("create secret", body["metadata"]["name"]))
+        self.secrets[body["metadata"]["name"]] = copy.deepcopy(body)
+
+    def patch_namespaced_secret(self, name: str, namespace: str, body: dict[str, Any]) -> None:
+        self.calls.append(("patch secret", name))
+        self.secrets[name]["metadata"].update(body["metadata"])
+
+    def delete_namespaced_secret(self, name: str, namespace: str) -> None:
+        self.calls.append(("delete secret", name))
+        del self.secrets[name]
+
+
+def _submit(app: Any, fake: FakeKubernetes) -> str:
+    """`torchx run -s kubernetes` of `app` against `fake`'s API server: dry run, then schedule."""
+    from torchx.schedulers import get_scheduler_factories
+
+    scheduler = get_scheduler_factories()["kubernetes"]("test")
+    scheduler._custom_objects_api = lambda: fake
+    scheduler._core_api = lambda: fake
+    cfg = {"queue": QUEUE, "validate_spec": False, "namespace": "ml"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchx's note on Volcano's retries, once per role
+        info = scheduler.submit_dryrun(app, cfg)
+    return scheduler.schedule(info)
+
+
+def test_a_submission_makes_the_launch_s_secret_and_the_job_owns_it() -> None:
+    """`torchx run -s kubernetes`: the launch's Secret is created before the Job (its pods read
+    it as they start), with a random password, then made the Job's (Kubernetes deletes it with
+    the Job); a Job the API server refuses takes its Secret back. Before, no Secret was made."""
+    spec = str(REPO / "examples" / "vit-digits.yaml")
+    fake = FakeKubernetes()
+    app_id = _submit(train(spec=spec, image=IMAGE, etcd="etcd:2379"), fake)
+    name = app_id.split(":")[1]
+    secret_name = f"{name}-etcd-trainer"
+    assert fake.calls == [
+        ("create secret", secret_name),
+        ("create job", name),
+        ("patch secret", secret_name),
+    ]
+    secret = fake.secrets[secret_name]
+    assert re.fullmatch(r"[0-9a-f]{64}", secret["stringData"]["password"])
+    assert secret["metadata"]["ownerReferences"] == [
+        {"apiVersion": "batch.volcano.sh/v1alpha1", "kind": "Job", "name": name, "uid": "uid-1"}
+    ]
+    refused = FakeKubernetes(fail_job=True)
+    with pytest.raises(RuntimeError, match="admission webhook"):
+        _submit(train(spec=spec, image=IMAGE, etcd="etcd:2379"), refused)
+    assert [c[0] for c in refused.calls] == ["create secret", "create job", "delete secret"]
+    assert refused.secrets == {}
+    # no etcd auth, or a Secret of the user's: only the Job
+    for extra in ({"etcd_client_secrets": ""}, {"etcd_trainer_secret": "team-etcd-trainer"}):
+        plain = FakeKubernetes()
+        _submit(train(spec=spec, image=IMAGE, etcd="etcd:2379", **extra), plain)
+        assert [c[0] for c in plain.calls] == ["create job"], extra
+
+
+def test_dev_shm_is_limited_and_its_limit_checked(tmp_path: Path) -> None:
+    """torchx's /dev/shm is memory-backed and had no limit: now half the trainer pod's memory by
+    default (the controller's 64 MiB), `--shm_mib` where given, refused past the pod's memory
+    (which it counts against) or below 1."""
+    spec = str(REPO / "examples" / "vit-digits.yaml")
+
+    def shm(job: dict[str, Any], role: str) -> str:
+        (task, *_) = tasks(job, role)
+        (volume,) = [v for v in task["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+        return volume["emptyDir"]["sizeLimit"]
+
+    job = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379"))
+    memory = container(tasks(job, "trainer")[0])["resources"]["limits"]["memory"]
+    assert shm(job, "trainer") == f"{int(memory.removesuffix('Mi')) // 2}Mi"
+    assert shm(job, "controller") == f"{sizing.CONTROLLER_SHM_MIB}Mi"
+    given = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379", memMB=4096, shm_mib=3000))
+    assert shm(given, "trainer") == "3000Mi"
+    with pytest.raises(ComponentArgError, match=r"shm_mib=-1: give /dev/shm's size limit"):
+        train(spec=spec, image=IMAGE, etcd="etcd:2379", shm_mib=-1)
+    with pytest.raises(ComponentArgError, match=r"shm_mib=5000 exceeds .* \(4096 MiB; memMB\)"):
+        train(spec=spec, image=IMAGE, etcd="etcd:2379", memMB=4096, shm_mib=5000)
+
+
+def test_the_root_file_system_is_read_only_and_what_is_written_is_a_volume() -> None:
+    """Every container's root file system is read-only; every place the processes write is a
+    writable volume: /tmp (torchrun's logs, torch.compile's cache, multiprocessing), the
+    image's HOME (~/.cache, ~/.triton), /dev/shm, the workdir, the trainers' AutoCache. Before,
+    the image's files were writable and these paths were the container's own layer."""
+    spec = str(REPO / "examples" / "vit-digits.yaml")
+    job = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379", nnodes=2))
+    for task in job["spec"]["tasks"]:
+        c = container(task)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, task["name"]
+        volumes = {v["name"]: v for v in task["template"]["spec"]["volumes"]}
+        writable = {
+            m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"] if not m.get("readOnly")
+        }
+        written = ["/tmp", IMAGE_HOME, "/dev/shm", "/workdir"]
+        written += [CACHE_DIR] if task["name"].startswith("trainer-") else []
+        for path in written:
+            assert path in writable, (task["name"], path)
+        assert "emptyDir" in writable["/tmp"] and "emptyDir" in writable[IMAGE_HOME]
+        # where the processes write by default is one of them (module defaults, the image's HOME)
+        assert env(c).get("HOME") in (None, IMAGE_HOME)  # the image's ENV, not overridden
+    # a user's volume cannot take one of those paths (Kubernetes refuses two at one path)
+    with pytest.raises(ComponentArgError, match="dst=/tmp is where the pods mount"):
+        train(spec=spec, image=IMAGE, etcd="etcd:2379",
+              mounts=["type=volume", "src=scratch", "dst=/tmp"])  # fmt: skip
+
+
+def test_the_controller_is_ready_once_it_serves_its_metrics() -> None:
+    """A readiness probe on the controller's metrics port (`GET /metrics`, the port by name):
+    the pod reads ready from the moment the controller supervises the job. No probe on the
+    trainers (nothing listens there), none without metrics. Before, no probe at all."""
+    spec = str(REPO / "examples" / "vit-digits.yaml")
+    job = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379"))
+    c = container(tasks(job, "controller")[0])
+    probe = c["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/metrics", "port": METRICS_PORT_NAME}
+    assert {p["name"] for p in c["ports"]} == {METRICS_PORT_NAME}
+    assert probe["timeoutSeconds"] < probe["periodSeconds"]
+    assert all("readinessProbe" not in container(t) for t in tasks(job, "trainer"))
+    off = volcano_job(train(spec=spec, image=IMAGE, etcd="etcd:2379", metrics_port=0))
+    assert "readinessProbe" not in container(tasks(off, "controller")[0])
+
+
+def test_the_rehearsal_gives_the_pods_their_secret_variables_as_kubernetes_does(
+    tmp_path: Path,
+) -> None:
+    """tests/rehearsal.py runs the pods' commands with the environment Kubernetes gives them:
+    a `secretKeyRef` variable from the Secret the launch made (`create_launch_secrets`), the
+    same value in the controller and the trainers; a Secret volume's files; a read-only root
+    and /dev/shm of its limit. A missing Secret holds the pod, as the kubelet does. (Needs no
+    namespaces: the pods are built, not started.)"""
+    cluster = rehearsal.Cluster(tmp_path / "cluster")
+    cluster.volumes.mkdir(parents=True)
+    cluster.secrets["pipetransformer-db"] = {"PIPETRANSFORMER_DB": "postgresql+psycopg://x"}
+    for role in ("controller", "trainer"):
+        cluster.secrets[f"etcd-client-{role}"] = {f: f"{role} {f}" for f in ETCD_CERT_FILES}
+    app = train(spec=str(REPO / "examples" / "vit-digits.yaml"), image=IMAGE,
+                etcd="etcd:2379", nnodes=2)  # fmt: skip
+    job = volcano_job(app)
+    name = job["metadata"]["name"]
+    with pytest.raises(AssertionError, match=f"Secret {name}-etcd-trainer .* does not exist"):
+        rehearsal.role_pods(cluster, app, name)
+    assert rehearsal.create_launch_secrets(cluster, job) == [f"{name}-etcd-trainer"]
+    pods = rehearsal.role_pods(cluster, app, name)
+    password = cluster.secrets[f"{name}-etcd-trainer"]["password"]
+    assert pods["controller-0"].env["PIPETRANSFORMER_ETCD_TRAINER_PASSWORD"] == password
+    for task in ("trainer-0", "trainer-1"):
+        assert pods[task].env["PIPETRANSFORMER_ETCD_PASSWORD"] == password
+        assert "PIPETRANSFORMER_ETCD_TRAINER_PASSWORD" not in pods[task].env
+    assert "PIPETRANSFORMER_ETCD_PASSWORD" not in pods["controller-0"].env
+    for task, pod in pods.items():
+        assert pod.read_only_root, task
+        assert pod.mounts["/dev/shm"].startswith("tmpfs:"), pod.mounts
+        certs = Path(pod.mounts[ETCD_CERT_DIR])
+        assert (certs / "tls.crt").read_text() == f"{task[:-2]} tls.crt"
+        assert ETCD_CERT_DIR in pod.read_only
+        # the rendered container's env, each `secretKeyRef` resolved, is the pod's
+        rendered = rehearsal.rendered_containers(app, job)[task]
+        for var in rendered["env"]:
+            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+            value = cluster.secrets[ref["name"]][ref["key"]] if ref else var["value"]
+            assert pod.env[var["name"]] == value, (task, var["name"])
+    trainer_shm = pods["trainer-0"].mounts["/dev/shm"]
+    assert int(trainer_shm.removeprefix("tmpfs:")) == 512 << 20  # half of its 1024 MiB

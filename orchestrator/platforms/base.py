@@ -56,10 +56,12 @@ class TrainArgs:
     db_secret: str = "pipetransformer-db"
     rdzv_secret: str = "pipetransformer-rdzv"
     etcd_client_secrets: str = "etcd-client"
+    etcd_trainer_secret: str = ""
     workdir_pvc: str = "pipetransformer-workdir"
     grace_period_s: int = 120
     trainer_overlay: str = ""
     metrics_port: int = -1
+    shm_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class TrainInputs:
     spec_text: str  # its text (container mode carries it inline: the pods have none of our files)
     trainer_overlay: Any  # container mode: the YAML loaded from `args.trainer_overlay` (or None)
     free_port: int  # free when `train` ran, for an embedded etcd without etcd_port (0: not needed)
-    launch_secret: str  # made for this launch: the trainers' rendezvous secret, or etcd password
+    launch_secret: str  # made for this launch: the local trainers' rendezvous secret
     cwd: str  # the current directory, where local_cwd runs the roles
     python: str  # the interpreter that ran `train`
 

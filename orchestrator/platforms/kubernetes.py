@@ -1,10 +1,12 @@
 """Container mode on Kubernetes with Volcano (`--image` given): the roles run `python` from the
 image, find etcd and the store through Services (the database URL comes from a Secret, never an
-argument), share the checkpoint volume (a ReadWriteMany PVC mounted at --workdir), keep AutoCache
-files on a node-local emptyDir, and carry the spec inline (the submitting machine's files are not
-in the pods). Each pod is sized from the spec (orchestrator/sizing.py, requests = limits), gets
-what torchx's pod lacks from a pod overlay (orchestrator/pods.py) and its role's lifecycle
-policies (orchestrator/volcano.py): a failed replica is replaced alone, never the whole job.
+argument; so does the trainers' etcd password, never a value in the Job), share the checkpoint
+volume (a ReadWriteMany PVC mounted at --workdir), keep AutoCache files on a node-local emptyDir,
+and carry the spec inline (the submitting machine's files are not in the pods). Each pod is
+sized from the spec (orchestrator/sizing.py, requests = limits; /dev/shm limited), gets what
+torchx's pod lacks from a pod overlay (orchestrator/pods.py: a read-only root file system among
+it) and its role's lifecycle policies (orchestrator/volcano.py): a failed replica is replaced
+alone, never the whole job.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torchx.specs as specs
-from torchx.specs import RetryPolicy
-from torchx.specs.overlays import set_overlay
+from torchx.specs import RetryPolicy, macros
+from torchx.specs.overlays import JOIN, set_overlay
 
 from pipetransformer.core.keys import ACTIVATION_CACHE_BYTES_ENV, ACTIVATION_CACHE_ENV, SPEC_ENV
 from pipetransformer.edge.etcd_client import PASSWORD_ENV, USER_ENV
@@ -33,9 +35,13 @@ from pipetransformer.orchestrator.platforms.base import (
 )
 from pipetransformer.orchestrator.pods import (
     CACHE_DIR,
+    ETCD_CERT_DIR,
+    METRICS_PORT_NAME,
+    SCRATCH_DIRS,
     PodVolumes,
     etcd_client_env,
     metrics_annotations,
+    metrics_readiness_probe,
     pod_overlay,
 )
 
@@ -52,6 +58,10 @@ TRAINER_POLICIES = volcano.trainer_policies()
 # name is also its host name, a DNS label of at most 63 characters.
 TORCHX_ID_MAX_CHARS = 14
 POD_NAME_MAX_CHARS = 63
+# the trainers' etcd password when --etcd_trainer_secret is not given: a Secret made for each
+# launch, named after it (orchestrator/volcano.py `launch_secrets`), deleted with its Volcano Job
+LAUNCH_TRAINER_SECRET = f"{macros.app_id}-etcd-trainer"
+TRAINER_SECRET_KEY = "password"  # the key of the password in that Secret, or the user's
 
 
 @dataclass(frozen=True)
@@ -67,8 +77,9 @@ class Kubernetes:
     rdzv_secret: str  # the trainers' (orchestrator/rendezvous, "Trust")
     trainer_overlay: dict[str, Any] | None
     trainer_size: sizing.PodSize | None  # requests = limits (None: a named resource's)
+    trainer_shm_mib: int  # the trainers' /dev/shm size limit
     etcd_client_secrets: str  # "<this>-controller", "<this>-trainer" ("": no TLS, no auth)
-    etcd_trainer_password: str  # the trainers' etcd user's, made for this launch
+    etcd_trainer_secret: str  # the Secret holding the trainers' etcd password (key `password`)
 
     @classmethod
     def resolve(cls, inputs: TrainInputs) -> TrainOptions:
@@ -83,9 +94,11 @@ class Kubernetes:
         )
         check_pod_names(job.name, args.nnodes)
         check_container_args(args, workdir)
+        extra = pod_mounts(args.mounts)
+        check_mount_paths(extra, workdir)
         pods = cls(
             spec_text=inputs.spec_text,
-            volumes=PodVolumes(args.workdir_pvc, workdir, pod_mounts(args.mounts)),
+            volumes=PodVolumes(args.workdir_pvc, workdir, extra),
             grace_period_s=args.grace_period_s,
             db_secret=args.db_secret,
             rdzv_secret=args.rdzv_secret,
@@ -95,9 +108,11 @@ class Kubernetes:
                 else None
             ),
             trainer_size=None if args.h else size,  # a named resource is the user's to size
+            trainer_shm_mib=shm_mib(args.shm_mib, int(resource.memMB)),
             etcd_client_secrets=args.etcd_client_secrets,
-            # one per launch: the trainers' etcd user can write this job's keys only
-            etcd_trainer_password=inputs.launch_secret if args.etcd_client_secrets else "",
+            # by default one per launch: the trainers' etcd user can write this job's keys
+            # only, and no other job's trainers know its password (orchestrator/etcd_auth.py)
+            etcd_trainer_secret=args.etcd_trainer_secret or LAUNCH_TRAINER_SECRET,
         )
         return options(
             inputs,
@@ -120,12 +135,19 @@ class Kubernetes:
     def etcd_cert_secret(self, role: str) -> str | None:
         return f"{self.etcd_client_secrets}-{role}" if self.etcd_client_secrets else None
 
+    def trainer_password(self, variable: str) -> dict[str, Any]:
+        """Role metadata: `variable` read from the trainers' password Secret (a value in the
+        role's env would be in the Job for anyone who reads it, and in `--dryrun`'s output)."""
+        ref = (self.etcd_trainer_secret, TRAINER_SECRET_KEY)
+        return volcano.secret_env_metadata({variable: ref})
+
     def controller(self, role: specs.Role, opts: TrainOptions) -> specs.Role:
-        """A failed controller pod is replaced alone, as its exit status says."""
+        """A failed controller pod is replaced alone, as its exit status says; it is ready
+        once it serves its metrics."""
         role.env[SPEC_ENV] = self.spec_text
         if self.etcd_client_secrets:  # TLS with its certificate; it creates the trainers' user
             role.env.update(etcd_client_env())
-            role.env[etcd_auth.TRAINER_PASSWORD_ENV] = self.etcd_trainer_password
+            role.metadata.update(self.trainer_password(etcd_auth.TRAINER_PASSWORD_ENV))
         _replaced_alone(role, CONTROLLER_POLICIES)
         overlay = pod_overlay(
             opts.controller_image,
@@ -135,6 +157,10 @@ class Kubernetes:
             annotations=metrics_annotations(opts.metrics_port) if opts.metrics_port else None,
             resources=sizing.controller_size().resources(),
             etcd_cert_secret=self.etcd_cert_secret(CONTROLLER_ROLE),
+            shm_mib=sizing.CONTROLLER_SHM_MIB,
+            readiness_probe=metrics_readiness_probe(METRICS_PORT_NAME)
+            if opts.metrics_port
+            else None,
         )
         set_overlay(role, "kubernetes", "V1Pod", overlay)
         return role
@@ -149,7 +175,7 @@ class Kubernetes:
         if self.etcd_client_secrets:  # TLS with its certificate, signed in as the job's user
             role.env.update(etcd_client_env())
             role.env[USER_ENV] = etcd_auth.trainer_user(opts.job_id)  # torchx fills in ${app_id}
-            role.env[PASSWORD_ENV] = self.etcd_trainer_password
+            role.metadata.update(self.trainer_password(PASSWORD_ENV))
         role.min_replicas = opts.min_nodes
         _replaced_alone(role, TRAINER_POLICIES)
         overlay = pod_overlay(
@@ -161,6 +187,7 @@ class Kubernetes:
             resources=size.resources(opts.trainer_resource.gpu) if size else None,
             cache_mib=size.cache_mib if size else None,
             etcd_cert_secret=self.etcd_cert_secret(TRAINER_ROLE),
+            shm_mib=self.trainer_shm_mib,
         )
         set_overlay(role, "kubernetes", "V1Pod", overlay)
         if self.trainer_overlay:  # the user's, merged after ours (lists append, mappings merge)
@@ -224,6 +251,34 @@ def check_container_args(args: TrainArgs, workdir: str) -> None:
         raise ComponentArgError(f"grace_period_s={args.grace_period_s} must be at least 1")
 
 
+def shm_mib(given: int, memory_mib: int) -> int:
+    """The trainers' /dev/shm size limit: `given` (0: `sizing.shm_limit_mib` of the pod's
+    memory), refused past the pod's memory, which it is part of."""
+    if given < 0:
+        raise ComponentArgError(
+            f"shm_mib={given}: give /dev/shm's size limit in MiB (at least 1), or leave it "
+            "unset for half the trainer pod's memory"
+        )
+    if given > memory_mib:
+        raise ComponentArgError(
+            f"shm_mib={given} exceeds the trainer pod's memory ({memory_mib} MiB; memMB): "
+            "/dev/shm is memory, counted against that limit"
+        )
+    return given or sizing.shm_limit_mib(memory_mib)
+
+
+def check_mount_paths(mounts: list[specs.BindMount | specs.VolumeMount], workdir: str) -> None:
+    """Refuse a user's mount at a path the pods mount already (Kubernetes refuses a pod with
+    two volumes at one path)."""
+    taken = {"/dev/shm", workdir, CACHE_DIR, ETCD_CERT_DIR, *SCRATCH_DIRS.values()}
+    for m in mounts:
+        if m.dst_path.rstrip("/") in taken:
+            raise ComponentArgError(
+                f"mounts: dst={m.dst_path} is where the pods mount a volume of their own "
+                f"({', '.join(sorted(taken))}); mount it elsewhere"
+            )
+
+
 def pod_mounts(mounts: list[str] | None) -> list[specs.BindMount | specs.VolumeMount]:
     """The user's mounts as pod volumes can hold them: PVCs and host paths."""
     parsed = specs.parse_mounts(mounts) if mounts else []
@@ -241,4 +296,10 @@ def user_overlay(path: str, loaded: Any) -> dict[str, Any]:
             f"trainer_overlay={path}: expected a mapping with one key, `spec` (fields of the "
             "pod's spec, e.g. tolerations and nodeSelector)"
         )
+    spec = loaded["spec"]
+    if isinstance(spec, dict) and isinstance(spec.get("volumes"), list):
+        # ours are merged by name (torchx's /dev/shm gets its limit): a plain list merged
+        # after them would replace them all, so the user's join them by name too
+        spec = {JOIN("volumes", on="name") if k == "volumes" else k: v for k, v in spec.items()}
+        return {"spec": spec}
     return loaded
