@@ -21,7 +21,7 @@ from datetime import timedelta
 import streamlit as st
 from sqlalchemy.exc import SQLAlchemyError
 
-from pipetransformer.dashboard import job_view
+from pipetransformer.dashboard import job_view, jobs_view, widgets
 from pipetransformer.dashboard.control import freeze_override_control, sign_in_panel, trace_control
 from pipetransformer.dashboard.job_view import VIEWS, ChartOptions, job_label
 from pipetransformer.dashboard.launch import ENV_DB, Options, options_from, script_args
@@ -87,12 +87,12 @@ def select_job(jobs: list[JobInfo]) -> JobInfo:
     return by_id[job_id]
 
 
-def chart_options() -> ChartOptions:
+def chart_options(view: str) -> ChartOptions:
     x = st.sidebar.radio("Time axis", ["step", "time"], horizontal=True, key="xaxis")
-    smoothing = st.sidebar.slider(
-        "Smoothing", 0.0, 0.99, 0.6, 0.01, key="smoothing", help="exponential moving average"
-    )
-    return ChartOptions(x=x, smoothing=smoothing)
+    widgets.keep_smoothing()
+    if view != "Compare":  # Compare draws the slider above its curves (`jobs_view`)
+        widgets.smoothing_slider(st.sidebar)
+    return ChartOptions(x=x, smoothing=st.session_state[widgets.SMOOTHING_KEY])
 
 
 def live(
@@ -143,8 +143,10 @@ def main() -> None:
         )
         first_job(store, options.refresh_s)
         return
+    jobs_view.open_ticked_job()  # before the job list and the view picker are drawn
     selected = select_job(jobs)
-    opts = chart_options()
+    # the picker is drawn below the header; its value is known before
+    opts = chart_options(st.session_state.get("view", VIEWS[0]))
     actor = sign_in_panel()
     running = selected.state not in TERMINAL
     every = options.refresh_s if running else None

@@ -752,9 +752,10 @@ def compare_figure(
     title: str,
 ) -> go.Figure:
     """Several jobs' curves of `key` ("loss", "samples_per_s", "accuracy", ...) overlaid, one
-    trace per job (smoothed when `smoothing` > 0), from `series`: job id -> metrics or
-    evaluations rows. With x="time" each job's x is seconds since its own first row, so jobs
-    started at different times line up."""
+    line per job, from `series`: job id -> metrics or evaluations rows. With `smoothing` > 0
+    each job's line is smoothed (`smooth`) over its raw curve, faint and in the same colour (as
+    TensorBoard draws them; one legend entry toggles both). With x="time" each job's x is
+    seconds since its own first row, so jobs started at different times line up."""
     check_axis(x)
     label, fmt = SERIES.get(key, (key, None))
     x_title = "step" if x == "step" else "seconds since each job's first row"
@@ -772,13 +773,29 @@ def compare_figure(
             t0 = rows[0].time
             xs = [r.time - t0 for r in rows]
         ys = [getattr(r, key) for r in rows]
+        color = STAGE_COLORS[i % len(STAGE_COLORS)]
+        if smoothing > 0:
+            fig.add_trace(
+                go.Scatter(
+                    name=f"{job} (raw)",
+                    x=xs,
+                    y=ys,
+                    mode="lines",
+                    line={"color": color, "width": 1},
+                    opacity=RAW_OPACITY,
+                    legendgroup=job,
+                    showlegend=False,
+                    hoverinfo="skip",  # the hover lists each job once, smoothed
+                )
+            )
         fig.add_trace(
             go.Scatter(
                 name=job,
                 x=xs,
                 y=smooth(ys, smoothing) if smoothing > 0 else ys,
                 mode="lines",
-                line={"color": STAGE_COLORS[i % len(STAGE_COLORS)]},
+                line={"color": color},
+                legendgroup=job,
                 connectgaps=smoothing > 0,
                 customdata=[r.step for r in rows],
                 hovertemplate=f"{job}<br>step %{{customdata}}<br>{label} %{{y:.4g}}<extra></extra>",

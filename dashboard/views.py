@@ -2,25 +2,38 @@
 person reads in each table is unit-tested.
 
 Times come in as unix seconds (the store's typed rows) and leave as readable UTC strings; missing
-values leave as "" or "—", never as the text "None".
+values leave as "" or "—", never as the text "None", except in the columns a table sorts by
+number (the runs table's, Compare's summary), which stay numbers or None (shown as "—").
 """
 
 from __future__ import annotations
 
+import math
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
 
 from pipetransformer.core.protocol import FreezeOutcome, read_freeze_request
 from pipetransformer.core.provenance import origin_of, provenance
-from pipetransformer.core.readings import mfu_text, peak_memory_text
-from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.readings import mfu_text, peak_memory_text, perplexity
+from pipetransformer.core.spec import JobSpec, ModelSpec
 from pipetransformer.core.stage_times import PHASE_LABELS, PHASES, RankTimes
 from pipetransformer.core.state import Layout
-from pipetransformer.store.rows import EventRow, MetricRow, RecordedLayout, StageTimesRow, WorkerRow
+from pipetransformer.core.tasks import task_of
+from pipetransformer.store.rows import (
+    EvaluationRow,
+    EventRow,
+    JobInfo,
+    MetricRow,
+    RecordedLayout,
+    StageTimesRow,
+    WorkerRow,
+)
 
 REQUEST_EVENT = "freeze_requested"
 OUTCOME_EVENTS = {f"freeze_{o.value}": o.value for o in FreezeOutcome}
@@ -214,6 +227,11 @@ def phase_rows(ranks: Sequence[RankTimes]) -> list[dict[str, Any]]:
     ]
 
 
+def idle_columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[str]:
+    """Those of `columns` that are 0 or missing in every row (phases nobody spent time in)."""
+    return [c for c in columns if all(not r.get(c) for r in rows)]
+
+
 def part_text(layout: Layout, rank: int) -> str:
     """A rank's part in a layout: its stage(s) and replica, "S1 · r0" ("S0,S2 · r0" with
     virtual stages); "" for a rank the layout has no place for."""
@@ -289,3 +307,151 @@ def provenance_lines(spec: JobSpec, opened: Sequence[EventRow]) -> list[str]:
 def spec_yaml(spec: JobSpec) -> str:
     """The job's spec as the YAML a user would write (every field, defaults included)."""
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+# ---- tables that fit the page
+
+CHAR_PX = 7.0  # a character's mean width in Streamlit's tables (14 px Source Sans)
+CELL_PAD_PX = 17  # a cell's padding, both sides
+# three lines of text: Streamlit wraps a cell's text only in rows taller than 64 px
+WRAPPED_ROW_PX = 72
+
+
+def wrap_height(rows: Sequence[Mapping[str, Any]], widths: Mapping[str, int]) -> int | None:
+    """The row height a table needs for its long text: `widths` gives the columns whose text
+    wraps within that many pixels; rows three lines tall where some cell of them is longer than
+    one line, None (one line a row, Streamlit's default) where none is."""
+    for row in rows:
+        for column, width in widths.items():
+            text = str(row.get(column) or "")
+            if text and len(text) * CHAR_PX + CELL_PAD_PX > width:
+                return WRAPPED_ROW_PX
+    return None
+
+
+# ---- several jobs: the runs table and Compare's summary
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A job's held-out results over its evaluations: its task's accuracy (a fraction:
+    classification's accuracy, question answering's exact match, a language model's next-token
+    accuracy), the newest and the best; a language model's perplexity (exp of the held-out mean
+    loss per token), the newest and the lowest. None where there is none."""
+
+    final: float | None = None
+    best: float | None = None
+    final_ppl: float | None = None
+    best_ppl: float | None = None
+
+
+def held_out(job: JobInfo, evaluations: Sequence[EvaluationRow]) -> HeldOut:
+    """`job`'s `HeldOut` from its evaluations (`Store.evaluations`)."""
+    if not evaluations:
+        return HeldOut()
+    ordered = sorted(evaluations, key=lambda e: e.step)
+    accuracy = [e.accuracy for e in ordered]
+    if not task_of(job.spec.model).targets_per_token:  # no perplexity but a language model's
+        return HeldOut(final=accuracy[-1], best=max(accuracy))
+    ppl = [None if e.loss is None else perplexity(e.loss) for e in ordered]
+    known = [p for p in ppl if p is not None]
+    return HeldOut(accuracy[-1], max(accuracy), ppl[-1], min(known) if known else None)
+
+
+def model_name(model: ModelSpec) -> str:
+    """A job's model in a table cell: a checkpoint by its hub id or its directory's name, a
+    seeded model by its family, blocks and width ("vit 6×64")."""
+    pre = model.pretrained
+    if pre is None:
+        return f"{model.family} {model.depth}×{model.dim}"
+    if pre.commit is not None or pre.revision is not None:  # a hub id (`provenance.model_text`)
+        return pre.source
+    return PurePosixPath(pre.path or pre.source).name or pre.source
+
+
+def duration_min(job: JobInfo) -> float:
+    """Minutes from the job's creation to its last update (its end, once it ended)."""
+    return (job.updated_at - job.created_at).total_seconds() / 60
+
+
+def throughput(metrics: Sequence[MetricRow]) -> float | None:
+    """The job's samples/s over its whole run: samples per second of step time, so each step
+    weighs its time (the harmonic mean of the steps' samples/s; the plain mean would favour the
+    fast steps a frozen prefix buys). None before a step reported one."""
+    rates = [
+        m.samples_per_s
+        for m in metrics
+        if m.samples_per_s is not None and math.isfinite(m.samples_per_s) and m.samples_per_s > 0
+    ]
+    return len(rates) / sum(1 / r for r in rates) if rates else None
+
+
+def frozen_text(job: JobInfo) -> str:
+    """The blocks frozen at the job's last layout, of its model's: "2/6"."""
+    return f"{job.freeze_boundary}/{job.spec.model.depth}"
+
+
+PERPLEXITY_COLUMNS = ("final ppl", "best ppl")
+
+
+def _metric_columns(found: HeldOut) -> dict[str, float | None]:
+    return {
+        "final": found.final,
+        "best": found.best,
+        PERPLEXITY_COLUMNS[0]: found.final_ppl,
+        PERPLEXITY_COLUMNS[1]: found.best_ppl,
+    }
+
+
+def run_row(job: JobInfo, found: HeldOut, recoveries: int) -> dict[str, Any]:
+    """One job's row in the runs table: what it is, when, how far it went, its held-out results
+    (`found`, `held_out` of its evaluations), its frozen blocks and its recoveries
+    (`core.recoveries`, counted by the caller from the stored events)."""
+    return {
+        "job": job.id,
+        "state": job.state,
+        "model": model_name(job.spec.model),
+        "dataset": job.spec.data.dataset,
+        "created": fmt_time(job.created_at),  # ISO order: sorting the text sorts the times
+        "duration": round(duration_min(job), 2),
+        "steps": job.step,
+        **_metric_columns(found),
+        "frozen": frozen_text(job),
+        "recoveries": recoveries,
+    }
+
+
+def without_empty(
+    rows: list[dict[str, Any]], columns: Sequence[str] = PERPLEXITY_COLUMNS
+) -> list[dict[str, Any]]:
+    """`rows` without those of `columns` that no row has a value in (perplexity, where no job
+    is a language model)."""
+    empty = [c for c in columns if all(r.get(c) is None for r in rows)]
+    return [{k: v for k, v in r.items() if k not in empty} for r in rows]
+
+
+def compare_rows(
+    jobs: Sequence[JobInfo],
+    metrics: Mapping[str, Sequence[MetricRow]],
+    evaluations: Mapping[str, Sequence[EvaluationRow]],
+) -> list[dict[str, Any]]:
+    """Compare's summary, one row per job in `jobs`' order: its held-out results, steps,
+    duration, samples/s over the run (`throughput`), frozen blocks, and its speed-up: its
+    samples/s over the first job's (None where either is unknown)."""
+    rates = [throughput(metrics.get(j.id, ())) for j in jobs]
+    base = rates[0] if rates else None
+    rows = [
+        {
+            "job": job.id,
+            "state": job.state,
+            "model": model_name(job.spec.model),
+            **_metric_columns(held_out(job, evaluations.get(job.id, ()))),
+            "steps": job.step,
+            "duration": round(duration_min(job), 2),
+            "samples/s": None if rate is None else round(rate, 1),
+            "frozen": frozen_text(job),
+            "speed-up": None if rate is None or not base else round(rate / base, 3),
+        }
+        for job, rate in zip(jobs, rates, strict=True)
+    ]
+    return without_empty(rows)

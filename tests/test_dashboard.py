@@ -20,6 +20,7 @@ from pipetransformer.dashboard.launch import (
     streamlit_command,
 )
 from pipetransformer.store import Store, sqlite_url
+from tests.fixtures_store import StoreRun
 
 TIMEOUT_S = 30  # first run imports plotly/pandas; generous for 2 slow cores
 
@@ -468,3 +469,88 @@ def test_cli_warns_before_serving_beyond_loopback_without_credentials(
     assert serve([*args]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert not [argv for argv in served if "streamlit" in argv], "Streamlit never started"
+
+
+# --------------------------------------------------------------------------- several jobs
+
+
+def two_jobs(run: StoreRun) -> str:
+    """A second finished job beside `run`'s (newer, so listed first): its last evaluation,
+    at 75 %, is below its best, 90 %; `run`'s job lost a generation once. Returns its id."""
+    from tests.fixtures_store import populate
+
+    second = "vit-digits-second"
+    populate(run.store, second)
+    run.store.add_evaluation(second, 4, 50, accuracy=0.75, loss=0.5, time=1_700_000_050.0)
+    run.store.add_event(
+        run.job_id,
+        "generation_aborted",
+        "generation 1 aborted: rank 1 was killed by SIGKILL",
+        data={"generation": 1, "reason": "rank 1 killed by SIGKILL"},
+    )
+    return second
+
+
+def test_runs_view_lists_every_job_and_opens_the_ticked_one(
+    monkeypatch: pytest.MonkeyPatch, populated_store: StoreRun
+) -> None:
+    """Before: no view listed the store's jobs with their results; the sidebar's list gave
+    only each job's state and newest accuracy."""
+    second, first = two_jobs(populated_store), populated_store.job_id
+    at = show(run_app(monkeypatch, populated_store.db_url, job=second), "Runs")
+    assert not at.exception, [e.value for e in at.exception]
+    (table,) = at.dataframe
+    runs = table.value.set_index("job")
+    assert list(runs.index) == [second, first]  # newest first
+    assert list(runs["final"]) == [0.75, 0.9] and list(runs["best"]) == [0.9, 0.9]
+    assert list(runs["recoveries"]) == [0, 1]
+    assert list(runs["steps"]) == [40, 40] and list(runs["frozen"]) == ["2/6", "2/6"]
+    assert set(runs["dataset"]) == {"digits"} and set(runs["model"]) == {"vit 6×64"}
+    assert "final ppl" not in runs  # no language model here
+    assert "2 job(s) in this store" in page_text(at)
+
+    # ticking a row opens that job on its first view, the URL and the sidebar following
+    at.session_state["runs"] = {"selection": {"rows": [1], "columns": [], "cells": []}}
+    at = at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert [t.value for t in at.main.title] == [first]
+    assert at.radio(key="view").value == "Training" and at.radio(key="job").value == first
+    assert at.query_params["job"] == first and not at.warning
+    assert "Training loss" in chart_titles(at)
+
+
+def test_compare_view_sums_up_each_job_and_smooths_its_curves(
+    monkeypatch: pytest.MonkeyPatch, populated_store: StoreRun
+) -> None:
+    """Before: Compare had curves only, smoothed by a slider in the sidebar with no raw curve
+    beneath; no numbers side by side."""
+    second = two_jobs(populated_store)
+    at = show(run_app(monkeypatch, populated_store.db_url, job=populated_store.job_id), "Compare")
+    at.multiselect(key="compare").set_value([second])
+    at = at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    (table,) = at.dataframe
+    summary = table.value.set_index("job")
+    assert list(summary.index) == [populated_store.job_id, second]  # the page's job first
+    assert list(summary["final"]) == [0.9, 0.75] and list(summary["best"]) == [0.9, 0.9]
+    assert list(summary["speed-up"]) == [1.0, 1.0]  # the same steps at the same speed
+    assert summary["samples/s"].iloc[0] > 900 and list(summary["steps"]) == [40, 40]
+    # the smoothing slider is above the curves it smooths (the sidebar's is left out here)
+    assert [s.key for s in at.main.slider] == ["smoothing"] and not at.sidebar.slider
+    loss = json.loads(at.get("plotly_chart")[0].proto.spec)["data"]
+    assert [(t["name"], t.get("showlegend", True)) for t in loss] == [
+        (f"{populated_store.job_id} (raw)", False),
+        (populated_store.job_id, True),
+        (f"{second} (raw)", False),
+        (second, True),
+    ]
+    at.slider(key="smoothing").set_value(0.0)
+    at = at.run()
+    loss = json.loads(at.get("plotly_chart")[0].proto.spec)["data"]
+    assert [t["name"] for t in loss] == [populated_store.job_id, second]  # raw values only
+    # one setting: back on Training, the sidebar's slider has the value set here
+    at = show(at, "Training")
+    assert not at.exception and at.sidebar.slider(key="smoothing").value == 0.0
+    assert [t["name"] for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"]][0] == (
+        "loss"
+    )

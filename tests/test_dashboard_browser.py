@@ -9,7 +9,9 @@ so only a browser shows what is really on it, and only clicks show what it does)
   when the job stops, the page stops polling;
 - a job whose ranks reported their stage timings: the Pipeline view draws where the time goes;
 - a job whose ranks traced a step: the Pipeline view draws its schedule as a Gantt chart and
-  downloads it as a Chrome trace; the Workers view shows a rank's recent log lines.
+  downloads it as a Chrome trace; the Workers view shows a rank's recent log lines;
+- two jobs, one with long hosts, log paths and messages: the Workers and Events tables fit the
+  page; the Runs view lists both with their held-out accuracy and opens the one ticked.
 
 Screenshots go to build/screenshots/dashboard/ (or $DASHBOARD_SCREENSHOTS). Needs
 /usr/bin/chromium (`scripts/system-deps.sh` installs it) and the `playwright` package (a test
@@ -492,3 +494,91 @@ def test_pipeline_view_draws_a_traced_step(tmp_path: Path, browser) -> None:
         assert_no_errors(page)
         shot(page, "workers-log")
         page.close()
+
+
+# --------------------------------------------------------------------------- several jobs, wide tables
+
+SECOND_JOB = "vit-digits-second"
+LONG_HOST = "trainer-pod-1-of-a-job-with-a-rather-long-name.trainers.cluster.local"
+LONG_LOG = "/srv/runs/jobs/vit-digits-3f2a1c/workers-vit-digits-3f2a1c-ff8bcf-node-0.log"
+LONG_MESSAGE = (
+    "generation 1 aborted: rank 1 (pid 4242 on node-a) was killed by SIGKILL while training "
+    "step 37; generation 2 resumes from the checkpoint at step 30 with the same layout"
+)
+GRID_OVERFLOW = (
+    "e => { const s = e.querySelector('.dvn-scroller'); return s.scrollWidth - s.clientWidth }"
+)
+
+
+def grid_text(table) -> str:  # noqa: ANN001
+    """What a table's grid holds in the page (Streamlit draws its cells on a canvas; the grid
+    keeps the rows and columns in view in a table for screen readers)."""
+    cells = table.locator('table[role="grid"] th, table[role="grid"] td')
+    return " | ".join(cells.all_text_contents())
+
+
+def assert_fits(page, table, last: str) -> None:  # noqa: ANN001
+    """Every column of `table` in view: its right-most column, `last`, among those the grid
+    drew, the grid not scrolling sideways, and the table inside the window."""
+    # waited for: the grid lists its columns once it has drawn them (only those in view)
+    expect(table.locator('table[role="grid"] th').last).to_have_text(last)
+    assert table.evaluate(GRID_OVERFLOW) <= 1, (last, table.evaluate(GRID_OVERFLOW))
+    box = table.bounding_box()
+    assert box and box["x"] + box["width"] <= page.viewport_size["width"], box
+
+
+def test_runs_table_opens_a_job_and_wide_tables_fit(tmp_path: Path, browser) -> None:
+    """Two finished jobs in one store, one with long host names, log paths and event messages.
+    At 1400 px the Workers and Events tables show their right-most column without scrolling
+    (before: the Workers table was twice as wide as the page, its log column cut off); the Runs
+    view lists both jobs with their newest held-out accuracy (before: no such view), and
+    ticking one opens it."""
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    store = Store.open(sqlite_url(workdir / "store.db"))
+    try:
+        populate(store)
+        populate(store, SECOND_JOB)
+        store.add_evaluation(SECOND_JOB, 4, 50, accuracy=0.75, loss=0.5, time=1_700_000_050.0)
+        job = POPULATED_JOB_ID
+        store.add_event(job, "generation_aborted", LONG_MESSAGE, data={"generation": 1})
+        store.add_workers(
+            job, 1, [{"rank": r, "node": f"n{r}:10", "host": LONG_HOST} for r in (0, 1)]
+        )
+        store.update_workers(job, 1, [0, 1], log=LONG_LOG, detail="ended with the job: completed")
+    finally:
+        store.close()
+    with dashboards(workdir, tmp_path, {}) as (base,):
+        page = open_page(browser, f"{base}/?job={POPULATED_JOB_ID}")
+        tables = page.locator('[data-testid="stDataFrame"]')
+        choose_view(page, "Workers", page.get_by_text("Generation 1"))
+        assert_fits(page, tables.first, "log")
+        shot(page, "wide-workers")
+        choose_view(page, "Events", page.get_by_text("Checkpoints"))
+        expect(tables).to_have_count(2)
+        assert_fits(page, tables.nth(0), "message")
+        assert_fits(page, tables.nth(1), "created")
+        shot(page, "wide-events")
+
+        choose_view(page, "Runs", page.get_by_text("2 job(s) in this store"))
+        expect(tables).to_have_count(1)
+        runs = tables.first
+        assert_fits(page, runs, "recoveries")
+        text = grid_text(runs)
+        assert SECOND_JOB in text and POPULATED_JOB_ID in text, text
+        # each job's newest held-out accuracy (the grid holds the values the cells format)
+        assert re.search(r"0\.75\b|75%", text) and re.search(r"0\.9\b|90%", text), text
+        assert_no_errors(page)
+        shot(page, "runs")
+        # tick the newest job's row (row 0; its box is at the grid's left, under the header)
+        box = runs.bounding_box()
+        assert box
+        page.mouse.click(box["x"] + 16, box["y"] + 35 + 17)
+        expect(page.get_by_role("heading", name=SECOND_JOB)).to_be_visible()
+        settle(page)
+        expect(metric(page, "Accuracy")).to_have_text("75.0%")
+        expect(page.locator(".js-plotly-plot")).to_have_count(4)  # its Training view
+        assert page.url.endswith(f"job={SECOND_JOB}"), page.url
+        assert_no_errors(page)
+        page.close()
+    assert "Session State API" not in (tmp_path / "dashboard-0.log").read_text()

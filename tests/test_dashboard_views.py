@@ -6,21 +6,38 @@ import yaml
 
 from pipetransformer.core.protocol import DataOpened, FreezeRequest
 from pipetransformer.core.provenance import DATA_OPENED, describe_data
-from pipetransformer.core.spec import parse_spec
+from pipetransformer.core.spec import ModelSpec, parse_spec
 from pipetransformer.dashboard.views import (
     FREEZE_REQUEST_KINDS,
+    WRAPPED_ROW_PX,
+    HeldOut,
+    compare_rows,
     device_use,
     event_rows,
     exit_text,
     fmt_ago,
     freeze_requests,
+    held_out,
+    idle_columns,
     markdown_text,
+    model_name,
     provenance_lines,
     rank_parts,
+    run_row,
     spec_yaml,
+    throughput,
+    without_empty,
     worker_rows,
+    wrap_height,
 )
-from pipetransformer.store.rows import EventRow, MetricRow, RecordedLayout, WorkerRow
+from pipetransformer.store.rows import (
+    EvaluationRow,
+    EventRow,
+    JobInfo,
+    MetricRow,
+    RecordedLayout,
+    WorkerRow,
+)
 from tests.fixtures_store import packed_layout, two_stage_layout
 
 T0 = 1_800_000_000.0
@@ -274,3 +291,152 @@ def test_rank_parts_follow_each_layout_version() -> None:
         ("S0 · r0", "S0 · r1"),
     ]
     assert rank_parts([]) == []
+
+
+# ---- several jobs: the runs table and Compare's summary
+
+
+def job_info(
+    job_id: str, *, step: int = 40, frozen: int = 2, minutes: float = 3.0, **spec
+) -> JobInfo:
+    """A stored job as `Store.list_jobs` returns it."""
+    from datetime import UTC, datetime, timedelta
+
+    created = datetime.fromtimestamp(T0, UTC)
+    return JobInfo(
+        id=job_id,
+        name=job_id,
+        spec=parse_spec({"name": job_id, "model": {"depth": 6, "dim": 32}, **spec}),
+        workdir="/w",
+        state="completed",
+        message=None,
+        created_at=created,
+        updated_at=created + timedelta(minutes=minutes),
+        epoch=3,
+        step=step,
+        samples_consumed=0,
+        lr=1e-3,
+        freeze_boundary=frozen,
+        layout_version=2,
+        accuracy=None,
+    )
+
+
+def evaluation(step: int, accuracy: float, loss: float | None = None) -> EvaluationRow:
+    return EvaluationRow(epoch=step // 10, step=step, accuracy=accuracy, loss=loss, time=T0 + step)
+
+
+def as_language_model(job: JobInfo) -> JobInfo:
+    """`job` with a causal LM's task (what a decoder checkpoint's job reads as)."""
+    model = job.spec.model.model_copy(update={"task": "causal-lm"})
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"model": model})})
+
+
+def test_held_out_is_the_newest_and_the_best_of_a_jobs_evaluations() -> None:
+    """Classification: accuracy, the last one and the highest (evaluations in any order); a
+    language model also its perplexity, exp of the held-out loss, the last and the lowest."""
+    import math
+
+    job = job_info("a")
+    evals = [evaluation(30, 0.7), evaluation(10, 0.5), evaluation(20, 0.8)]
+    assert held_out(job, evals) == HeldOut(final=0.7, best=0.8)
+    assert held_out(job, []) == HeldOut()
+    lm = as_language_model(job)
+    found = held_out(lm, [evaluation(10, 0.2, loss=3.0), evaluation(20, 0.3, loss=2.0),
+                          evaluation(30, 0.25, loss=2.5)])  # fmt: skip
+    assert (found.final, found.best) == (0.25, 0.3)
+    assert found.final_ppl == math.exp(2.5) and found.best_ppl == math.exp(2.0)
+    # an evaluation without a loss has no perplexity; the best is over those that have one
+    found = held_out(lm, [evaluation(10, 0.2, loss=2.0), evaluation(20, 0.3)])
+    assert found.final_ppl is None and found.best_ppl == math.exp(2.0)
+
+
+def test_throughput_weighs_each_step_by_its_time() -> None:
+    """Two steps of the same batch at 100 and 300 samples/s took 1/100 + 1/300 s per sample:
+    150 samples/s over the run (the plain mean, 200, would overstate it)."""
+    rows = [metric(1, samples_per_s=100.0), metric(2, samples_per_s=300.0)]
+    assert throughput(rows) == 150.0
+    unknown = [metric(3, samples_per_s=None), metric(4, samples_per_s=0.0)]
+    assert throughput(rows + unknown) == 150.0  # steps that reported none are left out
+    assert throughput(unknown) is None and throughput([]) is None
+
+
+def test_run_row_sums_up_a_job_from_its_stored_rows() -> None:
+    job = job_info("vit-a", data={"dataset": "synthetic"}, minutes=90)
+    evals = [evaluation(10, 0.5), evaluation(20, 0.9), evaluation(30, 0.85)]
+    row = run_row(job, held_out(job, evals), 2)
+    assert row == {
+        "job": "vit-a",
+        "state": "completed",
+        "model": "vit 6×32",
+        "dataset": "synthetic",
+        "created": "2027-01-15 08:00:00 UTC",
+        "duration": 90.0,
+        "steps": 40,
+        "final": 0.85,
+        "best": 0.9,
+        "final ppl": None,
+        "best ppl": None,
+        "frozen": "2/6",
+        "recoveries": 2,
+    }
+    # before its first evaluation: no numbers made up
+    assert run_row(job, held_out(job, []), 0)["final"] is None
+    # perplexity columns only where some job has a perplexity
+    assert "final ppl" not in without_empty([row])[0]
+    lm_job = as_language_model(job)
+    lm = run_row(lm_job, held_out(lm_job, [evaluation(10, 0.3, loss=1.0)]), 0)
+    assert set(without_empty([row, lm])[0]) == set(row)
+
+
+def test_model_name_is_short_enough_for_a_cell() -> None:
+    hub = {"source": "Qwen/Qwen3-0.6B", "revision": "main", "path": "/cache/snap/abc"}
+    folder = {"source": "./my_vit", "path": "/m/my_vit"}
+    shared = {"family": "vit", "dim": 32, "depth": 3, "heads": 2, "image_size": 16,
+              "patch_size": 4, "channels": 3, "num_classes": 5}  # fmt: skip
+    data = {"dataset": "table", "train": "/d/train.parquet", "test": "/d/test.parquet",
+            "columns": {"image": "img"}}  # fmt: skip
+
+    def model(pretrained: dict) -> ModelSpec:
+        spec = {"name": "p", "model": {"pretrained": pretrained, **shared}, "data": data}
+        return parse_spec({**spec, "parallel": {"stages": 1}}).model
+
+    assert model_name(parse_spec({"name": "s"}).model) == "vit 6×64"
+    assert model_name(model(hub)) == "Qwen/Qwen3-0.6B"
+    assert model_name(model(folder)) == "my_vit"
+
+
+def test_compare_rows_give_each_job_its_speed_up_against_the_first() -> None:
+    """The first job picked is the baseline: a job at twice its samples/s is 2.0x, one that
+    reported no throughput has none (never a made-up 0)."""
+    base, fast, idle = job_info("base"), job_info("fast", frozen=4, minutes=1.5), job_info("idle")
+    metrics = {
+        "base": [metric(1, samples_per_s=100.0), metric(2, samples_per_s=100.0)],
+        "fast": [metric(1, samples_per_s=150.0), metric(2, samples_per_s=300.0)],
+    }
+    evaluations = {"base": [evaluation(20, 0.6)], "fast": [evaluation(20, 0.7)]}
+    rows = compare_rows([base, fast, idle], metrics, evaluations)
+    assert [r["job"] for r in rows] == ["base", "fast", "idle"]
+    assert [r["speed-up"] for r in rows] == [1.0, 2.0, None]
+    assert [r["samples/s"] for r in rows] == [100.0, 200.0, None]
+    assert [(r["final"], r["best"]) for r in rows] == [(0.6, 0.6), (0.7, 0.7), (None, None)]
+    assert [r["frozen"] for r in rows] == ["2/6", "4/6", "2/6"]
+    assert [r["duration"] for r in rows] == [3.0, 1.5, 3.0]
+    assert "final ppl" not in rows[0]  # no language model among them
+    # a baseline without throughput gives no job a speed-up
+    assert [r["speed-up"] for r in compare_rows([idle, fast], metrics, evaluations)] == [None] * 2
+    assert compare_rows([], {}, {}) == []
+
+
+def test_wrap_height_only_where_some_text_needs_more_than_a_line() -> None:
+    rows = [{"message": "short", "kind": "x" * 200}, {"message": "also short"}]
+    assert wrap_height(rows, {"message": 300}) is None  # other columns do not count
+    rows.append({"message": "a long message " * 10})
+    assert wrap_height(rows, {"message": 300}) == WRAPPED_ROW_PX > 64  # Streamlit wraps above
+    assert wrap_height([], {"message": 300}) is None
+    assert wrap_height([{"message": None}], {"message": 10}) is None
+
+
+def test_idle_columns_are_those_nobody_spent_time_in() -> None:
+    rows = [{"a": 0.0, "b": 1.0, "c": 0.0}, {"a": 0.0, "b": 0.0}]
+    assert idle_columns(rows, ["a", "b", "c"]) == ["a", "c"]

@@ -768,15 +768,27 @@ def test_compare_figure_lines_jobs_up_by_time_since_their_start() -> None:
     assert list(steps.data[1].x) == [1, 2] and steps.layout.xaxis.title.text == "step"
 
 
-def test_compare_figure_smooths_each_job() -> None:
+def test_compare_figure_smooths_each_job_over_its_faint_raw_curve() -> None:
+    """As TensorBoard draws it: each job's smoothed line over its raw curve, faint, in the same
+    colour, one legend entry for both (before: the smoothed line alone, the raw values gone)."""
     rows = [
         EvaluationRow(epoch=0, step=s, accuracy=v, loss=None, time=T0 + s)
         for s, v in enumerate([0.2, 0.6, 0.4])
     ]
-    fig = compare_figure({"a": rows, "b": []}, "accuracy", smoothing=0.5, title="Accuracy")
-    (a,) = fig.data  # a job with no rows gets no trace
-    assert list(a.y) == pytest.approx(smooth([0.2, 0.6, 0.4], 0.5))
+    other = [EvaluationRow(epoch=0, step=s, accuracy=0.5, loss=None, time=T0) for s in range(2)]
+    fig = compare_figure(
+        {"a": rows, "b": [], "c": other}, "accuracy", smoothing=0.5, title="Accuracy"
+    )
+    raw, smoothed, _, c = fig.data  # a job with no rows gets no trace
+    assert list(raw.y) == [0.2, 0.6, 0.4] and raw.opacity < 1 and raw.showlegend is False
+    assert list(smoothed.y) == pytest.approx(smooth([0.2, 0.6, 0.4], 0.5))
+    assert (smoothed.name, smoothed.opacity, smoothed.showlegend) == ("a", None, None)
+    assert raw.line.color == smoothed.line.color != c.line.color
+    assert raw.legendgroup == smoothed.legendgroup == "a" and c.legendgroup == "c"
     assert fig.layout.yaxis.tickformat == ".0%"
+    # 0: the raw values, one line a job
+    (a, c) = compare_figure({"a": rows, "c": other}, "accuracy", title="Accuracy").data
+    assert list(a.y) == [0.2, 0.6, 0.4] and a.opacity is None and a.name == "a"
 
 
 # ---- empty inputs ----------------------------------------------------------------------------
