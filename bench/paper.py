@@ -28,6 +28,12 @@ Design (PipeTransformer, ICML 2021, Section 5, on 2 worker processes of 1 thread
       all four          relayout: elastic, cache: auto, at each alpha of the sweep (1/5, 1/4, 1/3,
                         2/5, 1/2); and the same with the schedule policy at the default alpha
 
+With `--policies`, the compared jobs are the freeze rules side by side instead, each with all four
+components at the same alpha and cap: the gradient rule, the alpha schedule, the output rule (at
+its default ratio and at each of `--output-ratios`) and the bound (the cap frozen after the
+first step); the headline is the row of what `policy: auto` runs, with its worst seed, and each
+run's wall time is split into where it went (`time_split`).
+
 Each configuration is a real job through `pipetransformer run`; per seed the configurations run
 one after another in a rotated order, so that load drift on this shared machine hits them alike.
 Per configuration (medians over seeds): the run's wall time (the `run` command, start-up
@@ -36,13 +42,15 @@ final held-out accuracy, time to reach the baseline's final accuracy, the epoch 
 freeze and the fraction of the run spent with at least half of the blocks frozen.
 
     .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 1/4]
-        [--keep-trainable 3] [--sweep-keep-trainable 1] [--only NAME ...] [--keep DIR]
+        [--keep-trainable 3] [--sweep-keep-trainable 1] [--policies [--output-ratios R ...]]
+        [--only NAME ...] [--keep DIR]
         [--upstream-device cuda]
         [--upstream-epochs 60] [--body DIR | --upstream-only] [--from-json paper.json ...]
 
 One JSON line (also bench/out/paper.json) and figures in bench/out/: paper-throughput.png
 (samples/s over epochs per configuration), paper-ablation.png (speed-up bars), paper-alpha.png
-(speed-up and accuracy against alpha).
+(speed-up and accuracy against alpha), paper-policies.png (`--policies`: speed-up and accuracy
+per seed, and the time split).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -275,6 +284,38 @@ def configurations(
     return configs
 
 
+# the freeze rules side by side (`--policies`), each with all four components at the same alpha
+# and cap; `bound`: every block but the top keep_trainable frozen at the first step (a decision
+# point after every step, and an alpha that reaches the cap at once), the most freezing can give
+POLICY_ROWS = ("all gradient", "all schedule", "all output", "bound")
+
+
+def policy_configurations(
+    alpha: Fraction, keep: int, output_ratios: list[float] | None = None
+) -> dict[str, dict | None]:
+    """name -> freeze section for the policy comparison: the baseline, the gradient rule, the
+    alpha schedule and the output rule (at the spec's default `output_ratio`, and at each of
+    `output_ratios` as rows `all output r=X`) under all four components, and the bound."""
+    base = {"keep_trainable": keep, "alpha": float(alpha), **ABLATION["all"]}
+    configs: dict[str, dict | None] = {
+        "baseline": None,
+        "all gradient": {**base, "policy": "gradient"},
+        "all schedule": {**base, "policy": "schedule"},
+        "all output": {**base, "policy": "output"},
+    }
+    for r in output_ratios or []:
+        configs[f"all output r={r:g}"] = {**base, "policy": "output", "output_ratio": r}
+    configs["bound"] = {**base, "policy": "schedule", "every": 1, "alpha": 0.99}
+    return configs
+
+
+def alpha_bound_first(freeze: dict) -> int:
+    """The blocks (of the body's 8) a freeze section's first decision point may freeze."""
+    from pipetransformer.core.freeze import alpha_bound
+
+    return alpha_bound(freeze["alpha"], 8, 1)
+
+
 def history(workdir: Path, job_id: str, wall: float) -> dict[str, Any]:
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     try:
@@ -300,6 +341,61 @@ def history(workdir: Path, job_id: str, wall: float) -> dict[str, Any]:
         "first_freeze_epoch": first_freeze,
         "half_frozen_fraction": (metrics[-1].time - half[0]) / span if half else 0.0,
         "final_frozen": metrics[-1].frozen or 0,
+    }
+
+
+def time_split(
+    workdir: Path, job_id: str, started: float, wall: float, rows: int, batch: int
+) -> dict[str, float]:
+    """Where a run's wall time went (seconds), from its store: `startup` (the command's start to
+    the first step's start), `steps_unfrozen` and `steps_frozen` (optimizer steps trained under
+    boundary 0 and above it, each step's time being its rows over its measured samples/s),
+    `relayout_pauses` (the re-layouts' own pauses), `frozen_prefix` (rank 0's time computing the
+    frozen prefix or filling and reading AutoCache, inside the frozen steps), `evaluation`
+    (rank 0's held-out passes), `other` (what else the span between steps holds: control points,
+    decision points and their probes) and `final` (the last step's end to the command's end, less
+    the last evaluation: the final checkpoint and shutdown). All but `frozen_prefix` and
+    `freeze_probes` (the output rule's probes, inside `other`) add up to the wall time. `rows` and `batch`: the training split's rows and the global
+    batch, to know each step's rows (an epoch's last step has the remainder)."""
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    try:
+        metrics, evals = store.metrics(job_id), store.evaluations(job_id)
+        layouts = store.events(job_id, kinds=["layout_planned"])
+        probes = sum(f.probe_s for f in store.freeze_signals(job_id))
+        times = [t for t in store.stage_times(job_id) if t.rank == 0]
+    finally:
+        store.close()
+    per_epoch = -(-rows // batch)
+    last = rows - (per_epoch - 1) * batch
+
+    def step_s(m: Any) -> float:
+        n = last if m.step % per_epoch == 0 else batch
+        return n / m.samples_per_s if m.samples_per_s else 0.0
+
+    unfrozen = sum(step_s(m) for m in metrics if not m.frozen)
+    frozen = sum(step_s(m) for m in metrics if m.frozen)
+    first = step_s(metrics[0])
+    startup = metrics[0].time - first - started
+    final = started + wall - metrics[-1].time
+    pauses = sum(
+        (e.data or {}).get("seconds") or 0.0 for e in layouts if (e.data or {}).get("cost")
+    )
+    evaluation = sum(t.seconds.evaluation for t in times)
+    prefix = sum(t.seconds.frozen_prefix for t in times)
+    span = metrics[-1].time - (metrics[0].time - first)
+    # the last epoch's evaluation comes after the last step: in the tail, not the span (the
+    # passes are alike, each the same held-out rows)
+    last_eval = evaluation / len(evals) if evals else 0.0
+    return {
+        "startup": startup,
+        "steps_unfrozen": unfrozen,
+        "steps_frozen": frozen,
+        "frozen_prefix": prefix,
+        "relayout_pauses": pauses,
+        "evaluation": evaluation,
+        "other": span - unfrozen - frozen - pauses - (evaluation - last_eval),
+        "final": final - last_eval,
+        "freeze_probes": probes,
     }
 
 
@@ -340,6 +436,8 @@ def plot(per_seed: list[dict], summary: dict, out: Path) -> list[str]:
         paths.append(_plot_ablation(plt, summary, out))
     if summary["alpha_sweep"]:
         paths.append(_plot_alpha(plt, summary, out))
+    if "all output" in summary["rows"]:
+        paths.append(_plot_policies(plt, summary, out))
     plt.close("all")
     return paths
 
@@ -358,6 +456,55 @@ def _plot_ablation(plt: Any, summary: dict, out: Path) -> str:
     fig.tight_layout()
     fig.savefig(out / "paper-ablation.png", dpi=120)
     return str(out / "paper-ablation.png")
+
+
+SPLIT_COLOURS = {
+    "startup": "tab:grey",
+    "steps_unfrozen": "tab:blue",
+    "steps_frozen": "tab:green",
+    "relayout_pauses": "tab:red",
+    "evaluation": "tab:purple",
+    "other": "tab:olive",
+    "final": "tab:brown",
+}
+
+
+def _plot_policies(plt: Any, summary: dict, out: Path) -> str:
+    """The freeze rules side by side: speed-up and accuracy delta per seed (dots) and their
+    medians (bars), and the median wall time split into where it went."""
+    rows = {n: r for n, r in summary["rows"].items() if n != "baseline"}
+    names = list(rows)
+    x = np.arange(len(names))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, label in (
+        (axes[0], "wall_time_speedup", "wall-time speed-up over the baseline"),
+        (axes[1], "accuracy_delta_pp", "held-out accuracy delta (pp)"),
+    ):
+        ax.bar(x, [rows[n][key] for n in names], 0.6, alpha=0.5)
+        for i, n in enumerate(names):
+            seeds = rows[n].get(f"{key}_by_seed", [])
+            ax.plot([i] * len(seeds), seeds, "k.", ms=5)
+        ax.set_xticks(x, names, rotation=20, fontsize=8)
+        ax.set_ylabel(label)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].axhline(1.8, color="tab:green", lw=0.8, ls="--")
+    axes[1].axhline(-1.0, color="tab:red", lw=0.8, ls="--")
+    axes[1].axhline(-0.5, color="tab:orange", lw=0.8, ls="--")
+    everything = {"baseline": summary["rows"]["baseline"], **rows}
+    bottom = np.zeros(len(everything))
+    for part, colour in SPLIT_COLOURS.items():
+        values = np.array([r.get("time_split", {}).get(part) or 0.0 for r in everything.values()])
+        axes[2].bar(
+            np.arange(len(everything)), values, 0.6, bottom=bottom, color=colour, label=part
+        )
+        bottom += values
+    axes[2].set_xticks(np.arange(len(everything)), list(everything), rotation=20, fontsize=8)
+    axes[2].set_ylabel("seconds (median over seeds)")
+    axes[2].legend(fontsize=7)
+    fig.suptitle("Freeze rules side by side (dots: seeds; bars: medians)")
+    fig.tight_layout()
+    fig.savefig(out / "paper-policies.png", dpi=120)
+    return str(out / "paper-policies.png")
 
 
 def _plot_alpha(plt: Any, summary: dict, out: Path) -> str:
@@ -386,6 +533,14 @@ def _plot_alpha(plt: Any, summary: dict, out: Path) -> str:
 
 
 # -- the run --------------------------------------------------------------------------------------
+
+
+def _probe_fraction(hist: dict) -> float | None:
+    split = hist.get("time_split")
+    if not split:
+        return None
+    steps = split["steps_unfrozen"] + split["steps_frozen"]
+    return split["freeze_probes"] / steps if steps else None
 
 
 def _med(values: list[float | None]) -> float | None:
@@ -417,14 +572,24 @@ def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[
             half.append(hist["half_frozen_fraction"])
         rows[name] = {
             "wall_time_speedup": _med(speedups),
+            "worst_seed_wall_time_speedup": min(speedups),
             "training_span_speedup": _med(spans),
             "startup_s": _med([r[name]["startup_s"] for r in per_seed]),
             "accuracy_delta_pp": _med(deltas),
+            "worst_seed_accuracy_delta_pp": min(deltas),
+            "accuracy_delta_pp_by_seed": deltas,
+            "wall_time_speedup_by_seed": speedups,
             "time_to_baseline_accuracy_speedup": _med(tta),
             "wall_s": _med([r[name]["wall_s"] for r in per_seed]),
             "final_accuracy": _med([r[name]["final_accuracy"] for r in per_seed]),
             "first_freeze_epoch": _med(first),
             "half_frozen_fraction": _med(half),
+            "time_split": {
+                k: _med([r[name]["time_split"][k] for r in per_seed])
+                for k in per_seed[0][name].get("time_split", {})
+            },
+            # what reading the freeze signal cost, against the time in optimizer steps
+            "probe_cost_fraction": _med([_probe_fraction(r[name]) for r in per_seed]),
         }
     default = f"all a={default_alpha}"
     # a partial run (--only) summarises what it ran
@@ -436,7 +601,11 @@ def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[
     kinds = ("first_freeze_epoch", "half_frozen_fraction")
     policies = {
         policy: {k: rows[name][k] for k in kinds}
-        for policy, name in (("gradient", default), ("schedule", "all schedule"))
+        for policy, name in (
+            ("gradient", default if default in rows else "all gradient"),
+            ("schedule", "all schedule"),
+            ("output", "all output"),
+        )
         if name in rows
     }
     return {
@@ -446,6 +615,20 @@ def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[
         "alpha_sweep_monotonic": monotonic(sweep),
         "policies": policies,
     }
+
+
+def headline_row(summary: dict[str, Any]) -> dict[str, Any]:
+    """The row the last JSON line leads with: all four components under what `policy: auto`
+    runs where the policies were compared, else the ablation's all four (empty: neither ran)."""
+    from pipetransformer.core.freeze import AUTO_POLICY
+
+    rows = summary["rows"]
+    name = f"all {AUTO_POLICY}"
+    if name in rows:
+        return {"name": name, **rows[name]}
+    if "all" in summary["ablation"]:
+        return {"name": "all", **summary["ablation"]["all"]}
+    return {}
 
 
 def monotonic(sweep: dict[str, dict]) -> dict[str, bool] | None:
@@ -493,6 +676,21 @@ def main() -> None:
         "(default: --keep-trainable, the sweep being the `all a=X` rows); 1 lets alpha, not the "
         "cap, set how fast the boundary rises",
     )
+    parser.add_argument(
+        "--policies",
+        action="store_true",
+        help="the freeze rules side by side instead of the ablation: the gradient rule, the "
+        "alpha schedule and the output rule with all four components at --alpha and "
+        "--keep-trainable, and the bound (the cap frozen at the first step); the headline is "
+        "the row of what `policy: auto` runs",
+    )
+    parser.add_argument(
+        "--output-ratios",
+        type=float,
+        nargs="*",
+        default=[],
+        help="with --policies: the output rule at these freeze.output_ratio values too",
+    )
     parser.add_argument("--only", nargs="+", help="run only these configurations (and baseline)")
     parser.add_argument("--keep", type=Path, help="keep the runs under this directory")
     parser.add_argument(
@@ -512,10 +710,12 @@ def main() -> None:
         earlier["config"]["seeds"] = [s for run in runs for s in run["config"]["seeds"]]
         alpha = Fraction(earlier["config"]["alpha"])
         summary = summarise(earlier["per_seed"], alpha)
-        headline = summary["ablation"].get("all", {})
+        headline = headline_row(summary)
         earlier |= {
+            "headline": headline.get("name"),
             "wall_time_speedup": headline.get("wall_time_speedup"),
             "accuracy_delta_pp": headline.get("accuracy_delta_pp"),
+            "worst_seed_accuracy_delta_pp": headline.get("worst_seed_accuracy_delta_pp"),
             "configurations": summary["rows"],
             **{
                 k: summary[k]
@@ -525,7 +725,10 @@ def main() -> None:
         }
         emit(earlier, save_as="paper.json")
         return
-    configs = configurations(args.alpha, args.keep_trainable, args.sweep_keep_trainable)
+    if args.policies:
+        configs = policy_configurations(args.alpha, args.keep_trainable, args.output_ratios)
+    else:
+        configs = configurations(args.alpha, args.keep_trainable, args.sweep_keep_trainable)
     if args.only:
         configs = {k: v for k, v in configs.items() if k == "baseline" or k in args.only}
     with tempfile.TemporaryDirectory() as scratch:
@@ -545,6 +748,7 @@ def main() -> None:
             return
         per_seed: list[dict[str, dict]] = []
         names = list(configs)
+        rows = len(list((tmp / "target" / "train").glob("*/*.png")))
         for k, seed in enumerate(args.seeds):
             runs: dict[str, dict] = {}
             order = names[k % len(names) :] + names[: k % len(names)]  # drift hits all alike
@@ -553,8 +757,10 @@ def main() -> None:
                 if configs[name] is not None:
                     spec["freeze"] = configs[name]
                 job = f"s{seed}-{len(runs)}"
+                started = time.time()
                 wall = _run(tmp, spec, job, cache)
                 runs[name] = history(tmp / job, job, wall)
+                runs[name]["time_split"] = time_split(tmp / job, job, started, wall, rows, 64)
                 progress(
                     f"seed {seed} {name}: {wall:.0f}s, accuracy "
                     f"{runs[name]['final_accuracy']:.3f}, first freeze epoch "
@@ -563,12 +769,14 @@ def main() -> None:
             per_seed.append({n: runs[n] for n in names})
         summary = summarise(per_seed, args.alpha)
         figures = plot(per_seed, summary, out_dir())
-    headline = summary.get("ablation", {}).get("all", {})
+    headline = headline_row(summary)
     emit(
         {
             "benchmark": "paper",
+            "headline": headline.get("name"),
             "wall_time_speedup": headline.get("wall_time_speedup"),
             "accuracy_delta_pp": headline.get("accuracy_delta_pp"),
+            "worst_seed_accuracy_delta_pp": headline.get("worst_seed_accuracy_delta_pp"),
             "linear_probe_accuracy": probe,
             "ablation": summary.get("ablation"),
             "alpha_sweep": summary.get("alpha_sweep"),

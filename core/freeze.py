@@ -27,6 +27,9 @@ decision points so far including the current one, T = 1 at the first):
 * Policy `off`: F never moves automatically. Policy `schedule`: F = min(alpha-bound, cap) (and never
   below the current F). Policy `gradient`: F = the longest converged prefix, clipped by the
   alpha-bound and the cap, and never below the current F.
+* Policy `output`: F = the longest prefix of blocks whose output has stopped moving (below),
+  clipped by the alpha-bound and the cap, and never below the current F. Policy `auto` is the
+  policy `AUTO_POLICY` names: the rule that held accuracy best in the policy comparison.
 * Policy `gradient` asks whether each block has *settled*, by one of two criteria
   (`freeze.criterion`; 'auto' takes `noise` when the job starts from trained weights, `decay`
   otherwise: `settle_criterion`). Both are below; "Why two criteria" says why.
@@ -52,6 +55,25 @@ decision points so far including the current one, T = 1 at the first):
   zero-mean steps E||sum g||^2 = sum E||g||^2, so pure noise gives about 1 whatever the norms'
   scale; a steady direction d under noise s gives about sqrt((n d^2 + s^2) / (d^2 + s^2)), up to
   sqrt(n). It has no memory, and a non-finite ratio counts as not settled.
+
+* `output` (what a block computes, not its gradient): the caller runs a fixed probe batch (the
+  first global batch of the held-out rows, the same rows whatever the layout) through the model at
+  the start of a run and at every decision point, and keeps a sketch of each block's output. A
+  block's *output rate* over the interval is the relative change of its output since the last
+  probe, per unit of learning rate spent in between: `r_T = ||h_T - h_prev|| / ||h_prev|| /
+  sum_t lr_t`. A block has settled when `r_T <= output_ratio * max(r_1 .. r_T)`: it moves at most
+  that fraction as fast as it did when it moved fastest. Three properties follow. (1) A block's
+  output depends on every block below it, so a block whose inputs still change (a lower block
+  re-initialised, or still learning) keeps moving and is not frozen: the prefix rule freezes
+  what has stopped moving as a whole. (2) Per unit of learning rate: Adam moves weights by about
+  lr per step in the direction the gradients agree on, so a decaying learning rate slows the
+  output of a block that has not converged in proportion to lr and leaves `r` where it was; only
+  a block whose steps stop agreeing (converged: noise moves it back and forth) slows per unit of
+  lr. (3) Against its own peak, as `decay` is: the scale of a block's output and of its
+  movement differ by block and model, its fastest interval does not. Egeria (EuroSys 2023)
+  freezes on the same kind of signal, a layer's output against a reference copy of the model;
+  here the reference is the model itself one interval earlier, which needs no second copy. A
+  non-finite rate (no probe before this interval) counts as not settled.
 
 The gradient statistic `n_T` of a block is the **mean over the interval's optimizer steps of the
 block's per-step gradient L2 norm**, taken on the global-batch gradient (after the cross-replica
@@ -111,6 +133,10 @@ from typing import Any, Literal
 from pipetransformer.core.spec import FreezeSpec
 
 Source = Literal["auto", "manual", "none"]
+Policy = Literal["output", "gradient", "schedule", "off"]
+# what `policy: auto` runs: the rule that held accuracy on every seed of the policy comparison
+# (bench/paper.py --policies; docs/benchmarks.md, "Freeze rules side by side")
+AUTO_POLICY: Policy = "output"
 Criterion = Literal["decay", "noise"]
 OverrideOutcome = Literal["applied", "superseded", "rejected"]
 
@@ -148,6 +174,11 @@ def automatic_cap(spec: FreezeSpec, num_blocks: int, decisions: int) -> int:
         alpha_bound(spec.alpha, num_blocks, after_warmup),
         max_boundary(num_blocks, spec.keep_trainable),
     )
+
+
+def policy_in_force(spec: FreezeSpec) -> Policy:
+    """The policy a job runs: the spec's, or for 'auto' `AUTO_POLICY`."""
+    return AUTO_POLICY if spec.policy == "auto" else spec.policy
 
 
 def settle_criterion(spec: FreezeSpec, from_trained: bool) -> Criterion:
@@ -235,11 +266,13 @@ class FreezeState:
     unknown), or None. `peak_norms`: per block, the largest finite norm recorded at any decision
     point so far (NaN while none), or None when unknown (a state written before peaks were kept:
     the `gradient` policy then takes `last_norms` as the peak so far, which can only delay
-    freezing, never hasten it)."""
+    freezing, never hasten it). `output_peaks`: policy `output`'s memory, per block the fastest
+    output rate recorded so far (NaN while none), or None."""
 
     decisions: int = 0
     last_norms: tuple[float, ...] | None = None
     peak_norms: tuple[float, ...] | None = None
+    output_peaks: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_count(self.decisions, "FreezeState.decisions")
@@ -247,11 +280,14 @@ class FreezeState:
     def to_dict(self) -> dict[str, Any]:
         """A strict-JSON-serialisable dict (non-finite norms become None). No "boundary": the
         boundary is the layout's, recorded with it."""
-        return {
+        out: dict[str, Any] = {
             "decisions": self.decisions,
             "last_norms": _norms_json(self.last_norms),
             "peak_norms": _norms_json(self.peak_norms),
         }
+        if self.output_peaks is not None:  # policy 'output' only: other states keep their form
+            out["output_peaks"] = _norms_json(self.output_peaks)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FreezeState:
@@ -265,7 +301,8 @@ class FreezeState:
         rejected."""
         if not isinstance(data, Mapping):
             raise ValueError(f"FreezeState must be a mapping, got {type(data).__name__}")
-        unknown = set(data) - {"boundary", "decisions", "last_norms", "peak_norms"}
+        fields = {"boundary", "decisions", "last_norms", "peak_norms", "output_peaks"}
+        unknown = set(data) - fields
         if unknown:
             raise ValueError(f"FreezeState: unknown field(s) {sorted(unknown)}")
         if "boundary" in data:  # legacy key: validated, then dropped
@@ -274,6 +311,7 @@ class FreezeState:
             decisions=data.get("decisions", 0),
             last_norms=_norms_from_json(data.get("last_norms"), "last_norms"),
             peak_norms=_norms_from_json(data.get("peak_norms"), "peak_norms"),
+            output_peaks=_norms_from_json(data.get("output_peaks"), "output_peaks"),
         )
 
 
@@ -290,7 +328,10 @@ class FreezeDecision:
     alpha-bound for `schedule`; == previous for `off` and during warm-up). `bound`: the automatic
     cap at this decision point, min(alpha-bound, L - keep_trainable). `reason`: for the audit log.
     `override`: what became of a manual request read at this decision point (None: there was
-    none), with `override_reason` saying why."""
+    none), with `override_reason` saying why. `signal` and `limits`: per block, the statistic the
+    policy read at this decision point and the value at or below which a block counts as settled
+    (None for `schedule` and `off`, which read none); what the dashboard draws as each block's
+    distance from its threshold."""
 
     state: FreezeState
     boundary: int
@@ -301,6 +342,8 @@ class FreezeDecision:
     reason: str
     override: OverrideOutcome | None = None
     override_reason: str = ""
+    signal: tuple[float, ...] | None = None
+    limits: tuple[float, ...] | None = None
 
     @property
     def changed(self) -> bool:
@@ -356,6 +399,32 @@ def _check_norms(norms: Sequence[float], num_blocks: int) -> tuple[float, ...]:
     return out
 
 
+def _check_rates(rates: Sequence[float], num_blocks: int) -> tuple[float, ...]:
+    if len(rates) != num_blocks:
+        raise ValueError(
+            f"output_rates has {len(rates)} entries; expected one per block ({num_blocks})"
+        )
+    out = tuple(float(r) for r in rates)
+    for i, r in enumerate(out):
+        if r < 0:  # NaN compares False: an unknown rate is allowed and counts as not settled
+            raise ValueError(
+                f"output_rates[{i}] is a rate of change and cannot be negative, got {r}"
+            )
+    return out
+
+
+def output_rate(change: float, reference: float, lr_sum: float) -> float:
+    """Policy `output`'s statistic for one block: the relative change of its output
+    (`change` = ||h - h_prev||, `reference` = ||h_prev||) per unit of learning rate spent in the
+    interval (`lr_sum`). NaN when it cannot be known (no steps or no learning rate in between, a
+    zero or non-finite reference)."""
+    if not (lr_sum > 0 and math.isfinite(lr_sum)):
+        return math.nan
+    if not (reference > 0 and math.isfinite(reference) and math.isfinite(change)):
+        return math.nan
+    return change / reference / lr_sum
+
+
 def decide(
     spec: FreezeSpec,
     state: FreezeState,
@@ -366,6 +435,7 @@ def decide(
     override: int | None = None,
     drift: Sequence[float] | None = None,
     from_trained: bool = False,
+    output_rates: Sequence[float] | None = None,
 ) -> FreezeDecision:
     """Take one decision point (T = state.decisions + 1) and return the new boundary and state.
 
@@ -379,18 +449,24 @@ def decide(
     `override`: a manual boundary request; the boundary becomes the larger of it and the automatic
     decision (`combine_override`), and the decision says whether it was applied, superseded or
     rejected. `drift`: one drift ratio per block for the interval (criterion `noise`, required
-    there); `from_trained` resolves criterion 'auto' (`settle_criterion`). The returned state
-    records T, the norms (or None) and the per-block peaks including them."""
+    there); `from_trained` resolves criterion 'auto' (`settle_criterion`). `output_rates`: one
+    output rate per block for the interval (policy `output`, required there; NaN where unknown).
+    The returned state records T, the norms (or None), the per-block peaks including them, and
+    the output rates' peaks."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if isinstance(boundary, bool) or not isinstance(boundary, int):
         raise ValueError(f"freeze boundary must be an integer, got {boundary!r}")
     if not 0 <= boundary <= num_blocks:
         raise ValueError(f"freeze boundary {boundary} is outside a model of {num_blocks} blocks")
+    policy = policy_in_force(spec)
     norms = None if block_grad_norms is None else _check_norms(block_grad_norms, num_blocks)
-    if spec.policy == "gradient" and norms is None:
+    if policy == "gradient" and norms is None:
         raise ValueError("freeze.policy 'gradient' needs block_grad_norms at every decision point")
-    for name in ("last_norms", "peak_norms"):
+    rates = None if output_rates is None else _check_rates(output_rates, num_blocks)
+    if policy == "output" and rates is None:
+        raise ValueError("freeze.policy 'output' needs output_rates at every decision point")
+    for name in ("last_norms", "peak_norms", "output_peaks"):
         recorded = getattr(state, name)
         if recorded is not None and len(recorded) != num_blocks:
             raise ValueError(
@@ -399,25 +475,49 @@ def decide(
             )
     known = state.peak_norms if state.peak_norms is not None else state.last_norms
     peaks = state.peak_norms if norms is None else update_peaks(known, norms)
+    out_peaks = state.output_peaks if rates is None else update_peaks(state.output_peaks, rates)
 
     current = boundary
     t = state.decisions + 1
     bound = automatic_cap(spec, num_blocks, t)
 
-    if spec.policy == "off":
-        proposed, why = current, "policy 'off'"
-    elif t <= spec.warmup_decisions:
-        proposed, why = current, f"warm-up ({t} of {spec.warmup_decisions} decision points)"
-    elif spec.policy == "schedule":
-        proposed = alpha_bound(spec.alpha, num_blocks, t - spec.warmup_decisions)
-        why = f"schedule: alpha-bound {proposed}"
-    elif settle_criterion(spec, from_trained) == "noise":
+    # what the policy reads, per block, and where a block counts as settled (for the record
+    # and the dashboard, during warm-up too)
+    signal: tuple[float, ...] | None = None
+    limits: tuple[float, ...] | None = None
+    criterion = settle_criterion(spec, from_trained)
+    if policy == "output":
+        assert rates is not None and out_peaks is not None
+        signal, limits = rates, tuple(spec.output_ratio * p for p in out_peaks)
+    elif policy == "gradient" and criterion == "noise":
         if drift is None or len(drift) != num_blocks:
             raise ValueError(
                 f"freeze.criterion 'noise' needs one drift ratio per block ({num_blocks}) at "
                 "every decision point"
             )
-        proposed = settled_prefix([float(d) for d in drift], spec.noise_ratio, current)
+        signal = tuple(float(d) for d in drift)
+        limits = (float(spec.noise_ratio),) * num_blocks
+    elif policy == "gradient":
+        assert norms is not None and peaks is not None
+        signal, limits = norms, tuple(spec.threshold * p for p in peaks)
+
+    if policy == "off":
+        proposed, why = current, "policy 'off'"
+    elif t <= spec.warmup_decisions:
+        proposed, why = current, f"warm-up ({t} of {spec.warmup_decisions} decision points)"
+    elif policy == "schedule":
+        proposed = alpha_bound(spec.alpha, num_blocks, t - spec.warmup_decisions)
+        why = f"schedule: alpha-bound {proposed}"
+    elif policy == "output":
+        assert rates is not None and out_peaks is not None
+        proposed = converged_prefix(out_peaks, rates, spec.output_ratio, current)
+        why = (
+            f"settled prefix {proposed} (output moving <= {spec.output_ratio:g} x its fastest, "
+            "per unit of learning rate)"
+        )
+    elif criterion == "noise":
+        assert signal is not None
+        proposed = settled_prefix(signal, spec.noise_ratio, current)
         why = f"settled prefix {proposed} (gradient drift <= {spec.noise_ratio:g} x its noise)"
     else:
         assert norms is not None and peaks is not None
@@ -425,14 +525,17 @@ def decide(
         why = f"converged prefix {proposed} (gradient norm <= {spec.threshold:g} x its peak)"
 
     new = max(current, min(proposed, bound))
-    new_state = FreezeState(t, norms, peaks)
+    new_state = FreezeState(t, norms, peaks, out_peaks)
     if new > current:
         clip = f", clipped to {bound}" if proposed > bound else ""
         reason = f"decision {t}: {why}{clip}: froze blocks {current}..{new - 1}"
-        auto = FreezeDecision(new_state, new, current, "auto", proposed, bound, reason)
+        source: Source = "auto"
     else:
         reason = f"decision {t}: {why}: boundary stays {current}"
-        auto = FreezeDecision(new_state, new, current, "none", proposed, bound, reason)
+        source = "none"
+    auto = FreezeDecision(
+        new_state, new, current, source, proposed, bound, reason, signal=signal, limits=limits
+    )
     if override is None:
         return auto
     return combine_override(auto, override, num_blocks, spec.keep_trainable)

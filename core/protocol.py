@@ -383,6 +383,35 @@ class FreezeDecided(_Event):
     outcome_reason: str = ""
 
 
+class FreezeSignal(_Event):
+    """What the freeze policy read at a decision point (every one, moved or not): per block the
+    statistic (`signal`) and the value at or below which the block counts as settled (`limits`),
+    both None where unknown; `policy` and `statistic` say which (policy `output`: output rate;
+    `gradient`: gradient drift or norm). `probe_s`: what reading it cost this decision point
+    (policy `output`'s probe; 0 where the statistic came with the steps). From rank 0; none
+    for `schedule` and `off`, which read nothing."""
+
+    kind: Literal["freeze_signal"] = "freeze_signal"
+    step: int = Field(ge=0)
+    decision: int = Field(ge=1)
+    boundary: int = Field(ge=0)  # the boundary after this decision point
+    bound: int = Field(ge=0)  # the automatic cap at it (alpha-bound and keep_trainable)
+    policy: Literal["output", "gradient"]
+    statistic: Literal["output_rate", "gradient_drift", "gradient_norm"]
+    signal: list[NonNegativeReading] = Field(max_length=4096)
+    limits: list[NonNegativeReading] = Field(max_length=4096)
+    probe_s: NonNegative = Field(0.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_limit_per_block(self) -> FreezeSignal:
+        if len(self.signal) != len(self.limits):
+            raise ValueError(
+                f"signal has {len(self.signal)} entries and limits {len(self.limits)}: one "
+                "of each per block"
+            )
+        return self
+
+
 class CacheDecided(_Event):
     """Whether AutoCache serves this rank's frozen prefix at a boundary, and why."""
 
@@ -525,6 +554,7 @@ WorkerEvent = Annotated[
     | CheckpointFailed
     | LayoutPlanned
     | FreezeDecided
+    | FreezeSignal
     | CacheDecided
     | StageTimes
     | StepTrace

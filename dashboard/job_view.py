@@ -1,7 +1,9 @@
 """One job's page: a live header and the view the user picked (training curves, layout, where the
-pipeline's time goes, freezing, workers, events, spec, comparison). Everything here reads the
+pipeline's time goes, freezing, workers, events, spec; Compare and Runs, over several jobs, are
+`dashboard.jobs_view`'s). Everything here reads the
 store (and, for a running job, the pending request in its etcd); figures come from
-`dashboard.figures` and `dashboard.pipeline_figures`, table rows from `dashboard.views`.
+`dashboard.figures`, `dashboard.pipeline_figures` and `dashboard.freeze_figures`, table rows
+from `dashboard.views`.
 `dashboard.app` decides which job and which view, and how often to refresh.
 """
 
@@ -15,9 +17,10 @@ from typing import Any
 import streamlit as st
 
 from pipetransformer.core.provenance import DATA_OPENED
-from pipetransformer.core.stage_times import chrome_trace, per_rank, pipeline_reading
+from pipetransformer.core.stage_times import PHASE_LABELS, chrome_trace, per_rank, pipeline_reading
 from pipetransformer.core.tasks import task_of
-from pipetransformer.dashboard import figures, views
+from pipetransformer.dashboard import figures, jobs_view, views, widgets
+from pipetransformer.dashboard import freeze_figures as ff
 from pipetransformer.dashboard import pipeline_figures as pf
 from pipetransformer.dashboard import timeline as tl
 from pipetransformer.dashboard.control import awaited_trace, pending_raw, trace_arrived
@@ -25,7 +28,18 @@ from pipetransformer.dashboard.launch import Options
 from pipetransformer.dashboard.logs import LINES, log_tail
 from pipetransformer.store import JobInfo, StageTimesRow, Store, WorkerRow
 
-VIEWS = ["Training", "Layout", "Pipeline", "Freezing", "Workers", "Events", "Spec", "Compare"]
+# the job's own views, then those over several jobs (`dashboard.jobs_view`)
+VIEWS = [
+    "Training",
+    "Layout",
+    "Pipeline",
+    "Freezing",
+    "Workers",
+    "Events",
+    "Spec",
+    "Compare",
+    "Runs",
+]
 STATE_ICONS = {
     "pending": "⏳",
     "running": "▶️",
@@ -34,13 +48,34 @@ STATE_ICONS = {
     "interrupted": "⏸️",
 }
 THROUGHPUT_WINDOW = 20  # steps averaged for the header's samples/s and MFU
-CHART = {"displaylogo": False}  # plotly's mode bar without its logo link
 # the newest intervals (distinct interval ends, every rank's row of each) the Pipeline and
 # Workers views read: a long job's page stays fast, and its recent layouts are all there
 STAGE_TIME_INTERVALS = 2000
 TRACE_PICKER_KEY = "trace_request"  # session state: the traced step the Pipeline view shows
 LOG_OPEN_KEY = "worker_log_open"  # session state: whether the Workers view's log is open
 LOG_HEIGHT = 480  # px: the log's lines scroll inside their box
+# the Workers table's long text (px each): wrapped, so the columns after it stay on the page
+WORKER_TEXT = {"host": 120, "detail": 120, "log": 150}
+# the Pipeline table's phases under short names (the long ones in their tooltips; seconds, as
+# its caption says), so its columns fit the page
+PHASE_SHORT = {
+    "forward": "fwd",
+    "backward": "bwd",
+    "pipeline_wait": "wait",
+    "grad_sync": "sync",
+    "optimizer": "optim",
+    "frozen_prefix": "frozen",
+    "data_wait": "data",
+    "checkpoint": "ckpt",
+    "evaluation": "eval",
+    "other": "other",
+}
+PHASE_COLUMNS = {
+    f"{PHASE_LABELS[p]} (s)": st.column_config.NumberColumn(
+        short, help=f"seconds {PHASE_LABELS[p]}", format="%.3f"
+    )
+    for p, short in PHASE_SHORT.items()
+}
 
 
 @dataclass(frozen=True)
@@ -48,7 +83,7 @@ class ChartOptions:
     """The reader's choices that every chart honours (set in the sidebar)."""
 
     x: tl.XAxis = "step"
-    smoothing: float = 0.6
+    smoothing: float = widgets.DEFAULT_SMOOTHING
 
 
 def job_label(job: JobInfo) -> str:
@@ -57,7 +92,7 @@ def job_label(job: JobInfo) -> str:
 
 
 def _chart(fig: Any, key: str) -> None:
-    st.plotly_chart(fig, key=key, config=CHART, width="stretch")
+    widgets.chart(fig, key)
 
 
 def _held_out(store: Store, job: JobInfo) -> list[tuple[str, str]]:
@@ -234,7 +269,15 @@ def _stage_timings(store: Store, job: JobInfo, rows: list[StageTimesRow]) -> Non
         ),
         "pipeline_predicted",
     )
-    st.dataframe(views.phase_rows(ranks), hide_index=True, key="pipeline_phases")
+    table = views.phase_rows(ranks)
+    idle = views.idle_columns(table, list(PHASE_COLUMNS))  # left out, as the breakdown does
+    widgets.table(
+        table,
+        "pipeline_phases",
+        pinned="rank",
+        columns=PHASE_COLUMNS,
+        column_order=[c for c in table[0] if c not in idle] if table else None,
+    )
     measured = [r for r in rows if r.layout_version == chosen]
     clocks = sorted({r.clock for r in measured})
     first, last = min(r.from_step for r in measured), max(r.to_step for r in measured)
@@ -309,6 +352,12 @@ def freezing_view(store: Store, job: JobInfo, options: Options, opts: ChartOptio
         _chart(figures.freeze_figure(history, metrics, x=opts.x, timeline=story), "freeze")
     with right:
         _chart(figures.grad_norm_figure(metrics, history, x=opts.x), "grad_norms")
+    signals = store.freeze_signals(job.id)
+    if signals:
+        _chart(ff.signal_figure(signals), "freeze_signals")
+        st.caption(ff.signal_caption(signals))
+    else:
+        st.caption(ff.no_signals_text(job.spec.freeze.policy))
     st.markdown("**Freeze requests**")
     events = store.events(job.id, limit=500, kinds=views.FREEZE_REQUEST_KINDS)
     rows = views.freeze_requests(events, pending_raw(job, options))
@@ -339,21 +388,22 @@ def workers_view(store: Store, job: JobInfo) -> None:
         if g.reason:
             st.caption(g.reason)
         if mine:
-            st.dataframe(
+            widgets.table(
                 [{k: v for k, v in r.items() if k != "generation"} for r in mine],
-                hide_index=True,
-                key=f"workers_{g.number}",
+                f"workers_{g.number}",
+                wide=WORKER_TEXT,
+                pinned="rank",
             )
         else:
             st.caption("No worker recorded for this generation.")
     parts = views.measured_parts(measured)
     if len(parts) > 1:  # re-laid out while measured: where each rank ran, version by version
         st.markdown("**Each rank's part by layout version, as measured** (stage · replica)")
-        st.dataframe(parts, hide_index=True, key="measured_parts")
+        widgets.table(parts, "measured_parts", pinned="layout")
     layouts = store.layouts(job.id)
     if len(layouts) > 1:  # freezing re-laid the job out: where each rank went
         with st.expander("Each rank's part by layout version (stage · replica)"):
-            st.dataframe(views.rank_parts(layouts), hide_index=True, key="rank_parts")
+            widgets.table(views.rank_parts(layouts), "rank_parts", pinned="layout")
     _log_tail([w for w in workers if w.generation == generations[-1].number])
 
 
@@ -397,7 +447,7 @@ def events_view(store: Store, job: JobInfo) -> None:
     shown = st.multiselect("Kinds", kinds, key="event_kinds", placeholder="all kinds")
     rows = views.event_rows([e for e in events if not shown or e.kind in shown])
     if rows:
-        st.dataframe(rows, hide_index=True, key="events")
+        widgets.table(rows, "events", wide={"message": 440})
     else:
         st.info("No events yet.")
     st.markdown("**Checkpoints**")
@@ -414,41 +464,14 @@ def events_view(store: Store, job: JobInfo) -> None:
         for c in store.checkpoints(job.id, state=None)
     ]
     if checkpoints:
-        st.dataframe(checkpoints, hide_index=True, key="checkpoints")
+        widgets.table(checkpoints, "checkpoints", wide={"path": 300})
     else:
         st.caption("No checkpoints yet.")
 
 
 def spec_view(job: JobInfo) -> None:
-    st.code(views.spec_yaml(job.spec), language="yaml")
-
-
-def compare_view(store: Store, job: JobInfo, jobs: list[JobInfo], opts: ChartOptions) -> None:
-    others = [j.id for j in jobs if j.id != job.id]
-    chosen = st.multiselect("Compare with", others, key="compare", placeholder="pick jobs")
-    ids = [job.id, *chosen]
-    metrics = {i: store.metrics(i) for i in ids}
-    evaluations = {i: store.evaluations(i) for i in ids}
-    sm = opts.smoothing
-    left, right = st.columns(2)
-    with left:
-        _chart(
-            figures.compare_figure(metrics, "loss", x=opts.x, smoothing=sm, title="Training loss"),
-            "compare_loss",
-        )
-    with right:
-        _chart(
-            figures.compare_figure(
-                metrics, "samples_per_s", x=opts.x, smoothing=sm, title="Throughput (samples/s)"
-            ),
-            "compare_throughput",
-        )
-    _chart(
-        figures.compare_figure(
-            evaluations, "accuracy", x=opts.x, smoothing=0.0, title="Held-out accuracy"
-        ),
-        "compare_accuracy",
-    )
+    # wrapped: a long path in the spec would otherwise scroll the block sideways
+    st.code(views.spec_yaml(job.spec), language="yaml", wrap_lines=True)
 
 
 def render(
@@ -475,6 +498,8 @@ def render(
     elif view == "Spec":
         spec_view(job)
     elif view == "Compare":
-        compare_view(store, job, jobs, opts)
+        jobs_view.compare_view(store, job, jobs, opts.x)
+    elif view == "Runs":
+        jobs_view.runs_view(store)
     else:
         raise ValueError(f"view must be one of {VIEWS}, got {view!r}")

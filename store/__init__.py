@@ -15,8 +15,8 @@ seconds (`Store.open(url, retry_s=30)`), logging each retry, then raises `StoreU
 
 The package is split by what it stores: `engine` (URLs, engines, alembic, retries), `base`
 (connection and transactions), one mixin per table (`jobs`, `generations`, `layouts`,
-`metrics` with evaluations, `checkpoints`, `events`, `workers`, `stage_times`) and `status`;
-`Store` is all of them.
+`metrics` with evaluations, `checkpoints`, `events`, `workers`, `stage_times`,
+`freeze_signals`) and `status`; `Store` is all of them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pipetransformer.store.errors import (
     UnknownJob,
 )
 from pipetransformer.store.events import EventsMixin
+from pipetransformer.store.freeze_signals import FreezeSignalsMixin
 from pipetransformer.store.generations import GenerationsMixin
 from pipetransformer.store.jobs import JobsMixin
 from pipetransformer.store.layouts import LayoutsMixin
@@ -51,6 +52,7 @@ from pipetransformer.store.rows import (
     CheckpointInfo,
     EvaluationRow,
     EventRow,
+    FreezeSignalRow,
     GenerationRow,
     JobInfo,
     JobStatus,
@@ -87,6 +89,7 @@ __all__ = [
     "CheckpointInfo",
     "EvaluationRow",
     "EventRow",
+    "FreezeSignalRow",
     "GenerationRow",
     "JobExists",
     "JobInfo",
@@ -124,6 +127,7 @@ class Store(
     EventsMixin,
     WorkersMixin,
     StageTimesMixin,
+    FreezeSignalsMixin,
     StatusMixin,
 ):
     """Typed access to the job database (see `store.base.StoreBase` for connecting,

@@ -2,9 +2,9 @@
 
 Timestamps: `JobInfo`, `CheckpointInfo`, `GenerationRow` and `RecordedLayout` carry
 timezone-aware UTC datetimes; the per-step and per-report rows (`MetricRow`, `EvaluationRow`,
-`EventRow`, `WorkerRow`) carry unix seconds, the shape the trainer reports them in. Lists are
-tuples, so a row cannot change under its reader. `row.model_dump(mode="json")` is strict JSON
-(non-finite floats are stored as NULL and read back as None).
+`EventRow`, `WorkerRow`, `FreezeSignalRow`) carry unix seconds, the shape the trainer reports
+them in. Lists are tuples, so a row cannot change under its reader. `row.model_dump(mode="json")`
+is strict JSON (non-finite floats are stored as NULL and read back as None).
 """
 
 from __future__ import annotations
@@ -196,6 +196,29 @@ class StepTraceRow(Row):
     replica: int
     spans: tuple[TraceSpan, ...]
     clock: str
+
+
+class FreezeSignalRow(Row):
+    """What the freeze policy read at one decision point (`core.protocol.FreezeSignal`,
+    revision 0010), as the job followed it (after a recovery, the highest generation's): the
+    decision point's `step` and number (`decision`), the boundary after it and the automatic
+    cap (`bound`), the `policy` ('output', 'gradient') and `statistic` ('output_rate',
+    'gradient_drift', 'gradient_norm'), per block the statistic read (`signal`) and the value at
+    or below which the block counts as settled (`limits`), None where unknown, and what reading
+    it cost (`probe_s`, seconds). `time` is unix seconds, rank 0's clock."""
+
+    step: int
+    generation: int
+    time: float
+    decision: int
+    boundary: int
+    bound: int
+    # plain strings, not the protocol's literals: a row a newer writer stored still reads
+    policy: str
+    statistic: str
+    signal: Readings
+    limits: Readings
+    probe_s: float
 
 
 class PeakMemory(Row):

@@ -343,3 +343,31 @@ class StepTraceRecord(Base):
     replica: Mapped[int] = mapped_column(Integer)
     spans: Mapped[str] = mapped_column(Text)  # JSON list of TraceSpan
     clock: Mapped[str] = mapped_column(String(8))
+
+
+class FreezeSignalRecord(Base):
+    """What the freeze policy read at one decision point (`core.protocol.FreezeSignal`,
+    revision 0010): per block the statistic (`signal`) and the value at or below which the
+    block counts as settled (`limits`), JSON lists with null where unknown; the boundary after
+    the decision point and the automatic cap (`bound`); what reading it cost (`probe_s`)."""
+
+    __tablename__ = "freeze_signals"
+    __table_args__ = (
+        # One decision point, one row: a recovery's retake replaces it by a higher generation
+        # (`Store.add_freeze_signal`); its index serves the reads, by step.
+        UniqueConstraint("job_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = _job_fk()
+    step: Mapped[int] = mapped_column(Integer)
+    generation: Mapped[int] = mapped_column(Integer)  # of the report kept: the highest
+    time: Mapped[datetime] = mapped_column(UTCDateTime())  # the report's
+    decision: Mapped[int] = mapped_column(Integer)  # the decision point's number, from 1
+    boundary: Mapped[int] = mapped_column(Integer)
+    bound: Mapped[int] = mapped_column(Integer)
+    policy: Mapped[str] = mapped_column(String(16))  # 'output' or 'gradient'
+    statistic: Mapped[str] = mapped_column(String(32))
+    signal: Mapped[str] = mapped_column(Text)  # JSON list, one per block
+    limits: Mapped[str] = mapped_column(Text)  # JSON list, one per block
+    probe_s: Mapped[float] = mapped_column(Float)

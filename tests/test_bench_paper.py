@@ -122,3 +122,44 @@ def test_a_sweep_of_its_own_and_whether_it_trades_speed_for_accuracy() -> None:
         runs["sweep a=2/5"]["wall_s"] = 70.0
     assert not paper.summarise(seeds, Fraction(1, 4))["alpha_sweep_monotonic"]["speedup_rises"]
     assert paper.monotonic({"1/4": summary["alpha_sweep"]["1/4"]}) is None
+
+
+def test_the_policy_comparison_runs_each_rule_at_the_same_alpha_and_cap() -> None:
+    configs = paper.policy_configurations(Fraction(1, 4), keep=3, output_ratios=[0.4])
+    assert list(configs) == [
+        "baseline",
+        "all gradient",
+        "all schedule",
+        "all output",
+        "all output r=0.4",
+        "bound",
+    ]
+    rules = [configs[n] for n in configs if n.startswith("all ")]
+    assert {(c["alpha"], c["keep_trainable"], c["relayout"], c["cache"]) for c in rules} == {
+        (0.25, 3, "elastic", "auto")
+    }
+    assert [c["policy"] for c in rules] == ["gradient", "schedule", "output", "output"]
+    assert "output_ratio" not in configs["all output"]  # the spec's default
+    assert configs["all output r=0.4"]["output_ratio"] == 0.4
+    # the bound: a decision after every step, an alpha that reaches the cap at the first
+    assert configs["bound"]["every"] == 1 and configs["bound"]["keep_trainable"] == 3
+    assert paper.alpha_bound_first(configs["bound"]) >= 8 - 3
+
+
+def test_the_headline_is_what_auto_runs_with_its_worst_seed() -> None:
+    names = paper.policy_configurations(Fraction(1, 4), keep=3)
+    seeds = []
+    for k, acc in enumerate((0.80, 0.78, 0.81)):
+        runs = {n: _run(50.0, 0.8, [0.5, 0.8]) for n in names}
+        runs["baseline"] = _run(100.0, 0.8, [0.6, 0.8], first=None)
+        runs["all output"] = _run(40.0 + k, acc, [0.6, acc])
+        seeds.append(runs)
+    summary = paper.summarise(seeds, Fraction(1, 4))
+    head = paper.headline_row(summary)
+    assert head["name"] == "all output"
+    assert head["accuracy_delta_pp"] == pytest.approx(0.0)
+    assert head["worst_seed_accuracy_delta_pp"] == pytest.approx(-2.0)
+    assert head["accuracy_delta_pp_by_seed"] == pytest.approx([0.0, -2.0, 1.0])
+    assert head["worst_seed_wall_time_speedup"] == pytest.approx(100 / 42)
+    assert summary["policies"]["output"]["first_freeze_epoch"] == 1
+    assert "all" not in summary["ablation"]  # no ablation ran: nothing stands in for it

@@ -469,6 +469,41 @@ def test_a_data_report_is_recorded_for_status_and_the_dashboard(ctrl, etcd, stor
     )
 
 
+def test_a_freeze_signal_is_stored_for_the_freezing_view(ctrl, etcd, store) -> None:
+    """Rank 0's FreezeSignal is drained into the store's `freeze_signals` (one row per decision
+    point); replayed, it is stored once, and a recovery's retake of the decision point (a
+    higher generation) replaces it."""
+    _join(etcd, 2, ["a:1", "b:2"])
+    g = ctrl.answer_join().generation
+    read = {
+        "step": 20,
+        "decision": 2,
+        "boundary": 1,
+        "bound": 2,
+        "policy": "output",
+        "statistic": "output_rate",
+        "signal": [0.05, 0.5, None, 0.25],
+        "limits": [0.1, 0.1, 0.1, None],
+        "probe_s": 0.25,
+    }
+    _report(etcd, g, 0, "freeze_signal", seq=0, **read)
+    raw = etcd.get(keys.event("job-ft", g, 0, 0))
+    ctrl.drain()
+    assert etcd.get_prefix(keys.events("job-ft")) == []
+    (row,) = store.freeze_signals("job-ft")
+    assert row.model_dump(exclude={"time"}) == read | {
+        "generation": g,
+        "signal": (0.05, 0.5, None, 0.25),
+        "limits": (0.1, 0.1, 0.1, None),
+    }
+    etcd.put(keys.event("job-ft", g, 0, 0), raw)  # drained again: a crash before the delete
+    ctrl.drain()
+    assert store.freeze_signals("job-ft") == [row]
+    _report(etcd, g + 1, 0, "freeze_signal", seq=0, **(read | {"boundary": 2}))
+    ctrl.drain()
+    assert [(r.generation, r.boundary) for r in store.freeze_signals("job-ft")] == [(g + 1, 2)]
+
+
 def test_a_request_filed_by_hand_without_its_fields_is_audited_and_rejected(
     ctrl, etcd, store
 ) -> None:

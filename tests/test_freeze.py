@@ -1,5 +1,5 @@
-"""AutoFreeze (core/freeze.py): the alpha-bound, the gradient-norm criterion, the schedule and
-off policies, manual overrides, spec validation and state serialisation."""
+"""AutoFreeze (core/freeze.py): the alpha-bound, the gradient-norm criterion, the output rule, the
+schedule and off policies, manual overrides, spec validation and state serialisation."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetransformer.core.freeze import (
+    AUTO_POLICY,
     FreezeDecision,
     FreezeOverrideError,
     FreezeState,
@@ -23,6 +24,8 @@ from pipetransformer.core.freeze import (
     decide,
     has_decayed,
     is_decision_point,
+    output_rate,
+    policy_in_force,
     settle_criterion,
     settled_prefix,
     update_peaks,
@@ -582,3 +585,108 @@ def test_noise_needs_one_ratio_per_block() -> None:
         decide(_spec(criterion="noise"), FreezeState(), [1.0] * 4, 4, boundary=0, drift=[1.0])
     with pytest.raises(ValueError, match="one drift ratio per block"):
         decide(_spec(criterion="noise"), FreezeState(), [1.0] * 4, 4, boundary=0)
+
+
+# -- policy 'output': what the blocks compute ------------------------------------------------------
+
+
+def _output(rounds: list[list[float]], **kw) -> list[FreezeDecision]:
+    spec = FreezeSpec(**{"policy": "output", "alpha": 0.5, "keep_trainable": 1, **kw})
+    state, boundary, out = FreezeState(), 0, []
+    for rates in rounds:
+        d = decide(spec, state, None, len(rates), boundary=boundary, output_rates=rates)
+        state, boundary = d.state, d.boundary
+        out.append(d)
+    return out
+
+
+def test_output_rate_is_the_relative_change_per_unit_of_learning_rate() -> None:
+    assert output_rate(2.0, 10.0, 0.5) == pytest.approx(0.4)
+    # half the learning rate and half the movement: the same rate (a decay is not convergence)
+    assert output_rate(1.0, 10.0, 0.25) == pytest.approx(output_rate(2.0, 10.0, 0.5))
+    for change, ref, lr in ((1.0, 10.0, 0.0), (1.0, 0.0, 1.0), (NAN, 1.0, 1.0), (1.0, 1.0, NAN)):
+        assert math.isnan(output_rate(change, ref, lr))
+
+
+def test_output_freezes_the_prefix_that_slowed_below_its_ratio_of_its_fastest() -> None:
+    ds = _output([[9, 9, 9, 9], [2, 2, 8, 9], [2, 2, 2, 2]], output_ratio=0.3, alpha=0.9)
+    # the first decision point is its own peak: nothing has slowed yet
+    assert [d.boundary for d in ds] == [0, 2, 3]  # the cap keeps the last block trainable
+    assert ds[0].signal == (9, 9, 9, 9) and ds[0].limits == pytest.approx((2.7,) * 4)
+    assert ds[1].state.output_peaks == (9, 9, 9, 9)
+    assert "output moving <= 0.3" in ds[1].reason
+
+
+def test_output_keeps_what_still_moves_and_unknown_rates() -> None:
+    # a settled block above one still moving is not frozen; NaN (no probe before) never settles
+    ds = _output([[9, 9, 9], [9, 1, 1], [NAN, 1, 1]], output_ratio=0.3)
+    assert [d.boundary for d in ds] == [0, 0, 0]
+    assert ds[2].state.output_peaks == (9, 9, 9)  # an unknown rate leaves the peak as it was
+
+
+def test_output_is_bounded_by_alpha_and_warm_up() -> None:
+    ds = _output([[5, 5, 5, 5, 5, 5, 5, 5], [1] * 8, [1] * 8], alpha=0.25, warmup_decisions=1)
+    # warm-up at decision 1; then one alpha step (2 of 8) and the next (ceil(8 * 7/16) = 4)
+    assert [d.boundary for d in ds] == [0, 2, 4]
+
+
+def test_output_needs_rates_and_rejects_bad_ones() -> None:
+    spec = FreezeSpec(policy="output", keep_trainable=1)
+    with pytest.raises(ValueError, match="needs output_rates"):
+        decide(spec, FreezeState(), None, 3, boundary=0)
+    with pytest.raises(ValueError, match="one per block"):
+        decide(spec, FreezeState(), None, 3, boundary=0, output_rates=[1.0, 1.0])
+    with pytest.raises(ValueError, match=r"output_rates\[1\].*negative"):
+        decide(spec, FreezeState(), None, 3, boundary=0, output_rates=[1.0, -1.0, 1.0])
+
+
+def test_auto_runs_the_output_policy() -> None:
+    assert policy_in_force(FreezeSpec(policy="auto")) == AUTO_POLICY == "output"
+    assert policy_in_force(FreezeSpec(policy="gradient")) == "gradient"
+    d = decide(
+        FreezeSpec(policy="auto", keep_trainable=1),
+        FreezeState(),
+        None,
+        2,
+        boundary=0,
+        output_rates=[1.0, 1.0],
+    )
+    assert d.signal == (1.0, 1.0)
+
+
+def test_every_reading_policy_says_what_it_read_and_where_its_threshold_is() -> None:
+    decay = decide(
+        FreezeSpec(policy="gradient", criterion="decay", threshold=0.5),
+        FreezeState(),
+        [4.0, 2.0],
+        2,
+        boundary=0,
+    )
+    assert decay.signal == (4.0, 2.0) and decay.limits == (2.0, 1.0)
+    noise = decide(
+        FreezeSpec(policy="gradient", criterion="noise", noise_ratio=1.5),
+        FreezeState(),
+        [4.0, 2.0],
+        2,
+        boundary=0,
+        drift=[1.0, 3.0],
+    )
+    assert noise.signal == (1.0, 3.0) and noise.limits == (1.5, 1.5)
+    schedule = decide(FreezeSpec(policy="schedule"), FreezeState(), None, 2, boundary=0)
+    assert schedule.signal is None and schedule.limits is None
+
+
+def test_a_state_with_output_peaks_round_trips_and_others_keep_their_form() -> None:
+    state = FreezeState(3, None, None, (1.0, NAN))
+    again = FreezeState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert again.decisions == 3 and again.output_peaks[0] == 1.0
+    assert math.isnan(again.output_peaks[1])
+    assert "output_peaks" not in FreezeState(2).to_dict()
+    with pytest.raises(ValueError, match=r"output_peaks\[0\]"):
+        FreezeState.from_dict({"output_peaks": ["x"]})
+
+
+def test_output_ratio_is_validated() -> None:
+    for bad in (0, 1, 1.5, -0.1):
+        with pytest.raises(ValueError, match="output_ratio"):
+            FreezeSpec(policy="output", output_ratio=bad)

@@ -192,3 +192,45 @@ def test_in_memory_and_checkpoint_handovers_train_alike(
     assert parts[(0, 3)] == ((0,), 0)
     # 1x2: one stage per pipeline, nothing to wait for between stages; the replicas sum
     assert all(r.seconds.grad_sync > 0 for r in rows if r.layout_version == 3)
+
+
+def test_the_output_rule_probes_across_re_layouts_and_records_its_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Policy 'output' in a real 2-rank job: a probe before the first step and one at every
+    decision point (every 3 steps), each recorded with its per-block signal and threshold.
+    Once a prefix is frozen and the layout has moved it out of the pipeline (its rank turned
+    into a replica), the frozen blocks read as unmoved: the probe's rows are the same whatever
+    the layout, so the reference taken under the old layout compares with the new one."""
+    monkeypatch.setenv("PIPETRANSFORMER_CACHE", str(tmp_path / "cache"))
+    workdir = tmp_path / "runs"
+    spec = write_spec(
+        tmp_path / "output.yaml",
+        model={"depth": 6},
+        training={"epochs": 1, "max_steps": 15},
+        # a high ratio freezes at the first slowing: the test is the mechanism, not the rule
+        freeze={"policy": "output", "every": 3, "output_ratio": 0.99, "alpha": 0.5},
+    )
+    run = cli("run", str(spec), "--workdir", str(workdir), "--job-id", "out")
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
+    signals = store.freeze_signals("out")
+    assert [s.step for s in signals] == [3, 6, 9, 12]
+    assert [s.decision for s in signals] == [1, 2, 3, 4]
+    assert {(s.policy, s.statistic) for s in signals} == {("output", "output_rate")}
+    assert all(s.probe_s > 0 for s in signals)
+    # the probe before the first step is the first decision's reference: every rate is known
+    assert all(v is not None and v > 0 for v in signals[0].signal)
+    moved = next(i for i, s in enumerate(signals) if s.boundary > 0)
+    frozen = signals[moved].boundary
+    layouts = [h.layout for h in store.layouts("out")]
+    assert layouts[-1].freeze_boundary == signals[-1].boundary
+    assert any(lay.replicas > 1 for lay in layouts), "the freed rank became a replica"
+    assert moved + 1 < len(signals), "a decision point after the first freeze"
+    after = signals[moved + 1]
+    for i in range(frozen):
+        # unmoved across the layout change (to float noise: the rows now run in other batch
+        # shapes, whose sums may differ in the last bits on some CPUs)
+        assert after.signal[i] < 1e-3 * after.limits[i], (i, after.signal, after.limits)
+    for i in range(frozen, 6):
+        assert after.signal[i] > 1e-3 * after.limits[i], "active blocks still move"

@@ -194,3 +194,27 @@ def test_the_chat_example_runs_on_what_the_assets_script_makes(tmp_path: Path) -
     assert max(v.layout.freeze_boundary for v in store.layouts("example")) >= 1
     assert "packed sequences" in " ".join(printed.split())
     store.close()
+
+
+def test_the_output_rule_probes_a_decoder(tmp_path: Path) -> None:
+    """Policy 'output' on a language model: the probe (the first held-out batch of packed
+    sequences, each block's output sketched at 16 of its positions) runs through both stages,
+    every decision point records a known rate per block, and the rule freezes a prefix once its
+    outputs slow down (a ratio close to 1: the test is the mechanism on a decoder)."""
+    model = make_lm(tmp_path / "llama", family="llama", depth=4)
+    train = write_text(tmp_path / "train.jsonl", 0, 120)
+    test = write_text(tmp_path / "test.jsonl", 500, 20)
+    spec = {
+        "model": {"pretrained": str(model), "task": "causal-lm", "seq_len": 32},
+        "data": {"dataset": "table", "train": str(train), "test": str(test), "loader_workers": 0},
+        **TRAIN,
+        "freeze": {"policy": "output", "output_ratio": 0.99, "every": 3, "keep_trainable": 1},
+    }
+    store, _ = run_job(tmp_path, "probe", spec)
+    assert store.get_job("probe").state == "completed"
+    signals = store.freeze_signals("probe")
+    assert len(signals) >= 3 and {s.statistic for s in signals} == {"output_rate"}
+    assert all(v is not None and v > 0 for v in signals[0].signal)
+    assert max(s.boundary for s in signals) >= 1
+    assert max(v.layout.freeze_boundary for v in store.layouts("probe")) >= 1
+    store.close()

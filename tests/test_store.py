@@ -85,6 +85,7 @@ SCHEMA_TABLES = {
     "workers",
     "stage_times",
     "step_traces",
+    "freeze_signals",
 }
 
 
@@ -139,7 +140,7 @@ def tables(url: str) -> set[str]:
 
 
 def test_head_is_the_newest_revision() -> None:
-    assert HEAD == "0009"
+    assert HEAD == "0010"
 
 
 def test_upgrade_empty_database_to_head(db_url: str, store_backend: str) -> None:

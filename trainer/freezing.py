@@ -11,18 +11,28 @@ import torch
 import torch.distributed as dist
 
 from pipetransformer.core import keys
-from pipetransformer.core.freeze import FreezeDecision, GradNormMeter, decide, settle_criterion
+from pipetransformer.core.freeze import (
+    FreezeDecision,
+    GradNormMeter,
+    decide,
+    policy_in_force,
+    settle_criterion,
+)
 from pipetransformer.core.protocol import (
     FreezeDecided,
     FreezeRequest,
+    FreezeSignal,
     UnreadableRequest,
     freeze_request_id,
     read_freeze_request,
 )
 from pipetransformer.core.spec import JobSpec
+from pipetransformer.core.state import Layout
 from pipetransformer.core.train_state import TrainState
 from pipetransformer.edge.etcd_client import EtcdClient
 from pipetransformer.trainer.collective import from_rank0
+from pipetransformer.trainer.output_probe import OutputProbe
+from pipetransformer.trainer.pipeline import RankPipeline
 from pipetransformer.trainer.process import Reporter
 
 
@@ -73,7 +83,17 @@ class GradientDrift:
 
 
 class Freezing:
-    def __init__(self, spec: JobSpec, rank: int, etcd: EtcdClient, job_id: str, reporter: Reporter):
+    """`probe`: policy `output`'s probe (the trainer makes it when that policy is in force)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        rank: int,
+        etcd: EtcdClient,
+        job_id: str,
+        reporter: Reporter,
+        probe: OutputProbe | None = None,
+    ):
         self.spec, self.rank, self.etcd, self.job_id, self.reporter = (
             spec,
             rank,
@@ -82,9 +102,11 @@ class Freezing:
             reporter,
         )
         self.meter = GradNormMeter(spec.model.depth)
+        self.policy = policy_in_force(spec.freeze)
+        self.probe = probe if self.policy == "output" else None
         self.from_trained = spec.model.pretrained is not None or spec.init.checkpoint is not None
         noise = (
-            spec.freeze.policy == "gradient"
+            self.policy == "gradient"
             and settle_criterion(spec.freeze, self.from_trained) == "noise"
         )
         # criterion 'noise' sums each step's gradients (sync_and_clip hands them over)
@@ -94,29 +116,49 @@ class Freezing:
         # that comes first must not read it again (as superseded by its own application)
         self._answered: set[str] = set()
 
-    def observe(self, block_norms: list[float]) -> None:
-        """One step's per-block gradient norms (the same on every rank)."""
+    def observe(self, block_norms: list[float], lr: float) -> None:
+        """One step's per-block gradient norms (the same on every rank) and learning rate."""
         self.meter.add(block_norms)
         if self.drift is not None:
             self.drift.add_norms(block_norms)
+        if self.probe is not None:
+            self.probe.add_lr(lr)
+
+    def start(self, pipe: RankPipeline, layout: Layout, replica: int) -> None:
+        """Before a run's first step (collective): policy `output` takes its reference probe."""
+        if self.probe is not None:
+            self.probe.start(pipe, layout, replica)
 
     def decide(
-        self,
-        ts: TrainState,
-        pipeline: dist.ProcessGroup,
-        device: torch.device,
+        self, ts: TrainState, pipe: RankPipeline, layout: Layout, replica: int
     ) -> FreezeDecision:
         """A decision point (collective): the decision every rank adopts; `ts.freeze` moves on.
-        The caller re-lays out when the boundary moved past its layout's. `pipeline` and
-        `device`: the layout's pipeline group and the rank's device, over which criterion 'noise'
-        gathers its per-block sums."""
+        The caller re-lays out when the boundary moved past its layout's. Criterion 'noise'
+        gathers its per-block sums over `pipe`'s pipeline group; policy `output` probes through
+        `pipe` (this rank's part of `layout`, in replica `replica`)."""
         drift = None
         if self.drift is not None:
-            drift = self.drift.ratios(pipeline, device)
+            drift = self.drift.ratios(pipe.groups.pipeline, pipe.device)
             self.drift.reset()
-        decision, request = from_rank0(self.rank, lambda: self._on_rank0(ts, drift))
+        rates = None
+        if self.probe is not None:
+            rates = self.probe.rates(pipe, layout, replica)
+        decision, request = from_rank0(self.rank, lambda: self._on_rank0(ts, drift, rates))
         self.meter.reset()
         ts.freeze = decision.state
+        if self.rank == 0 and decision.signal is not None and decision.limits is not None:
+            self.reporter.emit(
+                FreezeSignal,
+                step=ts.step,
+                decision=decision.state.decisions,
+                boundary=decision.boundary,
+                bound=decision.bound,
+                policy=self.policy,
+                statistic=self._statistic(),
+                signal=list(decision.signal),
+                limits=list(decision.limits),
+                probe_s=self.probe.seconds if self.probe is not None else 0.0,
+            )
         if self.rank == 0 and (decision.changed or request is not None):
             self.reporter.emit(
                 FreezeDecided,
@@ -131,8 +173,13 @@ class Freezing:
             )
         return decision
 
+    def _statistic(self) -> str:
+        if self.policy == "output":
+            return "output_rate"
+        return "gradient_drift" if self.drift is not None else "gradient_norm"
+
     def _on_rank0(
-        self, ts: TrainState, drift: list[float] | None
+        self, ts: TrainState, drift: list[float] | None, rates: list[float] | None
     ) -> tuple[FreezeDecision, FreezeRequest | UnreadableRequest | None]:
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         request = read_freeze_request(raw) if raw else None
@@ -158,5 +205,6 @@ class Freezing:
             override=override,
             drift=drift,
             from_trained=self.from_trained,
+            output_rates=rates,
         )
         return decision, request

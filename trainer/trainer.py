@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from pipetransformer.core import keys
 from pipetransformer.core.flops import mfu, peak_flops, training_flops_per_sample
-from pipetransformer.core.freeze import is_decision_point
+from pipetransformer.core.freeze import is_decision_point, policy_in_force
 from pipetransformer.core.planner import Planned, needs_measurement
 from pipetransformer.core.protocol import (
     Assignment,
@@ -76,6 +76,7 @@ from pipetransformer.trainer.feed import Feed
 from pipetransformer.trainer.freezing import Freezing
 from pipetransformer.trainer.handover import Previous, handover_group
 from pipetransformer.trainer.optim import lr_at, set_lr
+from pipetransformer.trainer.output_probe import OutputProbe
 from pipetransformer.trainer.pipeline import RankPipeline, TrainingGroups
 from pipetransformer.trainer.process import LeaveRequest, Reporter, node_id, stdout_log
 from pipetransformer.trainer.profile import measured_layout
@@ -166,7 +167,20 @@ class Trainer:
         self.checkpoints = Checkpointing(
             self.spec, ctx.rank, ctx.reporter, ctx.assignment.checkpoint_dir, start
         )
-        self.freezing = Freezing(self.spec, ctx.rank, ctx.etcd, ctx.job_id, ctx.reporter)
+        probe = None
+        if policy_in_force(self.spec.freeze) == "output":
+            model = self.spec.model
+            probe = OutputProbe(
+                self.data.test,
+                self.tspec.global_batch_size,
+                model.depth,
+                model.width,
+                model.tokens,
+                lambda pipe, b: _targets(pipe, self.data.test.labels, b),
+            )
+        self.freezing = Freezing(
+            self.spec, ctx.rank, ctx.etcd, ctx.job_id, ctx.reporter, probe=probe
+        )
         self.cache: ActivationCache | None = None
         # what MFU is measured against: every device of the job at the blocks' precision
         self.peak_flops = peak_flops(ctx.compute.name(), self.tspec.precision)
@@ -342,6 +356,8 @@ class Trainer:
         ctx, spec, st = self.ctx, self.spec, self.state
         clock, every = self.clock, spec.runtime.control_every_steps
         first = True
+        if not self._finished():
+            self.freezing.start(self.pipe, self.layout, self.replica)  # policy 'output' probes
         clock.restart()  # the first interval begins with the first step, not the build
         trace: str | None = None  # a trace request read at the last control point
         while not self._finished():
@@ -369,7 +385,7 @@ class Trainer:
                 )
             # decision points run with policy 'off' too: a manual override is applied there
             if not self._finished() and is_decision_point(spec.freeze, st.step, epoch_done):
-                decision = self.freezing.decide(st, self.pipe.groups.pipeline, self.pipe.device)
+                decision = self.freezing.decide(st, self.pipe, self.layout, self.replica)
                 if decision.boundary > st.boundary:
                     self._report_times()  # an interval never spans two layouts
                     self.relayout(decision.boundary, decision.reason)
@@ -441,7 +457,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if master is not None:
                 master.write_back()
-        self.freezing.observe(norms.per_block)
+        self.freezing.observe(norms.per_block, lr)
         if pipe.is_last and pipe.groups.data_parallel is not None:
             with clock.measure("grad_sync"):
                 total = torch.tensor([loss], device=pipe.device)

@@ -44,12 +44,15 @@ class FreezeSpec(_Strict):
     are and freezes blocks in place (no gradient, no optimizer, no gradient sync; they still run
     forward in their stages, without AutoCache)."""
 
-    policy: Literal["gradient", "schedule", "off"] = Field(
+    policy: Literal["auto", "output", "gradient", "schedule", "off"] = Field(
         "off",
-        description="'gradient': freeze the longest prefix of blocks that have settled (see "
+        description="'output': freeze the longest prefix of blocks whose output on a fixed probe "
+        "batch has stopped moving (see `output_ratio`), bounded by the alpha-schedule; "
+        "'gradient': freeze the longest prefix of blocks whose gradients have settled (see "
         "`criterion`), bounded by the alpha-schedule; "
         "'schedule': freeze exactly the alpha-bound at every decision point; 'off': never freeze "
-        "automatically (manual overrides still apply)",
+        "automatically (manual overrides still apply); 'auto': the rule that held accuracy "
+        "best in the policy comparison (docs/benchmarks.md), now 'output'",
     )
     alpha: Annotated[Number, Field(gt=0, lt=1)] = Field(
         0.25,
@@ -85,6 +88,13 @@ class FreezeSpec(_Strict):
         description="criterion 'noise': a block has settled when ||sum of its step gradients|| "
         "<= noise_ratio x sqrt(sum of their squared norms) over the interval (about 1 for pure "
         "noise, up to sqrt(steps) for a steady direction)",
+    )
+    output_ratio: Annotated[Number, Field(gt=0, lt=1)] = Field(
+        0.3,
+        description="policy 'output': a block has settled when its output on the probe batch "
+        "(the first global batch of the held-out rows) moved, per unit of learning rate, at "
+        "most this fraction as fast over the last interval as over its fastest interval so far; "
+        "per unit of learning rate, so that a decaying schedule does not read as convergence",
     )
     warmup_decisions: Annotated[NonNegativeInt, Field(le=MAX_WARMUP_DECISIONS)] = Field(
         0,

@@ -25,6 +25,7 @@ from pipetransformer.core.protocol import (
     Finished,
     FirstStep,
     FreezeDecided,
+    FreezeSignal,
     LayoutPlanned,
     Leaving,
     Left,
@@ -262,6 +263,8 @@ class Reports(ControllerBase):
                 self.roster.relaid(e.generation, e.layout)
             case FreezeDecided():
                 self._record_freeze(e)
+            case FreezeSignal():  # what the policy read: the Freezing view draws it
+                self.store.add_freeze_signal(self.job_id, e)
             case Finished():
                 p.outcome = e.outcome
                 self.roster.finished(e)
