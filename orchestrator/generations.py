@@ -91,8 +91,18 @@ class Generations:
     `explain_s`: how long an ended generation's end is still explained (a dead rank's lease
     lapses a TTL after its peers' reports arrive)."""
 
-    def __init__(self, store: Store, roster: Roster, job_id: str, explain_s: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        roster: Roster,
+        job_id: str,
+        explain_s: float,
+        notices: list[str] | None = None,
+    ) -> None:
         self.store, self.roster, self.job_id, self.explain_s = store, roster, job_id, explain_s
+        # the controller's notices (the progress lines' `recovery` lines): an ended
+        # generation's better explanation is told there too, not only in the store
+        self.notices = notices
         self.current: Generation | None = None
         self.by_number: dict[int, Generation] = {}
 
@@ -177,6 +187,8 @@ class Generations:
         if reason != gen.reason:
             self.store.explain_generation(self.job_id, gen.number, reason)
             gen.reason = reason
+            if self.notices is not None:  # the abort's line came before its cause was known
+                self.notices.append(f"generation {gen.number} ended: {reason}")
 
     def rank_ended(self, e: RankEndReport) -> Generation:
         """A rank's own final report (failed / peer_lost / aborted / left), into its

@@ -267,7 +267,13 @@ def test_the_pods_write_only_to_their_volumes(tmp_path: Path) -> None:
             if v["name"] == "dshm"
         }
         home = rehearsal.IMAGE_HOME
-        written = ["/tmp", home, f"{home}/.cache/pipetransformer", "/workdir", "/dev/shm"]
+        written = [home, f"{home}/.cache/pipetransformer", "/workdir", "/dev/shm"]
+        # a checkout under /tmp is the pods' "image": the rehearsal cannot mount /tmp's emptyDir
+        # over it (`Cluster.start` leaves such a mount out and logs it), so /tmp is checked
+        # only where the checkout lives elsewhere
+        tmp_mounted = not rehearsal.REPO.is_relative_to("/tmp")
+        if tmp_mounted:
+            written.insert(0, "/tmp")
         refused = ["/", "/etc", str(rehearsal.VENV_BIN)]
         for task, spec in pods.items():
             paths = written + refused + (["/cache"] if task.startswith("trainer") else [])
@@ -279,7 +285,8 @@ def test_the_pods_write_only_to_their_volumes(tmp_path: Path) -> None:
             for path in paths:
                 expected = "Read-only file system" if path in refused else "written"
                 assert seen[path] == expected, (task, path, seen)
-            assert seen["tempdir"] == "/tmp"
+            if tmp_mounted:
+                assert seen["tempdir"] == "/tmp"
             assert seen["shm bytes"] == shm_limits[task] << 20
 
 

@@ -179,7 +179,7 @@ class Freezing:
         return "gradient_drift" if self.drift is not None else "gradient_norm"
 
     def _on_rank0(
-        self, ts: TrainState, drift: list[float] | None, rates: list[float] | None
+        self, ts: TrainState, drift: list[float] | None, rates: list[float] | None = None
     ) -> tuple[FreezeDecision, FreezeRequest | UnreadableRequest | None]:
         raw = self.etcd.get(keys.freeze_override(self.job_id))
         request = read_freeze_request(raw) if raw else None

@@ -37,7 +37,11 @@ class ControllerBase:
         # controller knows of by number: ended ones are still explained, and late reports of
         # their ranks still land in their post-mortems
         self.generations = Generations(
-            store, roster=self.roster, job_id=job_id, explain_s=self.spec.runtime.lease_ttl_s + 3
+            store,
+            roster=self.roster,
+            job_id=job_id,
+            explain_s=self.spec.runtime.lease_ttl_s + 3,
+            notices=self.notices,
         )
         self.aborted_at: float | None = None  # wall time of the last abort (for recovery timing)
         self._keepalive: KeepAlive | None = None
