@@ -38,6 +38,31 @@ from pipetransformer.dashboard.timeline import (
 from pipetransformer.store.rows import EvaluationRow, MetricRow
 
 FROZEN_COLOR = "#c7c7c7"
+
+
+def frozen_layer(
+    xs: Sequence[Any],
+    ys: Sequence[int],
+    frozen: Sequence[Sequence[int | None]],
+    hovertemplate: str,
+    text: Sequence[Sequence[str]] | None = None,
+) -> go.Heatmap:
+    """A per-block heat map's frozen cells (1; None elsewhere) in one grey, as a legend entry
+    of their own: drawn under the readings, which leave those cells empty."""
+    return go.Heatmap(
+        name="frozen",
+        x=xs,
+        y=ys,
+        z=frozen,
+        text=text,
+        colorscale=[[0, FROZEN_COLOR], [1, FROZEN_COLOR]],
+        showscale=False,
+        showlegend=True,
+        hoverongaps=False,
+        hovertemplate=hovertemplate,
+    )
+
+
 STAGE_COLORS = qualitative.Plotly
 EMPTY_TEXT = "no data yet"
 RAW_OPACITY = 0.25  # the raw curve under a smoothed one: there, but faint
@@ -535,19 +560,7 @@ def grad_norm_figure(
             frozen[b].append(1 if is_frozen else None)
     ys = list(range(blocks))
     if any(c is not None for col in frozen for c in col):
-        fig.add_trace(
-            go.Heatmap(
-                name="frozen",
-                x=xs,
-                y=ys,
-                z=frozen,
-                colorscale=[[0, FROZEN_COLOR], [1, FROZEN_COLOR]],
-                showscale=False,
-                showlegend=True,
-                hoverongaps=False,
-                hovertemplate="block %{y}: frozen<extra></extra>",
-            )
-        )
+        fig.add_trace(frozen_layer(xs, ys, frozen, "block %{y}: frozen<extra></extra>"))
     fig.add_trace(
         go.Heatmap(
             name="grad norm",

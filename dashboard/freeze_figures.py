@@ -17,7 +17,12 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from pipetransformer.dashboard.figures import FROZEN_COLOR, HEIGHT, base_figure, empty_figure
+from pipetransformer.dashboard.figures import (
+    HEIGHT,
+    base_figure,
+    empty_figure,
+    frozen_layer,
+)
 from pipetransformer.store.rows import FreezeSignalRow
 
 SIGNAL_TITLE = "Distance to the freeze threshold"
@@ -145,20 +150,7 @@ def signal_figure(signals: Sequence[FreezeSignalRow]) -> go.Figure:
         before = row.boundary
     ys = list(range(blocks))
     if any(c is not None for col in frozen for c in col):
-        fig.add_trace(
-            go.Heatmap(
-                name="frozen",
-                x=xs,
-                y=ys,
-                z=frozen,
-                text=text,
-                colorscale=[[0, FROZEN_COLOR], [1, FROZEN_COLOR]],
-                showscale=False,
-                showlegend=True,
-                hoverongaps=False,
-                hovertemplate="%{text}<extra></extra>",
-            )
-        )
+        fig.add_trace(frozen_layer(xs, ys, frozen, "%{text}<extra></extra>", text=text))
     # symmetric about 1, so the threshold is the scale's white middle
     span = min(MAX_DECADES, max([MIN_DECADES, *(abs(v) for v in known)]))
     tickvals, ticktext = _ticks(span)
