@@ -309,13 +309,6 @@ def policy_configurations(
     return configs
 
 
-def alpha_bound_first(freeze: dict) -> int:
-    """The blocks (of the body's 8) a freeze section's first decision point may freeze."""
-    from pipetransformer.core.freeze import alpha_bound
-
-    return alpha_bound(freeze["alpha"], 8, 1)
-
-
 def history(workdir: Path, job_id: str, wall: float) -> dict[str, Any]:
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     try:

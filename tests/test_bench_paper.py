@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipetransformer.core.freeze import alpha_bound
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import paper  # noqa: E402
@@ -143,7 +145,7 @@ def test_the_policy_comparison_runs_each_rule_at_the_same_alpha_and_cap() -> Non
     assert configs["all output r=0.4"]["output_ratio"] == 0.4
     # the bound: a decision after every step, an alpha that reaches the cap at the first
     assert configs["bound"]["every"] == 1 and configs["bound"]["keep_trainable"] == 3
-    assert paper.alpha_bound_first(configs["bound"]) >= 8 - 3
+    assert alpha_bound(configs["bound"]["alpha"], 8, 1) >= 8 - 3  # the body's 8 blocks
 
 
 def test_the_headline_is_what_auto_runs_with_its_worst_seed() -> None:
