@@ -57,12 +57,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -75,6 +77,7 @@ from pipetransformer.store import Store, sqlite_url
 
 sys.path.insert(0, str(ROOT / "examples"))
 from assets import make_vit  # noqa: E402
+from paper_lm import REGIMES  # noqa: E402
 
 CLASSES = range(10)
 ALPHAS = [Fraction(1, 5), Fraction(1, 4), Fraction(1, 3), Fraction(2, 5), Fraction(1, 2)]
@@ -82,6 +85,10 @@ PAPER = {  # PipeTransformer's own figures (ViT-B/16; ablation on ImageNet, alph
     "ablation": {"freeze": 0.95, "freeze+pipe+cache": 1.26, "freeze+pipe+dp": 2.27, "all": 2.83},
     "alpha_sweep": {"1/5": 2.04, "1/4": 2.44, "1/3": 2.83, "2/5": 3.29, "1/2": 3.86},
 }
+# --workload lm: fine-tuning epochs per regime, where the baseline's held-out perplexity is still
+# falling (chat rows overfit after 4: freezing would win by stopping that, not by its speed)
+LM_EPOCHS = {"continued": 3, "chat": 4}
+LM_BATCH = {"continued": 16, "chat": 8}  # and global batch (sequences of 128 tokens)
 ABLATION = {  # name -> freeze section (beside policy, alpha, keep_trainable)
     "freeze": {"relayout": "off", "cache": "off"},
     "freeze+pipe+cache": {"relayout": "repartition", "cache": "auto"},
@@ -309,11 +316,28 @@ def policy_configurations(
     return configs
 
 
+def lm_configurations(
+    alpha: Fraction, keep: int, every: int, output_ratios: list[float] | None = None
+) -> dict[str, dict | None]:
+    """name -> freeze section for the decoder (`--workload lm`): the encoder's ablation rows
+    (the paper's gradient rule), every freeze rule with all four components (the output rule
+    also at each of `output_ratios`) and the bound, each deciding every `every` optimizer
+    steps (an epoch holds a few dozen)."""
+    rows = configurations(alpha, keep)
+    rows = {n: rows[n] for n in ("baseline", *(a for a in ABLATION if a != "all"))}
+    rows |= {n: c for n, c in policy_configurations(alpha, keep, output_ratios).items() if c}
+    for config in rows.values():
+        if config is not None:
+            config.setdefault("every", every)
+    return rows
+
+
 def history(workdir: Path, job_id: str, wall: float) -> dict[str, Any]:
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     try:
         metrics, evals = store.metrics(job_id), store.evaluations(job_id)
-        depth = store.get_job(job_id).spec.model.depth
+        model = store.get_job(job_id).spec.model
+        depth, lm = model.depth, model.task == "causal-lm"
     finally:
         store.close()
     t0 = metrics[0].time  # the first step's end: start-up (and that step) come before it
@@ -325,11 +349,17 @@ def history(workdir: Path, job_id: str, wall: float) -> dict[str, Any]:
     first_freeze = next((e.epoch - 1 for e, m in _evals_with_frozen(evals, metrics) if m > 0), None)
     half = [m.time for m in metrics if (m.frozen or 0) >= depth / 2]
     span = metrics[-1].time - t0
+    # a language model's held-out loss is per counted token: its exp is the perplexity
+    ppl = [math.exp(e.loss) if lm and e.loss is not None else None for e in evals]
     return {
         "wall_s": wall,
         "startup_s": wall - span,
         "final_accuracy": evals[-1].accuracy,
-        "evals": [(e.epoch, e.time - t0 + (wall - span), e.accuracy) for e in evals],
+        "final_perplexity": ppl[-1],
+        "evals": [
+            (e.epoch, e.time - t0 + (wall - span), e.accuracy, p)
+            for e, p in zip(evals, ppl, strict=True)
+        ],
         "samples_per_s_by_epoch": {k: statistics.median(v) for k, v in sorted(epochs.items())},
         "first_freeze_epoch": first_freeze,
         "half_frozen_fraction": (metrics[-1].time - half[0]) / span if half else 0.0,
@@ -337,9 +367,7 @@ def history(workdir: Path, job_id: str, wall: float) -> dict[str, Any]:
     }
 
 
-def time_split(
-    workdir: Path, job_id: str, started: float, wall: float, rows: int, batch: int
-) -> dict[str, float]:
+def time_split(workdir: Path, job_id: str, started: float, wall: float) -> dict[str, float]:
     """Where a run's wall time went (seconds), from its store: `startup` (the command's start to
     the first step's start), `steps_unfrozen` and `steps_frozen` (optimizer steps trained under
     boundary 0 and above it, each step's time being its rows over its measured samples/s),
@@ -348,10 +376,14 @@ def time_split(
     (rank 0's held-out passes), `other` (what else the span between steps holds: control points,
     decision points and their probes) and `final` (the last step's end to the command's end, less
     the last evaluation: the final checkpoint and shutdown). All but `frozen_prefix` and
-    `freeze_probes` (the output rule's probes, inside `other`) add up to the wall time. `rows` and `batch`: the training split's rows and the global
-    batch, to know each step's rows (an epoch's last step has the remainder)."""
+    `freeze_probes` (the output rule's probes, inside `other`) add up to the wall time. Each
+    step's rows follow from the training split's samples (a language model's: its packed
+    sequences) and the global batch, an epoch's last step having the remainder."""
     store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     try:
+        batch = store.get_job(job_id).spec.training.global_batch_size
+        train = store.events(job_id, kinds=["data_opened"])[0].data["origin"]["train"]
+        rows = train.get("sequences") or train["rows"]
         metrics, evals = store.metrics(job_id), store.evaluations(job_id)
         layouts = store.events(job_id, kinds=["layout_planned"])
         probes = sum(f.probe_s for f in store.freeze_signals(job_id))
@@ -400,13 +432,19 @@ def _evals_with_frozen(evals: list, metrics: list) -> list[tuple[Any, int]]:
 
 def time_to(hist: dict, accuracy: float) -> float | None:
     """Seconds from the run's start until its held-out accuracy first reached `accuracy`."""
-    return next((t for _, t, acc in hist["evals"] if acc >= accuracy - 1e-12), None)
+    return next((e[1] for e in hist["evals"] if e[2] >= accuracy - 1e-12), None)
+
+
+def time_to_perplexity(hist: dict, perplexity: float) -> float | None:
+    """Seconds from the run's start until its held-out perplexity first fell to `perplexity`."""
+    return next((e[1] for e in hist["evals"] if e[3] <= perplexity * (1 + 1e-12)), None)
 
 
 # -- figures --------------------------------------------------------------------------------------
 
 
-def plot(per_seed: list[dict], summary: dict, out: Path) -> list[str]:
+def plot(per_seed: list[dict], summary: dict, out: Path, prefix: str = "paper") -> list[str]:
+    """The figures as `out/<prefix>-*.png`; their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -418,24 +456,24 @@ def plot(per_seed: list[dict], summary: dict, out: Path) -> list[str]:
         by_epoch = hist["samples_per_s_by_epoch"]
         ax.plot(list(by_epoch), list(by_epoch.values()), marker="o", ms=3, label=name)
     ax.set_xlabel("epoch")
-    ax.set_ylabel("samples/s (median step)")
+    ax.set_ylabel("samples/s (median step; a language model's: sequences)")
     ax.set_title("Fine-tuning throughput per epoch (first seed)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    paths.append(str(out / "paper-throughput.png"))
+    paths.append(str(out / f"{prefix}-throughput.png"))
     fig.savefig(paths[-1], dpi=120)
 
     if summary["ablation"]:
-        paths.append(_plot_ablation(plt, summary, out))
+        paths.append(_plot_ablation(plt, summary, out / f"{prefix}-ablation.png"))
     if summary["alpha_sweep"]:
-        paths.append(_plot_alpha(plt, summary, out))
+        paths.append(_plot_alpha(plt, summary, out / f"{prefix}-alpha.png"))
     if "all output" in summary["rows"]:
-        paths.append(_plot_policies(plt, summary, out))
+        paths.append(_plot_policies(plt, summary, out / f"{prefix}-policies.png"))
     plt.close("all")
     return paths
 
 
-def _plot_ablation(plt: Any, summary: dict, out: Path) -> str:
+def _plot_ablation(plt: Any, summary: dict, path: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     names = list(summary["ablation"])
     ours = [summary["ablation"][n]["wall_time_speedup"] for n in names]
@@ -447,8 +485,8 @@ def _plot_ablation(plt: Any, summary: dict, out: Path) -> str:
     ax.set_ylabel("wall-time speed-up over the baseline")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "paper-ablation.png", dpi=120)
-    return str(out / "paper-ablation.png")
+    fig.savefig(path, dpi=120)
+    return str(path)
 
 
 SPLIT_COLOURS = {
@@ -462,16 +500,22 @@ SPLIT_COLOURS = {
 }
 
 
-def _plot_policies(plt: Any, summary: dict, out: Path) -> str:
+def _plot_policies(plt: Any, summary: dict, path: Path) -> str:
     """The freeze rules side by side: speed-up and accuracy delta per seed (dots) and their
     medians (bars), and the median wall time split into where it went."""
     rows = {n: r for n, r in summary["rows"].items() if n != "baseline"}
     names = list(rows)
     x = np.arange(len(names))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    lm = "perplexity_delta_pct" in summary["rows"]["baseline"]
+    quality = (
+        ("perplexity_delta_pct", "held-out perplexity change (%)", (2.0, 1.0))
+        if lm
+        else ("accuracy_delta_pp", "held-out accuracy delta (pp)", (-1.0, -0.5))
+    )
     for ax, key, label in (
         (axes[0], "wall_time_speedup", "wall-time speed-up over the baseline"),
-        (axes[1], "accuracy_delta_pp", "held-out accuracy delta (pp)"),
+        (axes[1], quality[0], quality[1]),
     ):
         ax.bar(x, [rows[n][key] for n in names], 0.6, alpha=0.5)
         for i, n in enumerate(names):
@@ -481,8 +525,9 @@ def _plot_policies(plt: Any, summary: dict, out: Path) -> str:
         ax.set_ylabel(label)
     axes[0].axhline(1.0, color="grey", lw=0.8)
     axes[0].axhline(1.8, color="tab:green", lw=0.8, ls="--")
-    axes[1].axhline(-1.0, color="tab:red", lw=0.8, ls="--")
-    axes[1].axhline(-0.5, color="tab:orange", lw=0.8, ls="--")
+    # the parity limits: no seed past the first, the median within the second
+    axes[1].axhline(quality[2][0], color="tab:red", lw=0.8, ls="--")
+    axes[1].axhline(quality[2][1], color="tab:orange", lw=0.8, ls="--")
     everything = {"baseline": summary["rows"]["baseline"], **rows}
     bottom = np.zeros(len(everything))
     for part, colour in SPLIT_COLOURS.items():
@@ -496,11 +541,11 @@ def _plot_policies(plt: Any, summary: dict, out: Path) -> str:
     axes[2].legend(fontsize=7)
     fig.suptitle("Freeze rules side by side (dots: seeds; bars: medians)")
     fig.tight_layout()
-    fig.savefig(out / "paper-policies.png", dpi=120)
-    return str(out / "paper-policies.png")
+    fig.savefig(path, dpi=120)
+    return str(path)
 
 
-def _plot_alpha(plt: Any, summary: dict, out: Path) -> str:
+def _plot_alpha(plt: Any, summary: dict, path: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = list(summary["alpha_sweep"])
     alphas = [float(Fraction(a)) for a in labels]
@@ -521,8 +566,8 @@ def _plot_alpha(plt: Any, summary: dict, out: Path) -> str:
     lines = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
     ax.legend(lines, [h.get_label() for h in lines], fontsize=8, loc="upper left")
     fig.tight_layout()
-    fig.savefig(out / "paper-alpha.png", dpi=120)
-    return str(out / "paper-alpha.png")
+    fig.savefig(path, dpi=120)
+    return str(path)
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -541,10 +586,15 @@ def _med(values: list[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
-def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[str, Any]:
+def summarise(
+    per_seed: list[dict[str, dict]], default_alpha: Fraction, all_row: str | None = None
+) -> dict[str, Any]:
     """Per configuration: medians over seeds of speed-up, accuracy delta and time to the
-    baseline's accuracy (a seed that never reaches it counts as no speed-up there)."""
+    baseline's accuracy (a seed that never reaches it counts as no speed-up there); for a
+    language model also the perplexity's change (%) and the time to the baseline's final
+    perplexity. `all_row`: the row that is the ablation's all four (default `all a=<alpha>`)."""
     rows: dict[str, dict] = {}
+    lm = per_seed[0]["baseline"].get("final_perplexity") is not None
     for name in per_seed[0]:
         speedups, spans, deltas, tta, first, half = [], [], [], [], [], []
         for runs in per_seed:
@@ -584,7 +634,9 @@ def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[
             # what reading the freeze signal cost, against the time in optimizer steps
             "probe_cost_fraction": _med([_probe_fraction(r[name]) for r in per_seed]),
         }
-    default = f"all a={default_alpha}"
+        if lm:
+            rows[name] |= _perplexity_columns([(r["baseline"], r[name]) for r in per_seed])
+    default = all_row or f"all a={default_alpha}"
     # a partial run (--only) summarises what it ran
     ablation = {n: rows[n] for n in ABLATION if n != "all" and n in rows}
     if default in rows:
@@ -607,6 +659,25 @@ def summarise(per_seed: list[dict[str, dict]], default_alpha: Fraction) -> dict[
         "alpha_sweep": sweep,
         "alpha_sweep_monotonic": monotonic(sweep),
         "policies": policies,
+    }
+
+
+def _perplexity_columns(pairs: list[tuple[dict, dict]]) -> dict[str, Any]:
+    """A language model's row over (baseline, run) per seed: the held-out perplexity's change
+    in percent of the baseline's (lower is better, so the worst seed is the highest) and the
+    speed-up to the baseline's final perplexity."""
+    deltas, tta = [], []
+    for base, hist in pairs:
+        deltas.append(100 * (hist["final_perplexity"] / base["final_perplexity"] - 1))
+        t_base = time_to_perplexity(base, base["final_perplexity"])
+        t_this = time_to_perplexity(hist, base["final_perplexity"])
+        tta.append(t_base / t_this if t_base and t_this else 0.0)
+    return {
+        "final_perplexity": _med([h["final_perplexity"] for _, h in pairs]),
+        "perplexity_delta_pct": _med(deltas),
+        "worst_seed_perplexity_delta_pct": max(deltas),
+        "perplexity_delta_pct_by_seed": deltas,
+        "time_to_baseline_perplexity_speedup": _med(tta),
     }
 
 
@@ -638,18 +709,74 @@ def monotonic(sweep: dict[str, dict]) -> dict[str, bool] | None:
     }
 
 
-def main() -> None:
+def run_rows(
+    tmp: Path,
+    configs: dict[str, dict | None],
+    seeds: list[int],
+    spec_for: Callable[[int], dict],
+    cache: Path,
+    label: str = "",
+) -> list[dict[str, dict]]:
+    """Each configuration as a real job per seed (`spec_for(seed)` with its freeze section), in
+    an order rotated per seed so that load drift on this shared machine hits them alike; per
+    seed, name -> the run's history and time split."""
+    per_seed: list[dict[str, dict]] = []
+    names = list(configs)
+    for k, seed in enumerate(seeds):
+        runs: dict[str, dict] = {}
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            spec = spec_for(seed)
+            if configs[name] is not None:
+                spec["freeze"] = configs[name]
+            job = f"{label}s{seed}-{len(runs)}"
+            started = time.time()
+            wall = _run(tmp, spec, job, cache)
+            runs[name] = history(tmp / job, job, wall)
+            runs[name]["time_split"] = time_split(tmp / job, job, started, wall)
+            quality = (
+                f"perplexity {runs[name]['final_perplexity']:.2f}"
+                if runs[name]["final_perplexity"] is not None
+                else f"accuracy {runs[name]['final_accuracy']:.3f}"
+            )
+            progress(
+                f"{label}seed {seed} {name}: {wall:.0f}s, {quality}, first freeze epoch "
+                f"{runs[name]['first_freeze_epoch']}"
+            )
+        per_seed.append({n: runs[n] for n in names})
+    return per_seed
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--workload",
+        choices=("vit", "lm"),
+        default="vit",
+        help="vit: the encoder (a ViT between two image domains); lm: a decoder between two "
+        "text domains, in two regimes (bench/paper_lm.py)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=10, help="fine-tuning epochs")
-    parser.add_argument("--upstream-epochs", type=int, default=60)
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        help="fine-tuning epochs (default: 10 for vit; for lm, per regime: "
+        + ", ".join(f"{r} {e}" for r, e in LM_EPOCHS.items())
+        + ")",
+    )
+    parser.add_argument("--upstream-epochs", type=int, default=60, help="vit's pretraining")
+    parser.add_argument(
+        "--upstream-steps", type=int, default=3000, help="lm's pretraining (AdamW steps)"
+    )
     parser.add_argument("--copies", type=int, default=4, help="drawings of each target scan")
     parser.add_argument("--source-copies", type=int, default=16, help="of each source scan")
     parser.add_argument(
-        "--upstream-device", default="cpu", help="where the upstream job runs (cpu, cuda)"
+        "--upstream-device", default="cpu", help="where vit's upstream job runs (cpu, cuda)"
     )
     parser.add_argument(
-        "--body", type=Path, help="a pretrained body from an earlier --keep run (skip upstream)"
+        "--body",
+        type=Path,
+        help="a pretrained body from an earlier --keep run (skip upstream): vit's "
+        "bench/results/issue24-body, lm's bench/results/issue50-decoder",
     )
     parser.add_argument(
         "--upstream-only", action="store_true", help="pretrain, probe and stop (with --keep)"
@@ -675,14 +802,27 @@ def main() -> None:
         help="the freeze rules side by side instead of the ablation: the gradient rule, the "
         "alpha schedule and the output rule with all four components at --alpha and "
         "--keep-trainable, and the bound (the cap frozen at the first step); the headline is "
-        "the row of what `policy: auto` runs",
+        "the row of what `policy: auto` runs (lm: always both, the ablation under auto's rule)",
     )
     parser.add_argument(
         "--output-ratios",
         type=float,
         nargs="*",
         default=[],
-        help="with --policies: the output rule at these freeze.output_ratio values too",
+        help="with --policies (and lm): the output rule at these freeze.output_ratio values too",
+    )
+    parser.add_argument(
+        "--regimes",
+        nargs="+",
+        choices=REGIMES,
+        default=list(REGIMES),
+        help="lm: continued pre-training on prose, supervised fine-tuning on chat rows",
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=20,
+        help="lm: a freeze decision point every this many optimizer steps",
     )
     parser.add_argument("--only", nargs="+", help="run only these configurations (and baseline)")
     parser.add_argument("--keep", type=Path, help="keep the runs under this directory")
@@ -693,9 +833,130 @@ def main() -> None:
         help="summarise and plot earlier runs' paper.json again (several: their seeds together, "
         "the first one's config)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main_lm(args: argparse.Namespace) -> None:
+    """The decoder (`--workload lm`): the upstream decoder (or `--body`), then per regime its
+    zero-shot perplexity and every configuration per seed; the headline is the first regime's
+    row of what `policy: auto` runs."""
+    import paper_lm
+
+    all_row = "all gradient"  # the ablation's all four: the paper's rule, as its other rows
+    if args.from_json:
+        runs = [json.loads(f.read_text().strip().splitlines()[-1]) for f in args.from_json]
+        earlier = runs[0]
+        for regime, result in earlier["regimes"].items():
+            result["per_seed"] = [s for run in runs for s in run["regimes"][regime]["per_seed"]]
+        earlier["config"]["seeds"] = [s for run in runs for s in run["config"]["seeds"]]
+        regimes = {
+            regime: _lm_regime(
+                regime, r["per_seed"], r["zero_shot_perplexity"], args.alpha, all_row
+            )
+            for regime, r in earlier["regimes"].items()
+        }
+        emit(earlier | _lm_headline(regimes), save_as="paper-lm.json")
+        return
+    configs = lm_configurations(args.alpha, args.keep_trainable, args.every, args.output_ratios)
+    if args.only:
+        configs = {k: v for k, v in configs.items() if k == "baseline" or k in args.only}
+    regimes: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or Path(scratch)
+        cache = tmp / "cache"
+        targets = paper_lm.make_targets(tmp / "targets")
+        if args.body:
+            body = args.body
+        else:
+            progress(f"upstream: pretraining on the source ({args.upstream_steps} steps)")
+            body = paper_lm.upstream(tmp / "decoder", targets, args.upstream_steps)
+        zero_shot = {r: paper_lm.zero_shot_perplexity(body, targets[r]) for r in args.regimes}
+        progress(f"zero-shot perplexity on the targets: {zero_shot}")
+        if args.upstream_only:
+            return
+        for regime in args.regimes:
+            epochs = args.epochs or LM_EPOCHS[regime]
+
+            def spec_for(seed: int, regime: str = regime, epochs: int = epochs) -> dict:
+                return paper_lm.job(
+                    "ft", body, regime, targets[regime], seed, epochs, LM_BATCH[regime]
+                )
+
+            per_seed = run_rows(tmp, configs, args.seeds, spec_for, cache, f"{regime}-")
+            regimes[regime] = _lm_regime(regime, per_seed, zero_shot[regime], args.alpha, all_row)
+    emit(
+        {
+            "benchmark": "paper",
+            "workload": "lm",
+            **_lm_headline(regimes),
+            "regimes": regimes,
+            "paper": PAPER,
+            "goals": {
+                "wall_time_speedup": 1.8,
+                "perplexity_delta_pct": 1.0,
+                "worst_seed_perplexity_delta_pct": 2.0,
+            },
+            "config": {
+                "seeds": args.seeds,
+                "epochs": {r: args.epochs or LM_EPOCHS[r] for r in args.regimes},
+                "global_batch_size": {r: LM_BATCH[r] for r in args.regimes},
+                "every": args.every,
+                "upstream_steps": args.upstream_steps,
+                "body": str(args.body) if args.body else None,
+                "alpha": str(args.alpha),
+                "keep_trainable": args.keep_trainable,
+                "only": args.only,
+            },
+            "environment": environment(),
+        },
+        save_as="paper-lm.json",
+    )
+
+
+def _lm_regime(
+    regime: str, per_seed: list[dict], zero_shot: float, alpha: Fraction, all_row: str
+) -> dict[str, Any]:
+    """One regime's result: its summary, the per-seed runs and its figures."""
+    summary = summarise(per_seed, alpha, all_row=all_row)
+    head = headline_row(summary)
+    return {
+        "headline": head.get("name"),
+        "wall_time_speedup": head.get("wall_time_speedup"),
+        "perplexity_delta_pct": head.get("perplexity_delta_pct"),
+        "worst_seed_perplexity_delta_pct": head.get("worst_seed_perplexity_delta_pct"),
+        "zero_shot_perplexity": zero_shot,
+        "ablation": summary["ablation"],
+        "policies": summary["policies"],
+        "configurations": summary["rows"],
+        "per_seed": per_seed,
+        "figures": plot(per_seed, summary, out_dir(), prefix=f"paper-lm-{regime}"),
+    }
+
+
+def _lm_headline(regimes: dict[str, dict]) -> dict[str, Any]:
+    """The last JSON line's headline fields: the first regime's `auto` row."""
+    regime, result = next(iter(regimes.items()), (None, {}))
+    return {
+        "headline": f"{regime}: {result.get('headline')}" if regime else None,
+        **{
+            k: result.get(k)
+            for k in (
+                "wall_time_speedup",
+                "perplexity_delta_pct",
+                "worst_seed_perplexity_delta_pct",
+            )
+        },
+    }
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.alpha not in ALPHAS:
         raise SystemExit(f"--alpha must be one of the sweep's {', '.join(map(str, ALPHAS))}")
+    if args.workload == "lm":
+        main_lm(args)
+        return
+    epochs = args.epochs or 10
     if args.from_json:
         runs = [json.loads(f.read_text().strip().splitlines()[-1]) for f in args.from_json]
         earlier = runs[0]
@@ -739,27 +1000,13 @@ def main() -> None:
         progress(f"linear probe on the target scans: {probe:.3f}")
         if args.upstream_only:
             return
-        per_seed: list[dict[str, dict]] = []
-        names = list(configs)
-        rows = len(list((tmp / "target" / "train").glob("*/*.png")))
-        for k, seed in enumerate(args.seeds):
-            runs: dict[str, dict] = {}
-            order = names[k % len(names) :] + names[: k % len(names)]  # drift hits all alike
-            for name in order:
-                spec = _job("ft", body, tmp / "target", len(CLASSES), seed, args.epochs)
-                if configs[name] is not None:
-                    spec["freeze"] = configs[name]
-                job = f"s{seed}-{len(runs)}"
-                started = time.time()
-                wall = _run(tmp, spec, job, cache)
-                runs[name] = history(tmp / job, job, wall)
-                runs[name]["time_split"] = time_split(tmp / job, job, started, wall, rows, 64)
-                progress(
-                    f"seed {seed} {name}: {wall:.0f}s, accuracy "
-                    f"{runs[name]['final_accuracy']:.3f}, first freeze epoch "
-                    f"{runs[name]['first_freeze_epoch']}"
-                )
-            per_seed.append({n: runs[n] for n in names})
+        per_seed = run_rows(
+            tmp,
+            configs,
+            args.seeds,
+            lambda seed: _job("ft", body, tmp / "target", len(CLASSES), seed, epochs),
+            cache,
+        )
         summary = summarise(per_seed, args.alpha)
         figures = plot(per_seed, summary, out_dir())
     headline = headline_row(summary)
@@ -780,7 +1027,7 @@ def main() -> None:
             "goals": {"wall_time_speedup": 1.8, "accuracy_delta_pp": -0.5},
             "config": {
                 "seeds": args.seeds,
-                "epochs": args.epochs,
+                "epochs": epochs,
                 "upstream_epochs": args.upstream_epochs,
                 "copies": args.copies,
                 "source_copies": args.source_copies,
