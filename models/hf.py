@@ -77,6 +77,13 @@ def architecture(spec: ModelSpec) -> Architecture:
     return _architecture(pre.path, spec.task, spec.num_classes, pre.fingerprint)
 
 
+def new_head(spec: ModelSpec) -> bool:
+    """Whether the job's head is one the checkpoint does not have (another task or label
+    count, or a body without one): its weights are initialised, not read."""
+    assert spec.pretrained is not None and spec.pretrained.path is not None
+    return not architecture(spec).same_head(read_architecture(spec.pretrained.path))
+
+
 @dataclasses.dataclass
 class LoadedUnits:
     """The units by name (in the order asked); for a new head, the checkpoint keys skipped and

@@ -52,15 +52,30 @@ def build(spec: ModelSpec) -> FamilyBuild:
     return build_of(spec.family, pretrained=spec.pretrained is not None)
 
 
+def _adapted(spec: ModelSpec, name: str, unit: nn.Module, seed: int) -> nn.Module:
+    """`unit` with the spec's LoRA adapters (`models.adapters`), if it has any."""
+    if spec.adapters is None:
+        return unit
+    from pipetransformer.models.adapters import with_adapters
+    from pipetransformer.models.hf import new_head
+
+    # a new head's output layer (the last of the head's checkpoint prefixes) trains
+    trains = architecture(spec).family_info.head_prefixes(architecture(spec))[-1]
+    return with_adapters(spec, name, unit, seed, trains if new_head(spec) else None)
+
+
 def empty_unit(spec: ModelSpec, name: str) -> nn.Module:
-    """A unit with its parameters on the meta device (nothing allocated or initialised)."""
-    return build(spec).empty_unit(spec, name)
+    """A unit with its parameters on the meta device (nothing allocated or initialised); with
+    `model.adapters`, its adapters too."""
+    return _adapted(spec, name, build(spec).empty_unit(spec, name), 0)
 
 
 def initial_units(spec: ModelSpec, seed: int, names: Iterable[str]) -> dict[str, nn.Module]:
     """Units `names` with their initial weights, on the CPU: seed-derived, or read from the
-    pretrained checkpoint (a new head initialised from the seed)."""
-    return build(spec).initial_units(spec, seed, list(names))
+    pretrained checkpoint (a new head initialised from the seed); with `model.adapters`, the
+    blocks' adapters drawn from the seed, what does not train frozen."""
+    units = build(spec).initial_units(spec, seed, list(names))
+    return {name: _adapted(spec, name, unit, seed) for name, unit in units.items()}
 
 
 def example_input(spec: ModelSpec, batch: int, generator: torch.Generator) -> torch.Tensor:

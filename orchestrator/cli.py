@@ -566,6 +566,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     cmd += ["--source", f"pipetransformer job {job.id}, step {ckpt.step}"]
     if args.force:
         cmd.append("--force")
+    if args.merge:
+        if job.spec.model.adapters is None:
+            raise UsageError(
+                f"--merge: job {job.id} trained no adapters (model.adapters); its export is "
+                "a whole model already"
+            )
+        cmd.append("--merge")
     console.print(f"exporting job {job.id} at step {ckpt.step} ({ckpt.path})")
     sys.stdout.flush()
     return subprocess.run(cmd, check=False).returncode
@@ -850,6 +857,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a DIR that holds files: the export is written beside it and swapped in "
         "whole once complete (never DIR containing the checkpoint, the pretrained model or the "
         "current directory)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a job with LoRA adapters (model.adapters): merge them into the base model and "
+        "write a plain save_pretrained directory (default: the adapters alone, in PEFT's "
+        "format: adapter_config.json and adapter_model.safetensors)",
     )
     common(p, etcd=False)
     p.set_defaults(fn=cmd_export)

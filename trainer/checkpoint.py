@@ -58,6 +58,7 @@ from pipetransformer.edge.manifest import (
     manifest_checksum,
     verify_checkpoint,
 )
+from pipetransformer.models.adapters import is_adapter
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -128,11 +129,23 @@ def _optimizer_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {k: v for k, v in full.items() if k.startswith("state.")}
 
 
+def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's part of the training state: every tensor of its state dict, or, for a model
+    with LoRA adapters (`model.adapters`), only what trains: the adapters (frozen ones too: a
+    merged block is rebuilt from them) and a new head. The base weights are the pretrained
+    checkpoint's, read from it wherever they are needed and never written."""
+    state = module.state_dict()
+    if not any(is_adapter(name) for name in state):
+        return state
+    kept = {n for n, p in module.named_parameters() if p.requires_grad or is_adapter(n)}
+    return {name: tensor for name, tensor in state.items() if name in kept}
+
+
 def state_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A rank's training state as `{"model": {name: tensor}, "optim": {"state.<name>.<key>":
     tensor}}`: what a checkpoint holds of it, and what an in-memory re-layout moves. The
     tensors are the live ones (no copies), once the optimizer has state."""
-    return {"model": module.state_dict(), "optim": _optimizer_tensors(module, optimizer)}
+    return {"model": model_tensors(module), "optim": _optimizer_tensors(module, optimizer)}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -693,7 +706,10 @@ def load_checkpoint(
     nothing in the checkpoint is unpickled beyond DCP's own index classes."""
     state = state_tensors(module, optimizer)  # initialises optimizer state, giving load its keys
     loaded = _load_packed(path, state, group, tied)
-    module.load_state_dict(loaded["model"])
+    # what the checkpoint does not hold is a model with adapters' base weights, and only that
+    missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
+    if unexpected or set(missing) != set(module.state_dict()) - set(state["model"]):
+        raise CheckpointError(f"{path}: missing {missing}, unexpected {unexpected}")
     if not any(group["params"] for group in optimizer.param_groups):
         return  # nothing trains here: no optimizer state to load (DCP refuses an empty one)
     full = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)

@@ -20,6 +20,12 @@ projection is tied to the input embedding (`tie_word_embeddings`, `Family.tied_p
 the pipeline held a copy in each unit and the checkpoint holds the pair once; the embedding's
 tensor is written, once, as save_pretrained writes a tied pair.
 
+A job with LoRA adapters (`model.adapters`) is written in PEFT's format: `adapter_config.json`
+and `adapter_model.safetensors` (the adapters, and a new head as a module PEFT saves whole), with
+the tokenizer or image processor, which `PeftModel.from_pretrained(base, dir)` loads onto the
+pretrained model; or, with `merge`, the adapters merged into the base weights (`peft`'s own
+`merge_and_unload`) as a plain `save_pretrained` directory like any other export.
+
 The output directory is written beside its destination and renamed into place when complete: an
 interrupted export leaves no half-written model under that name."""
 
@@ -48,6 +54,8 @@ from pipetransformer.edge.manifest import CheckpointError, checkpoint_checksum, 
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's names
+ADAPTER_CONFIG = "adapter_config.json"
 # what a model directory holds besides config and weights, for its inputs: tokenizers (fast and
 # slow, sentencepiece), image processors and processors
 PROCESSOR_FILES = (
@@ -78,6 +86,7 @@ class Exported:
     num_labels: int
     copied: list[str]  # tokenizer / processor files taken from the pretrained directory
     left_out: list[str]  # pretrained checkpoint keys the job's model has no unit for
+    adapter: bool = False  # written in PEFT's format (adapters only)
 
 
 def parse_spec_arg(value: str) -> JobSpec:
@@ -139,6 +148,51 @@ def _checkpoint_tensors(spec: JobSpec, checkpoint: Path) -> dict[str, torch.Tens
     return {
         key: loaded[f"{name}.{key}"].clone() for name in names for key in units[name].state_dict()
     }
+
+
+def _trained_tensors(spec: JobSpec, checkpoint: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A job with adapters: what its checkpoint holds (the adapters, a new head's output layer)
+    under the units' parameter names, read without a process group; and the new head's
+    modules (PEFT's `modules_to_save`)."""
+    from pipetransformer.models.adapters import new_head_modules, trained_names
+    from pipetransformer.models.units import architecture, empty_unit
+    from pipetransformer.trainer.checkpoint import UnitsDiffer, read_weights
+
+    names = architecture(spec.model).unit_names()
+    units = {name: empty_unit(spec.model, name) for name in names}  # meta: names and shapes
+    keys = {f"{name}.{key}": key for name, unit in units.items() for key in trained_names(unit)}
+    state = {full: units[full[: -len(key) - 1]].get_parameter(key) for full, key in keys.items()}
+    try:
+        loaded = read_weights(checkpoint, state)
+    except UnitsDiffer as exc:
+        raise ExportError(
+            f"{checkpoint}: not a checkpoint of this job's adapters: {exc.problems}"
+        ) from None
+    head = new_head_modules(units["head"]) if "head" in units else []
+    return {keys[full]: value.clone() for full, value in loaded.items()}, head
+
+
+def adapter_config(spec: JobSpec, pretrained: str, new_head: list[str]) -> dict[str, Any]:
+    """PEFT's `adapter_config.json` for the job's adapters on `pretrained`: its LoraConfig,
+    the base model's path, the task type (a causal LM, a sequence classifier, ...) and, for a
+    new head, the modules PEFT saves whole (`modules_to_save`)."""
+    from pipetransformer.models.adapters import lora_config
+
+    assert spec.model.adapters is not None
+    config = lora_config(spec.model, spec.model.adapters)
+    config.base_model_name_or_path = pretrained
+    config.task_type = PEFT_TASKS.get(spec.model.task)
+    config.modules_to_save = new_head or None
+    # as PEFT's save_pretrained writes it: sets (target_modules) as lists
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+
+
+# the job's task -> PEFT's task type (what PeftModel.from_pretrained wraps the base model as)
+PEFT_TASKS = {
+    "causal-lm": "CAUSAL_LM",
+    "classification": "SEQ_CLS",
+    "question-answering": "QUESTION_ANS",
+}
 
 
 def _label_names(spec: JobSpec, original: dict[str, Any], count: int) -> list[str]:
@@ -255,9 +309,10 @@ def export(
     checksum: str | None = None,
     force: bool = False,
     source: str | None = None,
+    merge: bool = False,
 ) -> Exported:
     """Write the checkpoint at `checkpoint` of a job with `spec` to `out` (see the module
-    docstring). `checksum` is the one the store committed it with; without it the checkpoint is
+    docstring); a job with adapters as a PEFT adapter, or with `merge` merged into the base. `checksum` is the one the store committed it with; without it the checkpoint is
     checked against its own manifest. Raises ExportError (or CheckpointError) saying why not."""
     from safetensors.torch import save_file
 
@@ -269,6 +324,8 @@ def export(
     if not (checkpoint / "manifest.json").is_file():
         raise ExportError(f"{checkpoint}: no sealed checkpoint there (no manifest.json)")
     verify_checkpoint(checkpoint, checksum or checkpoint_checksum(checkpoint))
+    if spec.model.adapters is not None:
+        return _export_adapters(checkpoint, spec, pretrained, out, merge, source)
     try:
         tensors = _checkpoint_tensors(spec, checkpoint)
     except CheckpointChanged as exc:  # its config.json and tokenizer would not be the job's
@@ -308,6 +365,77 @@ def export(
     )
 
 
+def _export_adapters(
+    checkpoint: Path,
+    spec: JobSpec,
+    pretrained: Path,
+    out: Path,
+    merge: bool,
+    source: str | None,
+) -> Exported:
+    """A job with adapters: its adapters in PEFT's format, or (`merge`) merged into the base
+    model as a plain `save_pretrained` directory."""
+    from safetensors.torch import save_file
+
+    from pipetransformer.models.adapters import peft_key
+    from pipetransformer.models.units import CheckpointChanged
+
+    try:
+        tensors, head = _trained_tensors(spec, checkpoint)
+    except CheckpointChanged as exc:  # the adapters were trained on another base
+        raise ExportError(
+            f"{exc}. The adapters only fit the base they were trained on: restore it"
+        ) from None
+    copied = _processor_files(pretrained)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        adapter = staging / "adapter" if merge else staging
+        adapter.mkdir(exist_ok=True)
+        metadata = {"format": "pt", **({"source": source} if source else {})}
+        save_file(
+            {peft_key(k): v for k, v in tensors.items()},
+            str(adapter / ADAPTER_WEIGHTS),
+            metadata=metadata,
+        )
+        config = adapter_config(spec, str(pretrained), head)
+        (adapter / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if merge:
+            _merge_into_base(spec, pretrained, adapter, staging)
+            shutil.rmtree(adapter)
+        for path in copied:
+            shutil.copyfile(path, staging / path.name)
+        _share(staging)
+        _swap_in(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Exported(
+        directory=out,
+        tensors=len(tensors),
+        num_labels=spec.model.num_classes,
+        copied=[p.name for p in copied],
+        left_out=[],
+        adapter=not merge,
+    )
+
+
+def _merge_into_base(spec: JobSpec, pretrained: Path, adapter: Path, into: Path) -> None:
+    """The base model (the class the job trained, with its labels) with the PEFT adapter in
+    `adapter` merged by `peft` itself (`merge_and_unload`), saved into `into` as
+    `save_pretrained` writes it (float32)."""
+    import transformers
+    from peft import PeftModel
+
+    config = export_config(spec, read_config_json(pretrained))
+    cls = getattr(transformers, config["architectures"][0])
+    base = cls.from_pretrained(
+        pretrained, config=cls.config_class.from_dict(config), dtype=torch.float32
+    )
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.save_pretrained(into)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipetransformer.trainer.export",
@@ -322,6 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checksum", help="the checksum the store committed the checkpoint with")
     p.add_argument("--force", action="store_true", help="replace a non-empty --to directory")
     p.add_argument("--source", help="provenance kept in model.safetensors' metadata")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a job with adapters: merge them into the base and write a plain model",
+    )
     return p
 
 
@@ -336,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             checksum=args.checksum,
             force=args.force,
             source=args.source,
+            merge=args.merge,
         )
     except (ExportError, CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -345,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         if task_of(spec.model).vocab_outputs
         else f"{done.num_labels} labels"
     )
+    if done.adapter:
+        outputs = f"LoRA adapters for {spec.model.pretrained.source}; PeftModel loads them"
     print(
         f"exported {done.tensors} tensors ({outputs}) to {done.directory}"
         + (f", with {', '.join(done.copied)}" if done.copied else "")

@@ -124,7 +124,7 @@ class RankModel(nn.Module):
         super().__init__()
         compute = compute or Compute()
         self.spec, self.compute = spec, compute
-        f = freeze_boundary
+        f = self.freeze_boundary = freeze_boundary
         # its stages' blocks; on stage 0's rank also the embedding and the blocks before stage 0
         # (the frozen prefix outside the pipeline); on the last stage's, the head
         held = held_units(stages, spec.depth)
@@ -178,6 +178,18 @@ class RankModel(nn.Module):
         ]
         # a plain list, not a ModuleList: the same parameters must not register twice
         self.stage_modules: list[StageModule] = parts
+
+    def merge_frozen(self) -> None:
+        """With adapters (`model.adapters`): merge each frozen block's adapters into its base
+        weights (`models.adapters.merge`), once its adapters hold their trained values. The
+        frozen prefix then computes, and AutoCache keeps, base + BA at the base's cost."""
+        if self.spec.adapters is None:
+            return
+        from pipetransformer.models.adapters import merge
+
+        for index, block in self.blocks.items():
+            if int(index) < self.freeze_boundary:
+                merge(block)
 
     @property
     def state_module(self) -> nn.Module:

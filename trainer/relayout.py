@@ -72,6 +72,7 @@ def build_training(
         load_weights(init.checkpoint, state, init.skip, tied=tied_names(spec.model))
     if pipe.model.master is not None and (filled or init.checkpoint):
         pipe.model.master.write_back(everything=True)
+    pipe.model.merge_frozen()  # adapters: once they hold what training had
     return pipe, optimizer
 
 
@@ -87,7 +88,10 @@ def _stateless(spec: JobSpec, previous: Previous, layout: Layout) -> tuple[str, 
 def _fresh_units(filled: bool, spec: JobSpec) -> UnitSource | None:
     """Which units start from their seed-derived initialisation: none when resuming or
     re-laying out (the checkpoint or the previous layout holds every unit), those in
-    `init.skip` when fine-tuning, all otherwise."""
+    `init.skip` when fine-tuning, all otherwise. With adapters, all: the base weights come from
+    the pretrained checkpoint every time (what fills them holds only the adapters)."""
+    if spec.model.adapters is not None:
+        return None
     if filled:
         return lambda unit: False
     if spec.init.checkpoint:

@@ -60,6 +60,13 @@ def block_index(name: str, depth: int) -> int:
     return i
 
 
+def encoder_adapter_targets(dim: int, hidden: int) -> dict[str, int]:
+    """A BERT or ViT layer's projections (`transformers`' names) and the largest LoRA rank each
+    takes: query, key and value (d x d); `dense`, the attention output (d x d), the MLP's
+    intermediate (d x h) and output (h x d)."""
+    return {"query": dim, "key": dim, "value": dim, "dense": min(dim, hidden)}
+
+
 @dataclass(frozen=True)
 class Architecture:
     """A checkpoint's model as the pipeline sees it (from config.json alone). Image fields are
@@ -216,6 +223,15 @@ class Family:
     def head_flops(self, model: ModelSpec) -> float:
         """Forward FLOPs of the head for one sample, as its task reads the hidden states."""
         return task_of(model).head_flops(model.dim, model.num_classes, self.tokens(model))
+
+    # -- adapters (model.adapters) ---------------------------------------------------------------
+
+    def adapter_targets(self, model: ModelSpec) -> dict[str, int] | None:
+        """The projections of a block that LoRA may adapt, by module name (what `peft` matches
+        a target against), each with the largest rank it takes: the narrowest side of every
+        layer of that name in a block. None: the family takes no adapters (the seeded models,
+        which start from nothing)."""
+        return None
 
     # -- a checkpoint (checkpoint families) -----------------------------------------------------
 

@@ -6,10 +6,11 @@ bounded (finite floats, integers below what makes sense, seeds in the generators
 file is read as bounded UTF-8 text and parsed by a YAML loader that refuses duplicate keys and
 alias bombs (`load_spec`). What a valid spec needs of a machine is `orchestrator/admission.py`.
 
-One module per section: `model`, `data`, `parallel` (training, parallel, checkpoint), `runtime`,
-`freeze` (freeze, init), `job` (the whole spec and reading it), over `base` (bounds, the strict
-model base, `SpecError`). Everything is imported from here."""
+One module per section: `model` (and its `adapters`), `data`, `parallel` (training, parallel,
+checkpoint), `runtime`, `freeze` (freeze, init), `job` (the whole spec and reading it), over
+`base` (bounds, the strict model base, `SpecError`). Everything is imported from here."""
 
+from pipetransformer.core.spec.adapters import AdaptersSpec
 from pipetransformer.core.spec.base import MAX_CONTROL_EVERY, SpecError
 from pipetransformer.core.spec.data import ColumnsSpec, DataSpec
 from pipetransformer.core.spec.freeze import FreezeSpec, InitSpec
@@ -28,6 +29,7 @@ from pipetransformer.core.spec.runtime import RuntimeSpec, gpu_shortfall, local_
 __all__ = [
     "MAX_CONTROL_EVERY",
     "SCHEDULES",
+    "AdaptersSpec",
     "CheckpointSpec",
     "ColumnsSpec",
     "DataSpec",

@@ -13,6 +13,7 @@ from pydantic import (
 )
 
 from pipetransformer.core import families
+from pipetransformer.core.spec.adapters import AdaptersSpec
 from pipetransformer.core.spec.base import (
     MAX_CHANNELS,
     MAX_CLASSES,
@@ -141,6 +142,11 @@ class ModelSpec(_Strict):
     max_positions: Annotated[PositiveInt, Field(le=MAX_SEQ_LEN)] | None = Field(
         None, description="gpt2: rows of its learned position table (config.json n_positions)"
     )
+    adapters: AdaptersSpec | None = Field(
+        None,
+        description="LoRA adapters on a pretrained model's projections: only they (and a new "
+        "head) train, the base weights stay the checkpoint's",
+    )
 
     @property
     def pending(self) -> bool:
@@ -204,8 +210,15 @@ class ModelSpec(_Strict):
                 f"task {self.task!r} needs a pretrained checkpoint (model.pretrained) of "
                 f"{' or '.join(able)}"
             )
+        if self.adapters is not None and self.pretrained is None:
+            raise ValueError(
+                "model.adapters needs a pretrained checkpoint (model.pretrained): LoRA adapts "
+                "trained weights, and a seeded model has none"
+            )
         if self.pending:
             return self  # checked once the checkpoint has filled in the architecture
+        if self.adapters is not None and (problem := _adapters_problem(self, self.adapters)):
+            raise ValueError(problem)
         if problem := family.problem(self):
             raise ValueError(problem)
         if self.head_dim is None and self.dim % self.heads:
@@ -230,3 +243,28 @@ class ModelSpec(_Strict):
                 f"end): num_classes must be {fixed} (got {self.num_classes})"
             )
         return self
+
+
+def _adapters_problem(model: ModelSpec, adapters: AdaptersSpec) -> str | None:
+    """Why `adapters` do not fit `model` (resolved), naming the field: a target the family's
+    blocks do not have, or a rank wider than a targeted projection's narrowest side."""
+    family = model.family_info
+    targets = family.adapter_targets(model)
+    if targets is None:
+        return f"model.adapters: the {family.name} family takes no adapters"
+    unknown = [t for t in adapters.targets or () if t not in targets]
+    if unknown:
+        return (
+            f"model.adapters.targets: {', '.join(map(repr, unknown))} "
+            f"{'is not a projection' if len(unknown) == 1 else 'are not projections'} of "
+            f"{family.name}'s blocks; choose from {', '.join(targets)}"
+        )
+    chosen = adapters.targets or list(targets)
+    narrowest = min(chosen, key=lambda t: targets[t])
+    if adapters.rank > targets[narrowest]:
+        return (
+            f"model.adapters.rank ({adapters.rank}) is wider than {narrowest}, whose narrowest "
+            f"side is {targets[narrowest]}: at most {targets[narrowest]} (a rank that wide "
+            "is full fine-tuning)"
+        )
+    return None
