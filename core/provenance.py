@@ -121,6 +121,9 @@ def model_text(model: ModelSpec) -> str:
         where += ")"
     else:
         where += " (not resolved yet)"
+    if (lora := model.adapters) is not None:
+        targets = ", ".join(lora.targets) if lora.targets else "every projection"
+        where += f"; LoRA r={lora.rank} alpha={lora.alpha:g} on {targets}, the base frozen"
     return where
 
 

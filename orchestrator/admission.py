@@ -20,6 +20,9 @@ d = model.dim, H = int(d x mlp_ratio), h = heads, k = num_classes, t = tokens be
 * Per parameter of a worker's stages: 16 bytes (weight, gradient, AdamW's two moments; 20 under
   `training.precision: bf16-weights`: bf16 weight and gradient, float32 master and its gradient,
   the moments) + 12 (the checkpoint snapshot of weights and moments, kept between checkpoints).
+  With LoRA adapters (`model.adapters`) only the adapters (rank x (inputs + outputs) of each
+  targeted layer) and a classifier's new head cost that; every other parameter is its weight
+  alone (4 bytes; 6 under bf16-weights).
   A worker builds only its own units (meta device, then materialised), initialising one unit
   at a time on the CPU (4 bytes a parameter of the largest unit).
 * Activations one micro-batch leaves for backward, per block: 4 b t (8d + 2H + h + 4) (the
@@ -68,6 +71,7 @@ from pipetransformer.core.datasets import DataSize
 from pipetransformer.core.planner import initial_ranges
 from pipetransformer.core.spec import SCHEDULES, JobSpec, ModelSpec
 from pipetransformer.core.state import pipeline_position
+from pipetransformer.core.tasks import task_of
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -121,6 +125,27 @@ def state_bytes_per_parameter(precision: str) -> int:
     return STATE_BYTES + 4 if precision == "bf16-weights" else STATE_BYTES
 
 
+def trained_params(m: ModelSpec, blocks: int, embed: bool, head: bool) -> int:
+    """What trains of a stage holding `blocks` blocks (and the embedding, the head): all of it,
+    or with LoRA adapters (`model.adapters`) the adapters alone and a classifier's head (a new
+    head, counted whole; a language model's head is the checkpoint's, frozen)."""
+    if m.adapters is None:
+        return blocks * block_params(m) + embed * embed_params(m) + head * head_params(m)
+    new_head = head and not task_of(m).vocab_outputs
+    return blocks * m.family_info.adapter_params(m) + new_head * head_params(m)
+
+
+def state_bytes(precision: str, params: int, trained: int) -> int:
+    """A worker's training state for `params` parameters of which `trained` train (see the
+    module docstring): a frozen one is its weight alone (under bf16-weights a bf16 copy beside
+    the float32 master), a trained one its `state_bytes_per_parameter` and the checkpoint
+    snapshot's copy."""
+    frozen = F32 + (2 if precision == "bf16-weights" else 0)
+    return (params - trained) * frozen + trained * (
+        state_bytes_per_parameter(precision) + SNAPSHOT_BYTES
+    )
+
+
 def block_activation_bytes(m: ModelSpec, b: int, element: int = F32) -> int:
     """Bytes one block keeps for backward for a micro-batch of `b` samples, `element` bytes an
     activation element (`activation_element_bytes`)."""
@@ -169,6 +194,11 @@ class StageEstimate:
     params: int
     activation_bytes: int  # at the micro-batches it holds in flight, with backward workspace
     in_flight: int
+    trained: int = -1  # of its parameters, those that train (-1: all of them)
+
+    def __post_init__(self) -> None:
+        if self.trained < 0:
+            object.__setattr__(self, "trained", self.params)
 
 
 @dataclass(frozen=True)
@@ -229,7 +259,8 @@ def estimate(spec: JobSpec) -> Estimate:
     block_act, block_in = block_activation_bytes(m, b, element), element * b * tokens(m) * m.dim
     stages = []
     for s, (a, c) in enumerate(initial_ranges(spec)):
-        params = (c - a) * block_params(m)
+        params = (c - a) * block_params(m) + (c - a) * m.family_info.adapter_params(m)
+        trained = trained_params(m, c - a, a == 0, c == m.depth)
         kept = block_in if p.recompute_for(s) else block_act  # per block, per micro-batch
         act = (c - a) * kept + F32 * b * tokens(m) * m.dim  # + the stage's (float32) output
         if a == 0:
@@ -247,6 +278,7 @@ def estimate(spec: JobSpec) -> Estimate:
                 params=params,
                 activation_bytes=act * in_flight + block_act,  # + backward workspace
                 in_flight=in_flight,
+                trained=trained,
             )
         )
     data = data_size(spec)
@@ -264,7 +296,7 @@ def estimate(spec: JobSpec) -> Estimate:
                 rank=r,
                 stages=tuple(s.index for s in mine),
                 params=params,
-                state_bytes=params * (state_bytes_per_parameter(t.precision) + SNAPSHOT_BYTES),
+                state_bytes=state_bytes(t.precision, params, sum(s.trained for s in mine)),
                 activation_bytes=sum(s.activation_bytes for s in mine),
                 build_bytes=max(block_params(m), embed_params(m), head_params(m)) * F32,
                 data_bytes=held,

@@ -62,6 +62,39 @@ def architecture_mismatch(saved: dict, model: ModelSpec, skip: list[str]) -> lis
     ]
 
 
+def adapters_mismatch(saved: dict, model: ModelSpec) -> str | None:
+    """Why a checkpoint whose meta records the model `saved` cannot start `model`'s adapters
+    (or `model` without adapters from a checkpoint of adapters), or None: adapters fit only the
+    base they were trained on (its fingerprint) and only adapters of the same shape."""
+    theirs, ours = saved.get("adapters"), model.adapters
+    if theirs is None and ours is None:
+        return None
+    if ours is None:
+        return (
+            "it holds LoRA adapters, not a model (its base is not in it): export it with "
+            "`pipetransformer export --merge` and start from that as model.pretrained, or "
+            "set model.adapters as that job had them"
+        )
+    if theirs is None:
+        return (
+            "it holds a whole model's weights, not adapters: export it and start from that as "
+            "model.pretrained, or drop model.adapters"
+        )
+    base = (saved.get("pretrained") or {}).get("fingerprint")
+    here = model.pretrained.fingerprint if model.pretrained else None
+    if base != here:
+        return (
+            f"its adapters were trained on another base model (fingerprint {base}); this "
+            f"job's model.pretrained is {here}: start from the base they were trained on"
+        )
+    differ = [
+        f"model.adapters.{f}: {theirs.get(f)!r} there, {getattr(ours, f)!r} here"
+        for f in ("rank", "targets")
+        if theirs.get(f) != getattr(ours, f)
+    ]
+    return f"its adapters have another shape: {'; '.join(differ)}" if differ else None
+
+
 def resolve_init(spec: JobSpec, cwd: Path | None = None) -> JobSpec:
     """`spec` with `init.checkpoint` made absolute (a checkpoints directory resolved to its newest
     complete checkpoint) and `init.checksum` pinned to that checkpoint's manifest; unchanged when
@@ -114,5 +147,7 @@ def resolve_init(spec: JobSpec, cwd: Path | None = None) -> JobSpec:
                 f"{path} holds weights of another architecture: {'; '.join(differences)}. "
                 f"Set these model fields as the checkpoint has them{hint}",
             )
+        if (why := adapters_mismatch(saved, spec.model)) is not None:
+            raise problem("checkpoint", f"{path}: {why}")
     pinned = init.model_copy(update={"checkpoint": str(path), "checksum": checksum})
     return spec.model_copy(update={"init": pinned})

@@ -75,3 +75,53 @@ def test_a_seeded_model_takes_no_adapters() -> None:
     raw = {"name": "vit", "model": {"family": "vit", "adapters": {"rank": 2}}, "data": {}}
     with pytest.raises(SpecError, match=r"model.adapters needs a pretrained checkpoint"):
         parse_spec(raw)
+
+
+def test_starting_from_a_checkpoint_of_adapters_needs_their_base_and_shape(
+    llama: Path, tmp_path: Path
+) -> None:
+    """`init.checkpoint` of another job: adapters fit only the base they were trained on and
+    only adapters of the same rank and targets; a checkpoint of adapters cannot start a whole
+    model, nor the other way round. Each is named (orchestrator/pretrained.py, at submission:
+    nothing is stored)."""
+    from pipetransformer.orchestrator.pretrained import adapters_mismatch
+
+    model = _resolved(llama, {"rank": 4}, tmp_path).model
+    saved = model.model_dump()
+    assert adapters_mismatch(saved, model) is None
+    other_base = {**saved, "pretrained": {**saved["pretrained"], "fingerprint": "0123abcd"}}
+    assert "trained on another base model (fingerprint 0123abcd)" in adapters_mismatch(
+        other_base, model
+    )
+    wider = {**saved, "adapters": {**saved["adapters"], "rank": 8}}
+    assert adapters_mismatch(wider, model) == (
+        "its adapters have another shape: model.adapters.rank: 8 there, 4 here"
+    )
+    whole = {**saved, "adapters": None}
+    assert "holds a whole model's weights, not adapters" in adapters_mismatch(whole, model)
+    plain = model.model_copy(update={"adapters": None})
+    assert "export it with `pipetransformer export --merge`" in adapters_mismatch(saved, plain)
+    assert adapters_mismatch(whole, plain) is None
+
+
+def test_a_model_too_big_to_fine_tune_whole_is_admitted_with_adapters(
+    llama: Path, tmp_path: Path
+) -> None:
+    """Admission counts what trains: with adapters the base is its weights alone (4 bytes a
+    parameter) and only the adapters carry gradients, moments and the checkpoint's snapshot.
+    On a machine between the two needs, full fine-tuning is refused (naming what to change)
+    and the same model with adapters admitted."""
+    from pipetransformer.orchestrator.admission import admit, estimate
+
+    lora = _resolved(llama, {"rank": 4}, tmp_path)
+    whole = lora.model_copy(update={"model": lora.model.model_copy(update={"adapters": None})})
+    full, small = estimate(whole), estimate(lora)
+    base = sum(r.params for r in full.ranks)
+    adapters = 4 * lora.model.depth * (64 + 48 + 48 + 64 + 96 + 96 + 96)  # rank x (in + out)
+    assert sum(r.params for r in small.ranks) == base + adapters
+    assert sum(r.state_bytes for r in full.ranks) == base * (16 + 12)
+    assert sum(r.state_bytes for r in small.ranks) == base * 4 + adapters * (16 + 12)
+    between = (full.job_bytes + small.job_bytes) // 2
+    assert admit(lora, between) == []
+    ((field, message),) = admit(whole, between)
+    assert "the job needs about" in message, (field, message)

@@ -770,7 +770,7 @@ def load_weights(
     model spec differs from the checkpoint's), before anything is read. Collective."""
     if checksum is not None:
         verify_checkpoint(path, checksum)
-    tensors = module.state_dict()
+    tensors = model_tensors(module)  # with adapters: the adapters (and a new head) only
     wanted = {
         name: value
         for name, value in tensors.items()

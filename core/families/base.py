@@ -60,11 +60,17 @@ def block_index(name: str, depth: int) -> int:
     return i
 
 
-def encoder_adapter_targets(dim: int, hidden: int) -> dict[str, int]:
-    """A BERT or ViT layer's projections (`transformers`' names) and the largest LoRA rank each
-    takes: query, key and value (d x d); `dense`, the attention output (d x d), the MLP's
-    intermediate (d x h) and output (h x d)."""
-    return {"query": dim, "key": dim, "value": dim, "dense": min(dim, hidden)}
+def encoder_adapter_layers(dim: int, hidden: int) -> dict[str, list[tuple[int, int]]]:
+    """A BERT or ViT layer's projections by `transformers`' names, each (inputs, outputs) of
+    every layer of that name: query, key and value (d x d); `dense`, the attention output
+    (d x d), the MLP's intermediate (d x h) and output (h x d)."""
+    square = [(dim, dim)]
+    return {
+        "query": square,
+        "key": square,
+        "value": square,
+        "dense": [(dim, dim), (dim, hidden), (hidden, dim)],
+    }
 
 
 @dataclass(frozen=True)
@@ -226,12 +232,29 @@ class Family:
 
     # -- adapters (model.adapters) ---------------------------------------------------------------
 
-    def adapter_targets(self, model: ModelSpec) -> dict[str, int] | None:
+    def adapter_layers(self, model: ModelSpec) -> dict[str, list[tuple[int, int]]] | None:
         """The projections of a block that LoRA may adapt, by module name (what `peft` matches
-        a target against), each with the largest rank it takes: the narrowest side of every
-        layer of that name in a block. None: the family takes no adapters (the seeded models,
-        which start from nothing)."""
+        a target against), each with the (inputs, outputs) of every layer of that name in a
+        block. None: the family takes no adapters (the seeded models, which start from
+        nothing)."""
         return None
+
+    def adapter_targets(self, model: ModelSpec) -> dict[str, int] | None:
+        """Each adaptable projection with the largest rank it takes: the narrowest side of
+        every layer of that name."""
+        layers = self.adapter_layers(model)
+        if layers is None:
+            return None
+        return {name: min(min(io) for io in sides) for name, sides in layers.items()}
+
+    def adapter_params(self, model: ModelSpec) -> int:
+        """Parameters of one block's adapters (`model.adapters`): rank x (inputs + outputs) of
+        every targeted layer (0 without adapters)."""
+        layers, adapters = self.adapter_layers(model), model.adapters
+        if layers is None or adapters is None:
+            return 0
+        chosen = adapters.targets or list(layers)
+        return sum(adapters.rank * (i + o) for name in chosen for i, o in layers[name])
 
     # -- a checkpoint (checkpoint families) -----------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipetransformer.core.families.base import Architecture, Family, encoder_adapter_targets
+from pipetransformer.core.families.base import Architecture, Family, encoder_adapter_layers
 from pipetransformer.core.tasks import CLASSIFICATION, QUESTION_ANSWERING
 
 if TYPE_CHECKING:
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 class BertFamily(Family):
     position_offset: int = 0  # RoBERTa's positions start after its padding index
 
-    def adapter_targets(self, model: ModelSpec) -> dict[str, int] | None:
-        return encoder_adapter_targets(model.dim, self.hidden(model))
+    def adapter_layers(self, model: ModelSpec) -> dict[str, list[tuple[int, int]]] | None:
+        return encoder_adapter_layers(model.dim, self.hidden(model))
 
     def width(self, model: ModelSpec) -> int:
         return model.dim + 1  # the attention mask's channel

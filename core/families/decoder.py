@@ -108,23 +108,23 @@ class DecoderFamily(Family):
 
     # -- adapters ---------------------------------------------------------------------------
 
-    def adapter_targets(self, model: ModelSpec) -> dict[str, int] | None:
+    def adapter_layers(self, model: ModelSpec) -> dict[str, list[tuple[int, int]]] | None:
         """Llama-style: q_proj (d x q), k_proj and v_proj (d x kv), o_proj (q x d), the SwiGLU
         MLP's gate_proj, up_proj (d x h) and down_proj (h x d). GPT-2 (`Conv1D`, which `peft`
         adapts as well): c_attn (d x 3d), c_proj (the attention's d x d and the MLP's h x d),
         c_fc (d x h)."""
         d, h = model.dim, self.hidden(model)
         if self.is_gpt2:
-            return {"c_attn": d, "c_proj": min(d, h), "c_fc": min(d, h)}
+            return {"c_attn": [(d, 3 * d)], "c_proj": [(d, d), (h, d)], "c_fc": [(d, h)]}
         q, kv = self.attention_widths(model)
         return {
-            "q_proj": min(d, q),
-            "k_proj": min(d, kv),
-            "v_proj": min(d, kv),
-            "o_proj": min(d, q),
-            "gate_proj": min(d, h),
-            "up_proj": min(d, h),
-            "down_proj": min(d, h),
+            "q_proj": [(d, q)],
+            "k_proj": [(d, kv)],
+            "v_proj": [(d, kv)],
+            "o_proj": [(q, d)],
+            "gate_proj": [(d, h)],
+            "up_proj": [(d, h)],
+            "down_proj": [(h, d)],
         }
 
     # -- parameters and FLOPs ---------------------------------------------------------------

@@ -1,0 +1,243 @@
+"""A pipelined decoder with LoRA adapters (`model.adapters`) trains as a single-process `peft`
+model does: on packed sequences, the rank pipelines (real gloo processes under 1x1, 2x1 and 1x2,
+and 2x1 with block 0 frozen, its adapters merged into its weights and its output served from an
+attached AutoCache) give, after a few AdamW steps of the adapters alone, the losses, gradient
+norms and adapter weights of `peft.get_peft_model` on the `transformers` model with the same
+adapters, trained by a plain loop (block 0's adapters left untrained where the pipeline froze
+it). Only the adapters have gradients; the base weights are the checkpoint's after training.
+
+Model: Llama-shaped, 3 layers of width 32, random weights, made here (tests/lm_assets.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipetransformer.core.partition import uniform_partition
+from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.core.spec import JobSpec, parse_spec
+from pipetransformer.core.state import Layout
+from pipetransformer.models.adapters import is_adapter, is_merged, lora_config
+from pipetransformer.models.decoder import document_positions
+from pipetransformer.models.units import architecture, initial_units
+from pipetransformer.orchestrator.sources import resolve_submission
+from pipetransformer.trainer.cache import ActivationCache
+from pipetransformer.trainer.checkpoint import model_tensors
+from pipetransformer.trainer.data import load_dataset
+from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
+from pipetransformer.trainer.pipeline import build_rank_pipeline
+from tests.equivalence import checkpoint_name
+from tests.lm_assets import make_lm, write_text
+from tests.mp import run_distributed
+
+pytestmark = [pytest.mark.numerics, pytest.mark.slow]
+
+SEED, DEPTH, SEQ_LEN = 0, 3, 24
+BATCH, STEPS, MICROBATCHES = 8, 3, 2
+TRAINING = {"global_batch_size": BATCH, "lr": 1e-2, "warmup_steps": 1, "grad_clip": 1.0}
+ADAPTERS = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "up_proj", "down_proj"]}
+# float32 on both sides through the same layers; micro-batches against the whole batch change
+# summation orders only (see tests/test_lm_equivalence.py): rounding, far below a wrong gradient
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+WEIGHTS_TOL = {"rtol": 1e-4, "atol": 5e-5}
+LAYOUTS = {"1x1": (1, 1, 0), "2x1": (2, 1, 0), "1x2": (1, 2, 0), "2x1 F=1": (2, 1, 1)}
+
+
+def _spec(root: Path) -> JobSpec:
+    model = make_lm(root / "llama", depth=DEPTH)
+    train = write_text(root / "train.jsonl", 0, 30)
+    test = write_text(root / "test.jsonl", 99, 5)
+    raw = {
+        "name": "lora",
+        "model": {
+            "pretrained": str(model),
+            "task": "causal-lm",
+            "seq_len": SEQ_LEN,
+            "adapters": ADAPTERS,
+        },
+        "data": {"dataset": "table", "train": str(train), "test": str(test)},
+        "training": TRAINING,
+    }
+    return resolve_submission(parse_spec(raw))
+
+
+def _layout(stages: int, replicas: int, boundary: int) -> Layout:
+    ranges = [(a + boundary, b + boundary) for a, b in uniform_partition(DEPTH - boundary, stages)]
+    return Layout.build(
+        ranges,
+        num_blocks=DEPTH,
+        replicas=replicas,
+        microbatches=MICROBATCHES,
+        freeze_boundary=boundary,
+    )
+
+
+def _runs(rank: int, world: int, layouts: dict[str, str], case: dict, cache: str) -> dict:
+    return {
+        name: _run(rank, Layout.model_validate_json(layout), case, f"{cache}/{name}")
+        for name, layout in layouts.items()
+    }
+
+
+def _run(rank: int, layout: Layout, case: dict, cache_root: str) -> dict:
+    spec = JobSpec.model_validate_json(case["spec"])
+    x, y, tokens = case["inputs"], case["labels"], case["tokens"]
+    n = len(tokens)
+    replica = layout.placement(rank)[1]
+    pipe = build_rank_pipeline(spec.model, SEED, layout, rank, BATCH // layout.replicas)
+    pipe.model.merge_frozen()  # as build_training does once the adapters hold their values
+    if pipe.model.prefix is not None:  # AutoCache, attached as the Trainer attaches one
+        cache = ActivationCache.for_model(f"{cache_root}/{rank}", spec.model, n)
+        cache.set_boundary(layout.freeze_boundary, pipe.model.prefix.fingerprints(1))
+        pipe.cache = cache
+    merged = [is_merged(b) for i, b in pipe.model.blocks.items() if int(i) < layout.freeze_boundary]
+    trains = [n for n, p in pipe.model.named_parameters() if p.requires_grad]
+    opt = build_optimizer(pipe.model, spec.training)
+    sampler = ElasticSampler(n, BATCH, spec.training.seed, weights=tokens)
+    epoch, cursor, losses, norms = 0, 0, [], []
+    for step in range(STEPS):
+        b = sampler.batch(epoch, cursor, layout.replicas, replica)
+        targets = y[b.indices].clone()
+        targets[~torch.from_numpy(b.valid)] = IGNORE
+        set_lr(opt, lr_at(step, STEPS, spec.training))
+        losses.append(
+            pipe.train_step(
+                x[b.indices] if pipe.is_first else None,
+                targets if pipe.is_last else None,
+                b.loss_count,
+                indices=b.indices,
+            )
+        )
+        norms.append(pipe.sync_and_clip(spec.training.grad_clip).total)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        cursor = b.next_cursor
+        if cursor >= n:
+            epoch, cursor = epoch + 1, 0
+    out = {
+        "replica": replica,
+        "losses": losses,
+        "norms": norms,
+        "trains": trains,
+        "merged": merged,
+        "adapters": {k: v.detach().clone() for k, v in model_tensors(pipe.model).items()},
+        "hits": pipe.cache.stats().hits if pipe.cache is not None else None,
+    }
+    pipe.destroy_groups()
+    return out
+
+
+def _reference(spec: JobSpec, case: dict, frozen: int) -> dict:
+    """`peft.get_peft_model` over `AutoModelForCausalLM`, its adapters set to the job's initial
+    ones (drawn from the job's seed), trained by a plain loop on the same global batches (the
+    packed documents as restarting position ids), blocks below `frozen` left untrained."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    tspec, x, y, tokens = spec.training, case["inputs"], case["labels"], case["tokens"]
+    base = AutoModelForCausalLM.from_pretrained(
+        spec.model.pretrained.path, attn_implementation="sdpa"
+    )
+    model = get_peft_model(base, lora_config(spec.model, spec.model.adapters))
+    ours = initial_units(spec.model, SEED, architecture(spec.model).unit_names())
+    theirs = dict(model.named_parameters())
+    with torch.no_grad():
+        for unit in ours.values():
+            for name, p in unit.named_parameters():
+                if is_adapter(name):
+                    theirs[f"base_model.model.{name}"].copy_(p)
+    for name, p in theirs.items():
+        if any(f".layers.{i}." in name for i in range(frozen)):
+            p.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tspec.lr, weight_decay=tspec.weight_decay)
+    model.train()
+    n = len(tokens)
+    sampler = ElasticSampler(n, BATCH, tspec.seed, weights=tokens)
+    epoch, cursor, losses, norms = 0, 0, [], []
+    for step in range(STEPS):
+        b = sampler.batch(epoch, cursor, 1, 0)
+        real = b.indices[b.valid]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, STEPS, tspec)
+        ids, starts = x[real].unbind(1)
+        out = model(
+            input_ids=ids, position_ids=document_positions(starts != 0), use_cache=False
+        ).logits
+        loss = F.cross_entropy(
+            out.flatten(0, 1), y[real].flatten(), ignore_index=IGNORE, reduction="sum"
+        ) / int(tokens[real].sum())
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, tspec.grad_clip)))
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        cursor = b.next_cursor
+        if cursor >= n:
+            epoch, cursor = epoch + 1, 0
+    adapters = {
+        k.removeprefix("base_model.model."): v.detach().clone()
+        for k, v in model.named_parameters()
+        if is_adapter(k)
+    }
+    return {"losses": losses, "norms": norms, "adapters": adapters}
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    spec = _spec(tmp_path_factory.mktemp("lora"))
+    train = load_dataset(spec.data, spec.model).train
+    everything = np.arange(len(train))
+    return {
+        "spec": spec.to_json(),
+        "inputs": train.read(everything),
+        "labels": train.labels[everything],
+        "tokens": train.tokens.copy(),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(case: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    by_world: dict[int, dict[str, str]] = {}
+    for name, shape in LAYOUTS.items():
+        layout = _layout(*shape)
+        by_world.setdefault(layout.world_size, {})[name] = layout.model_dump_json()
+    results = {}
+    for world, group in by_world.items():  # one set of processes per world size
+        ranks = run_distributed(_runs, world, group, case, str(tmp_path_factory.mktemp("c")))
+        results |= {name: [r[name] for r in ranks] for name in group}
+    return results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_adapters_train_as_a_peft_model_does(runs: dict, case: dict, layout: str) -> None:
+    frozen = LAYOUTS[layout][2]
+    want = _reference(JobSpec.model_validate_json(case["spec"]), case, frozen)
+    ranks = runs[layout]
+    for r in ranks:  # only adapters train, and no frozen block's
+        assert r["trains"] and all(is_adapter(n) for n in r["trains"]), r["trains"]
+        assert not any(f".layers.{i}." in n for n in r["trains"] for i in range(frozen))
+        assert all(r["merged"])
+    last = [r for r in ranks if r["losses"][0] is not None]
+    losses = [sum(r["losses"][s] for r in last) for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want["losses"]), **LOSS_TOL)
+    for r in ranks:
+        torch.testing.assert_close(
+            torch.tensor(r["norms"]), torch.tensor(want["norms"]), **LOSS_TOL
+        )
+    got = {}
+    for r in ranks:
+        if r["replica"] == 0:
+            got |= {checkpoint_name(k): v for k, v in r["adapters"].items()}
+    assert set(got) == set(want["adapters"]), set(got) ^ set(want["adapters"])
+    for name, value in want["adapters"].items():
+        torch.testing.assert_close(
+            got[name], value, **WEIGHTS_TOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    if frozen:  # the frozen, merged block's output came from the cache after the first pass
+        (hits,) = [r["hits"] for r in ranks if r["hits"] is not None]
+        assert hits > 0
