@@ -6,6 +6,7 @@ a plain model) with the job's logits."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from pipetransformer.core.spec import parse_spec
+from pipetransformer.core.spec import SpecError, parse_spec
 from pipetransformer.models.adapters import is_adapter, is_merged, merge, peft_key
 from pipetransformer.models.decoder import stack_lm_inputs
 from pipetransformer.models.stage import StageModule
@@ -245,3 +246,81 @@ def test_the_export_is_peft_s_format_or_a_merged_model_with_the_job_s_logits(
     assert (out / "tokenizer.json").exists()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, want, **TOL)
+
+
+def test_an_encoder_with_a_new_head_trains_its_classifier_beside_the_adapters(
+    tmp_path: Path,
+) -> None:
+    """A BERT checkpoint (a masked-LM body) fine-tuned to classify 3 labels with adapters on
+    query and value: the new classifier trains whole (the pooler stays the checkpoint's), the
+    export names it in PEFT's `modules_to_save`, and `PeftModel` on
+    `BertForSequenceClassification` of 3 labels gives the units' logits."""
+    import sys
+
+    from peft import PeftModel
+    from transformers import BertForSequenceClassification
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from assets import make_bert
+
+    bert = make_bert(tmp_path / "bert", hidden=32, layers=2, heads=2, max_positions=32)
+    raw = {
+        "name": "bert",
+        "model": {
+            "pretrained": str(bert),
+            "num_classes": 3,
+            "seq_len": 16,
+            "adapters": {"rank": 4, "targets": ["query", "value"]},
+        },
+        "data": {
+            "dataset": "table",
+            "train": "a.jsonl",
+            "test": "b.jsonl",
+            "columns": {"text": "text"},
+        },
+    }
+    spec = resolve_pretrained(parse_spec(raw), tmp_path)
+    units = _units(spec)
+    trains = {u: [n for n, p in m.named_parameters() if p.requires_grad] for u, m in units.items()}
+    assert trains["embed"] == []
+    assert sorted(trains["head"]) == ["classifier.bias", "classifier.weight"]
+    assert all(is_adapter(n) for u in ("blocks.0", "blocks.1") for n in trains[u])
+    assert len(trains["blocks.0"]) == 4  # query and value, A and B
+    with torch.no_grad():
+        for p in units["head"].parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)  # a trained classifier
+    step = _checkpointed(units, tmp_path)
+    done = export(step, spec, tmp_path / "out")
+    config = json.loads((done.directory / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["classifier"] and config["task_type"] == "SEQ_CLS"
+    base = BertForSequenceClassification.from_pretrained(
+        bert, num_labels=3, ignore_mismatched_sizes=True
+    )  # its classifier is the adapter's (modules_to_save)
+    model = PeftModel.from_pretrained(base, done.directory).eval()
+    inputs = torch.randint(
+        5, spec.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    first = torch.stack([inputs, torch.zeros_like(inputs), torch.ones_like(inputs)], dim=1)
+    blocks = {i: units[f"blocks.{i}"] for i in range(spec.model.depth)}
+    ours = StageModule(spec.model, 0, spec.model.depth, units["embed"], blocks, units["head"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=inputs).logits, ours.eval()(first), **TOL)
+
+
+def test_a_vit_takes_no_adapters_yet(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from assets import make_vit
+
+    vit = make_vit(tmp_path / "vit", image_size=16, patch_size=4, hidden=32, layers=2, heads=2)
+    raw = {
+        "name": "vit",
+        "model": {"pretrained": str(vit), "adapters": {"rank": 4}},
+        "data": {"dataset": "image-folder", "train": "/im/train", "test": "/im/test"},
+    }
+    with pytest.raises(
+        SpecError, match=r"the vit family takes no adapters \(yet\); LoRA runs on .*bert"
+    ):
+        resolve_pretrained(parse_spec(raw), tmp_path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipetransformer.core.families.base import Architecture, Family, encoder_adapter_layers
+from pipetransformer.core.families.base import Architecture, Family
 
 if TYPE_CHECKING:
     from pipetransformer.core.spec import ModelSpec
@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class VitFamily(Family):
     extra_tokens: int = 1  # the class token (DeiT adds a distillation token)
-
-    def adapter_layers(self, model: ModelSpec) -> dict[str, list[tuple[int, int]]] | None:
-        return encoder_adapter_layers(model.dim, self.hidden(model))
 
     def tokens(self, model: ModelSpec) -> int:
         return (model.image_size // model.patch_size) ** 2 + self.extra_tokens

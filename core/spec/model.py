@@ -251,7 +251,11 @@ def _adapters_problem(model: ModelSpec, adapters: AdaptersSpec) -> str | None:
     family = model.family_info
     targets = family.adapter_targets(model)
     if targets is None:
-        return f"model.adapters: the {family.name} family takes no adapters"
+        able = [f.name for f in families.FAMILIES if f.adapter_layers(model) is not None]
+        return (
+            f"model.adapters: the {family.name} family takes no adapters (yet); LoRA runs on "
+            f"{', '.join(able)}"
+        )
     unknown = [t for t in adapters.targets or () if t not in targets]
     if unknown:
         return (

@@ -1,0 +1,248 @@
+"""LoRA that freezes (issue 51): LoRA on every layer, the usual practice, against LoRA with
+freezing, re-packing and AutoCache, on the decoder workload of `bench/paper.py --workload lm`.
+
+    model       the committed upstream decoder (bench/results/issue50-decoder: 8 Llama blocks of
+                width 128, pretrained here on the standard library's packages), or --body
+    data        a regime of bench/paper_lm.py: `continued` pre-training on pydoc's language
+                reference (default) or `chat` fine-tuning on docstring answers
+    jobs        each a real `pipetransformer run` on 2 worker processes (2 stages x 1 replica),
+                the same epochs, per seed in a rotated order:
+
+      baseline          LoRA (rank --rank, alpha 2 x rank) on every projection of every block,
+                        no freezing: the usual practice
+      lora+freeze <p>   the same adapters with all four components (freeze.relayout: elastic,
+                        cache: auto) under each freeze policy <p> of --policies: a frozen
+                        block's adapters are merged and its output cached
+      full              full fine-tuning of the same model, no freezing: what the adapters save
+                        in memory, checkpoints and time
+
+Per configuration, medians over seeds: the wall time and its speed-up over the baseline, the
+held-out perplexity and its change (%), the time to the baseline's perplexity, tokens/s over the
+training span, the peak resident memory per rank (sampled from /proc every --sample-s), the last
+checkpoint's size and the time the ranks spent writing checkpoints.
+
+    .venv/bin/python bench/lora_freeze.py [--seeds 0 1 2] [--rank 8] [--lr 2e-3]
+        [--policies gradient output] [--regime continued] [--epochs 3] [--quick]
+
+One JSON line last (also bench/out/lora_freeze.json): `wall_time_speedup`,
+`perplexity_delta_pct` and `worst_seed_perplexity_delta_pct` of the first `lora+freeze` row,
+`peak_memory_mib` per configuration; figure bench/out/lora_freeze.png."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _common import ROOT, emit, environment, out_dir, progress
+from lm_speed import JobSampler, worker_memory
+from paper import ABLATION, history, summarise, time_split
+
+from pipetransformer.store import Store, sqlite_url
+
+BODY = ROOT / "bench" / "results" / "issue50-decoder"
+
+
+def configurations(
+    rank: int, policies: list[str], keep: int, every: int
+) -> dict[str, dict[str, Any]]:
+    """name -> what its spec adds to the regime's job: `adapters` (model.adapters or None)
+    and `freeze` (the freeze section or None)."""
+    lora = {"rank": rank, "alpha": 2 * rank}
+    configs: dict[str, dict[str, Any]] = {"baseline": {"adapters": lora, "freeze": None}}
+    for policy in policies:
+        configs[f"lora+freeze {policy}"] = {
+            "adapters": lora,
+            "freeze": {
+                "policy": policy,
+                "alpha": 0.25,
+                "keep_trainable": keep,
+                "every": every,
+                **ABLATION["all"],
+            },
+        }
+    configs["full"] = {"adapters": None, "freeze": None}
+    return configs
+
+
+def _run_sampled(tmp: Path, spec: dict, job: str, cache: Path, sample_s: float) -> dict:
+    """`pipetransformer run` of `spec` as job `job`, its workers' memory sampled; its wall
+    time and per-rank memory (MiB)."""
+    path = tmp / f"{job}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    started = time.time()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipetransformer.orchestrator.cli", "run", str(path)]
+        + ["--workdir", str(tmp / job), "--job-id", job],
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200", "PIPETRANSFORMER_CACHE": str(cache)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    sampler = JobSampler(proc.pid, sample_s)
+    sampler.start()
+    out, _ = proc.communicate()
+    wall = time.time() - started
+    sampler.done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{job} failed:\n{out[-4000:]}")
+    store = Store.open(sqlite_url(tmp / job / "store.db"), migrate=False)
+    try:
+        workers = store.workers(job)
+        end = store.metrics(job)[-1].time
+        ckpts = [c for c in store.checkpoints(job) if c.state == "committed"]
+        ckpt_s = sum(t.seconds.checkpoint for t in store.stage_times(job))
+        sequences = store.events(job, kinds=["data_opened"])[0].data["origin"]["train"]
+    finally:
+        store.close()
+    return {
+        "started": started,
+        "wall_s": wall,
+        "memory": worker_memory(sampler.memory, workers, None, end),
+        "checkpoint_bytes": ckpts[0].size_bytes if ckpts else None,
+        "checkpoint_s": ckpt_s,
+        "sequences": sequences.get("sequences") or sequences["rows"],
+    }
+
+
+def _extra(per_seed: list[dict[str, dict]], seq_len: int, epochs: int) -> dict[str, dict]:
+    """Per configuration, medians over seeds: tokens/s over the training span, peak resident
+    memory per rank, the last checkpoint's size and the seconds spent writing checkpoints."""
+    out: dict[str, dict] = {}
+    for name in per_seed[0]:
+        runs = [r[name] for r in per_seed]
+        ranks = sorted({k for r in runs for k in r["memory"]})
+        out[name] = {
+            "tokens_per_s": statistics.median(
+                r["sequences"] * seq_len * epochs / (r["wall_s"] - r["startup_s"]) for r in runs
+            ),
+            "peak_memory_mib": {
+                k: statistics.median(r["memory"][k]["peak_rss"] for r in runs if k in r["memory"])
+                for k in ranks
+            },
+            "checkpoint_mib": statistics.median(
+                (r["checkpoint_bytes"] or 0) / (1 << 20) for r in runs
+            ),
+            "checkpoint_s": statistics.median(r["checkpoint_s"] for r in runs),
+        }
+    return out
+
+
+def plot(summary: dict, extra: dict, out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["rows"])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    axes[0].bar(names, [summary["rows"][n]["wall_time_speedup"] for n in names])
+    axes[0].axhline(1.5, color="tab:green", ls="--", lw=0.8)
+    axes[0].set_ylabel("wall-time speed-up over LoRA on every layer")
+    axes[1].bar(names, [summary["rows"][n]["perplexity_delta_pct"] for n in names])
+    axes[1].axhline(1.0, color="tab:red", ls="--", lw=0.8)
+    axes[1].set_ylabel("held-out perplexity change (%)")
+    for k, rank in enumerate(sorted({r for n in names for r in extra[n]["peak_memory_mib"]})):
+        axes[2].bar(
+            [i + 0.4 * k for i in range(len(names))],
+            [extra[n]["peak_memory_mib"].get(rank, 0) for n in names],
+            0.4,
+            label=f"rank {rank}",
+        )
+    axes[2].set_xticks(range(len(names)), names)
+    axes[2].set_ylabel("peak resident memory (MiB)")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "lora_freeze.png", dpi=120)
+    plt.close(fig)
+    return str(out / "lora_freeze.png")
+
+
+def main() -> None:
+    import paper_lm
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--body", type=Path, default=BODY)
+    parser.add_argument("--regime", choices=paper_lm.REGIMES, default="continued")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha: twice it)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="the adapters' learning rate")
+    parser.add_argument("--policies", nargs="+", default=["gradient", "output"])
+    parser.add_argument("--keep-trainable", type=int, default=3)
+    parser.add_argument("--every", type=int, default=20, help="freeze decision points (steps)")
+    parser.add_argument("--sample-s", type=float, default=0.2, help="memory sampling period")
+    parser.add_argument(
+        "--quick", action="store_true", help="one epoch of one seed: a check that it runs"
+    )
+    parser.add_argument("--keep", type=Path, help="keep the runs under this directory")
+    args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.epochs = args.seeds[:1], 1
+    configs = configurations(args.rank, args.policies, args.keep_trainable, args.every)
+    batch = {"continued": 16, "chat": 8}[args.regime]
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or Path(scratch)
+        cache = tmp / "cache"
+        targets = paper_lm.make_targets(tmp / "targets")
+        per_seed: list[dict[str, dict]] = []
+        names = list(configs)
+        for k, seed in enumerate(args.seeds):
+            runs: dict[str, dict] = {}
+            for name in names[k % len(names) :] + names[: k % len(names)]:
+                spec = paper_lm.job(
+                    "lora", args.body, args.regime, targets[args.regime], seed, args.epochs, batch
+                )
+                if configs[name]["adapters"] is not None:
+                    spec["model"]["adapters"] = configs[name]["adapters"]
+                    spec["training"]["lr"] = args.lr
+                if configs[name]["freeze"] is not None:
+                    spec["freeze"] = configs[name]["freeze"]
+                job = f"s{seed}-{len(runs)}"
+                run = _run_sampled(tmp, spec, job, cache, args.sample_s)
+                runs[name] = {**run, **history(tmp / job, job, run["wall_s"])}
+                runs[name]["time_split"] = time_split(tmp / job, job, run["started"], run["wall_s"])
+                progress(
+                    f"seed {seed} {name}: {run['wall_s']:.0f}s, perplexity "
+                    f"{runs[name]['final_perplexity']:.2f}, peak "
+                    + ", ".join(f"{m['peak_rss']:.0f}" for m in run["memory"].values())
+                    + " MiB"
+                )
+            per_seed.append({n: runs[n] for n in names})
+        summary = summarise(per_seed, 0)
+        extra = _extra(per_seed, 128, args.epochs)
+        figure = plot(summary, extra, out_dir())
+    head = next(n for n in names if n.startswith("lora+freeze"))
+    rows = {n: {**summary["rows"][n], **extra[n]} for n in names}
+    emit(
+        {
+            "benchmark": "lora_freeze",
+            "headline": head,
+            "wall_time_speedup": rows[head]["wall_time_speedup"],
+            "perplexity_delta_pct": rows[head]["perplexity_delta_pct"],
+            "worst_seed_perplexity_delta_pct": rows[head]["worst_seed_perplexity_delta_pct"],
+            "peak_memory_mib": {n: rows[n]["peak_memory_mib"] for n in names},
+            "configurations": rows,
+            "goals": {"wall_time_speedup": 1.5, "perplexity_delta_pct": 1.0},
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "per_seed": per_seed,
+            "figures": [figure],
+            "environment": environment(),
+        },
+        save_as="lora_freeze.json",
+    )
+
+
+if __name__ == "__main__":
+    main()
