@@ -179,7 +179,8 @@ def _measure_unit(
         t0 = clock.mark()
         y = forward(x)
         t1 = clock.mark()
-        y.backward(grad)
+        if y.requires_grad:  # else nothing here trains (a frozen embedding under adapters)
+            y.backward(grad)
         t2 = clock.mark()
         # a training step starts from no gradients, so the backward allocates them every time
         module.zero_grad(set_to_none=True)
