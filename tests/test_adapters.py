@@ -146,15 +146,18 @@ def test_a_merged_block_computes_what_the_unmerged_one_does(llama: Path, tmp_pat
                     p.normal_(0, 0.05)  # trained adapters: B no longer zero
     model = _whole(spec, units).eval()
     ids = stack_lm_inputs(_ids())
+    kept = {k: v.clone() for k, v in model_tensors(units["blocks.0"]).items()}
     with torch.no_grad():
         before = model(ids)
         merge(units["blocks.0"])
         assert is_merged(units["blocks.0"]) and not is_merged(units["blocks.1"])
         assert not any(p.requires_grad for p in units["blocks.0"].parameters())
         torch.testing.assert_close(model(ids), before, **TOL)
-    # what a checkpoint or a re-layout takes of a merged block: its adapters, as before
-    names = set(model_tensors(units["blocks.0"]))
-    assert names and all(is_adapter(n) for n in names)
+    # what a checkpoint, a re-layout or the export takes of a merged block: its adapters, the
+    # same values bit for bit as before the merge
+    after = model_tensors(units["blocks.0"])
+    assert set(after) == set(kept) and all(is_adapter(n) for n in after)
+    assert all(torch.equal(after[k], kept[k]) for k in kept)
 
 
 def _holder(units: dict) -> torch.nn.Module:
