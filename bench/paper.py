@@ -34,6 +34,17 @@ its default ratio and at each of `--output-ratios`) and the bound (the cap froze
 first step); the headline is the row of what `policy: auto` runs, with its worst seed, and each
 run's wall time is split into where it went (`time_split`).
 
+With `--workload lm`, the same on a decoder (bench/paper_lm.py): a Llama-shaped body of 8 blocks
+pretrained on the standard library's packages' source (committed: bench/results/issue50-decoder),
+fine-tuned in two regimes (`--regimes`): `continued` pre-training on pydoc's language reference
+(prose) and `chat` fine-tuning on docstring answers (loss on the assistant's tokens). Rows: the
+encoder's ablation (the paper's gradient rule), every freeze rule with all four components (the
+output rule also at each of `--output-ratios`) and the bound, a decision point every `--every`
+steps; quality is the held-out perplexity, its change in percent of the baseline's per seed, and
+the time to the baseline's final perplexity; the zero-shot perplexity stands where the linear
+probe does. Headline: the first regime's `policy: auto` row; bench/out/paper-lm.json and
+paper-lm-<regime>-*.png.
+
 Each configuration is a real job through `pipetransformer run`; per seed the configurations run
 one after another in a rotated order, so that load drift on this shared machine hits them alike.
 Per configuration (medians over seeds): the run's wall time (the `run` command, start-up
@@ -41,11 +52,12 @@ included) and its speed-up over the baseline, the speed-up of its span from firs
 final held-out accuracy, time to reach the baseline's final accuracy, the epoch of the first
 freeze and the fraction of the run spent with at least half of the blocks frozen.
 
-    .venv/bin/python bench/paper.py [--seeds 0 1 2] [--epochs 10] [--alpha 1/4]
+    .venv/bin/python bench/paper.py [--workload vit|lm] [--seeds 0 1 2] [--epochs 10] [--alpha 1/4]
         [--keep-trainable 3] [--sweep-keep-trainable 1] [--policies [--output-ratios R ...]]
         [--only NAME ...] [--keep DIR]
         [--upstream-device cuda]
         [--upstream-epochs 60] [--body DIR | --upstream-only] [--from-json paper.json ...]
+        [--regimes continued chat] [--every 20] [--upstream-steps 3000]       (lm)
 
 One JSON line (also bench/out/paper.json) and figures in bench/out/: paper-throughput.png
 (samples/s over epochs per configuration), paper-ablation.png (speed-up bars), paper-alpha.png
