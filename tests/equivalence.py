@@ -1,9 +1,16 @@
 """What the tests comparing a pipelined model with `transformers` share
-(tests/test_hf_equivalence.py, tests/test_lm_equivalence.py)."""
+(tests/test_hf_equivalence.py, tests/test_lm_equivalence.py, tests/test_lora_equivalence.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from pipetransformer.core.partition import uniform_partition
+from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.core.state import Layout
+from pipetransformer.trainer.optim import lr_at, set_lr
 
 
 def served_logits(pipe, inputs, targets, indices):  # noqa: ANN001, ANN201
@@ -27,3 +34,62 @@ def checkpoint_name(rank_name: str) -> str:
     keep the checkpoint's names; trainer/export.py does the same)."""
     unit, rest = rank_name.split(".", 1)
     return rest.split(".", 1)[1] if unit == "blocks" else rest
+
+
+def uniform_layout(
+    depth: int, stages: int, replicas: int, microbatches: int, boundary: int = 0
+) -> Layout:
+    """`stages` x `replicas` over the blocks from `boundary` (those below it frozen), split
+    uniformly."""
+    ranges = [(a + boundary, b + boundary) for a, b in uniform_partition(depth - boundary, stages)]
+    return Layout.build(
+        ranges,
+        num_blocks=depth,
+        replicas=replicas,
+        microbatches=microbatches,
+        freeze_boundary=boundary,
+    )
+
+
+def train_steps(  # noqa: ANN201
+    pipe,  # noqa: ANN001
+    opt: torch.optim.Optimizer,
+    training,  # noqa: ANN001  (TrainingSpec)
+    replicas: int,
+    replica: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    weights=None,  # noqa: ANN001
+    each_step: Callable[[], None] | None = None,
+):
+    """`steps` of the Trainer's step on this rank (trainer/trainer.py `Trainer.step`): the
+    elastic sampler's global batches of `training.global_batch_size` over the rows of `x`/`y`
+    (weighted by `weights`: a language model's counted tokens), this replica's share, the loss
+    over the batch's count, replica sync and clipping, AdamW; `each_step` after each. The
+    losses (None off the last stage) and the global gradient norms."""
+    n = len(y)
+    sampler = ElasticSampler(n, training.global_batch_size, training.seed, weights=weights)
+    epoch, cursor, losses, norms = 0, 0, [], []
+    for step in range(steps):
+        b = sampler.batch(epoch, cursor, replicas, replica)
+        targets = y[b.indices].clone()
+        targets[~torch.from_numpy(b.valid)] = IGNORE
+        set_lr(opt, lr_at(step, steps, training))
+        losses.append(
+            pipe.train_step(
+                x[b.indices] if pipe.is_first else None,
+                targets if pipe.is_last else None,
+                b.loss_count,
+                indices=b.indices,
+            )
+        )
+        norms.append(pipe.sync_and_clip(training.grad_clip).total)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if each_step is not None:
+            each_step()
+        cursor = b.next_cursor
+        if cursor >= n:
+            epoch, cursor = epoch + 1, 0
+    return losses, norms

@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetransformer.core.partition import uniform_partition
 from pipetransformer.core.sampler import IGNORE, ElasticSampler
 from pipetransformer.core.spec import JobSpec, parse_spec
 from pipetransformer.core.state import Layout
@@ -30,9 +29,9 @@ from pipetransformer.models.decoder import document_positions
 from pipetransformer.orchestrator.sources import resolve_submission
 from pipetransformer.trainer.cache import ActivationCache
 from pipetransformer.trainer.data import load_dataset
-from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
+from pipetransformer.trainer.optim import build_optimizer, lr_at
 from pipetransformer.trainer.pipeline import build_rank_pipeline
-from tests.equivalence import checkpoint_name, served_logits
+from tests.equivalence import checkpoint_name, served_logits, train_steps, uniform_layout
 from tests.lm_assets import make_lm, write_text
 from tests.mp import run_distributed
 
@@ -94,17 +93,6 @@ def _case(spec: JobSpec) -> dict:
     }
 
 
-def _layout(stages: int, replicas: int, boundary: int = 0) -> Layout:
-    ranges = [(a + boundary, b + boundary) for a, b in uniform_partition(DEPTH - boundary, stages)]
-    return Layout.build(
-        ranges,
-        num_blocks=DEPTH,
-        replicas=replicas,
-        microbatches=MICROBATCHES,
-        freeze_boundary=boundary,
-    )
-
-
 def _runs(rank: int, world: int, layouts: dict[str, str], cases: dict, cache: str) -> dict:
     return {
         name: _run(rank, Layout.model_validate_json(layout), cases, f"{cache}/{name}")
@@ -139,29 +127,15 @@ def _run(rank: int, layout: Layout, cases: dict, cache_root: str) -> dict:
             continue
         got: dict = {"logits": pipe.forward_only(first_in, last_y)}
         opt = build_optimizer(pipe.model, spec.training)
-        sampler = ElasticSampler(n, BATCH, spec.training.seed, weights=tokens)
-        epoch, cursor, losses, norms, tied = 0, 0, [], [], []
-        for step in range(STEPS):
-            b = sampler.batch(epoch, cursor, layout.replicas, replica)
-            targets = y[b.indices].clone()
-            targets[~torch.from_numpy(b.valid)] = IGNORE
-            set_lr(opt, lr_at(step, STEPS, spec.training))
-            losses.append(
-                pipe.train_step(
-                    x[b.indices] if pipe.is_first else None,
-                    targets if pipe.is_last else None,
-                    b.loss_count,
-                    indices=b.indices,
-                )
-            )
-            norms.append(pipe.sync_and_clip(spec.training.grad_clip).total)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        tied: list[dict] = []
+
+        def keep_tied(pipe=pipe, tied=tied) -> None:  # noqa: ANN001
             state = pipe.model.state_dict()
             tied.append({k: v.clone() for k, v in state.items() if _tied_name(k)})
-            cursor = b.next_cursor
-            if cursor >= n:
-                epoch, cursor = epoch + 1, 0
+
+        losses, norms = train_steps(
+            pipe, opt, spec.training, layout.replicas, replica, x, y, STEPS, tokens, keep_tied
+        )
         got |= {
             "losses": losses,
             "norms": norms,
@@ -241,8 +215,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def runs(cases: dict[str, dict], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    layouts = {name: _layout(*shape) for name, shape in LAYOUTS.items()}
-    layouts[CACHED] = _layout(2, 1, FROZEN)
+    layouts = {name: uniform_layout(DEPTH, *shape, MICROBATCHES) for name, shape in LAYOUTS.items()}
+    layouts[CACHED] = uniform_layout(DEPTH, 2, 1, MICROBATCHES, FROZEN)
     by_world: dict[int, dict[str, str]] = {}
     for name, layout in layouts.items():
         by_world.setdefault(layout.world_size, {})[name] = layout.model_dump_json()

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetransformer.core.partition import uniform_partition
 from pipetransformer.core.sampler import IGNORE, ElasticSampler
 from pipetransformer.core.spec import JobSpec, parse_spec
 from pipetransformer.core.state import Layout
@@ -28,9 +27,9 @@ from pipetransformer.orchestrator.sources import resolve_submission
 from pipetransformer.trainer.cache import ActivationCache
 from pipetransformer.trainer.checkpoint import model_tensors
 from pipetransformer.trainer.data import load_dataset
-from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
+from pipetransformer.trainer.optim import build_optimizer, lr_at
 from pipetransformer.trainer.pipeline import build_rank_pipeline
-from tests.equivalence import checkpoint_name
+from tests.equivalence import checkpoint_name, train_steps, uniform_layout
 from tests.lm_assets import make_lm, write_text
 from tests.mp import run_distributed
 
@@ -65,21 +64,10 @@ def _spec(root: Path) -> JobSpec:
     return resolve_submission(parse_spec(raw))
 
 
-def _layout(stages: int, replicas: int, boundary: int) -> Layout:
-    ranges = [(a + boundary, b + boundary) for a, b in uniform_partition(DEPTH - boundary, stages)]
-    return Layout.build(
-        ranges,
-        num_blocks=DEPTH,
-        replicas=replicas,
-        microbatches=MICROBATCHES,
-        freeze_boundary=boundary,
-    )
-
-
 def _runs(rank: int, world: int, layouts: dict[str, str], case: dict, cache: str) -> dict:
     return {
-        name: _run(rank, Layout.model_validate_json(layout), case, f"{cache}/{name}")
-        for name, layout in layouts.items()
+        name: _run(rank, Layout.model_validate_json(shape), case, f"{cache}/{name}")
+        for name, shape in layouts.items()
     }
 
 
@@ -97,27 +85,9 @@ def _run(rank: int, layout: Layout, case: dict, cache_root: str) -> dict:
     merged = [is_merged(b) for i, b in pipe.model.blocks.items() if int(i) < layout.freeze_boundary]
     trains = [n for n, p in pipe.model.named_parameters() if p.requires_grad]
     opt = build_optimizer(pipe.model, spec.training)
-    sampler = ElasticSampler(n, BATCH, spec.training.seed, weights=tokens)
-    epoch, cursor, losses, norms = 0, 0, [], []
-    for step in range(STEPS):
-        b = sampler.batch(epoch, cursor, layout.replicas, replica)
-        targets = y[b.indices].clone()
-        targets[~torch.from_numpy(b.valid)] = IGNORE
-        set_lr(opt, lr_at(step, STEPS, spec.training))
-        losses.append(
-            pipe.train_step(
-                x[b.indices] if pipe.is_first else None,
-                targets if pipe.is_last else None,
-                b.loss_count,
-                indices=b.indices,
-            )
-        )
-        norms.append(pipe.sync_and_clip(spec.training.grad_clip).total)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        cursor = b.next_cursor
-        if cursor >= n:
-            epoch, cursor = epoch + 1, 0
+    losses, norms = train_steps(
+        pipe, opt, spec.training, layout.replicas, replica, x, y, STEPS, weights=tokens
+    )
     out = {
         "replica": replica,
         "losses": losses,
@@ -204,8 +174,8 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def runs(case: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     by_world: dict[int, dict[str, str]] = {}
     for name, shape in LAYOUTS.items():
-        layout = _layout(*shape)
-        by_world.setdefault(layout.world_size, {})[name] = layout.model_dump_json()
+        built = uniform_layout(DEPTH, *shape[:2], MICROBATCHES, shape[2])
+        by_world.setdefault(built.world_size, {})[name] = built.model_dump_json()
     results = {}
     for world, group in by_world.items():  # one set of processes per world size
         ranks = run_distributed(_runs, world, group, case, str(tmp_path_factory.mktemp("c")))

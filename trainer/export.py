@@ -32,12 +32,13 @@ interrupted export leaves no half-written model under that name."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
@@ -290,6 +291,24 @@ def _share(directory: Path) -> None:
         path.chmod(0o666 & ~umask)
 
 
+@contextlib.contextmanager
+def _staged(out: Path, copied: list[Path]) -> Iterator[Path]:
+    """A directory beside `out` to write the export into; once the body is done, the
+    tokenizer or image processor files `copied` are added and it is put at `out` whole (on any
+    failure it is removed and `out` is untouched)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        yield staging
+        for path in copied:
+            shutil.copyfile(path, staging / path.name)  # follows links (a hub cache snapshot)
+        _share(staging)
+        _swap_in(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def _swap_in(staging: Path, out: Path) -> None:
     """Put the finished `staging` directory at `out`, replacing what is there."""
     if out.exists():
@@ -341,21 +360,12 @@ def export(
     left_out = sorted(original_keys[k] for k in set(original_keys) - written)
     copied = _processor_files(pretrained)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
-    try:
+    with _staged(out, copied) as staging:
         metadata = {"format": "pt"}
         if source:
             metadata["source"] = source
         save_file(tensors, str(staging / WEIGHTS), metadata=metadata)
         (staging / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for path in copied:
-            shutil.copyfile(path, staging / path.name)  # follows links (a hub cache snapshot)
-        _share(staging)
-        _swap_in(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return Exported(
         directory=out,
         tensors=len(tensors),
@@ -387,9 +397,7 @@ def _export_adapters(
             f"{exc}. The adapters only fit the base they were trained on: restore it"
         ) from None
     copied = _processor_files(pretrained)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
-    try:
+    with _staged(out, copied) as staging:
         adapter = staging / "adapter" if merge else staging
         adapter.mkdir(exist_ok=True)
         metadata = {"format": "pt", **({"source": source} if source else {})}
@@ -403,13 +411,6 @@ def _export_adapters(
         if merge:
             _merge_into_base(spec, pretrained, adapter, staging)
             shutil.rmtree(adapter)
-        for path in copied:
-            shutil.copyfile(path, staging / path.name)
-        _share(staging)
-        _swap_in(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return Exported(
         directory=out,
         tensors=len(tensors),
