@@ -93,3 +93,34 @@ def train_steps(  # noqa: ANN201
         if cursor >= n:
             epoch, cursor = epoch + 1, 0
     return losses, norms
+
+
+def reference_steps(  # noqa: ANN201
+    loss_of: Callable[[object], torch.Tensor],
+    params: list[torch.Tensor],
+    opt: torch.optim.Optimizer,
+    training,  # noqa: ANN001  (TrainingSpec)
+    n: int,
+    steps: int,
+    weights=None,  # noqa: ANN001
+):
+    """The plain single-process loop the pipelines are compared with: the elastic sampler's
+    global batches over `n` rows (as one replica; its real rows only), the learning rate of the
+    schedule, `loss_of(rows)` backward, clipping `params` by norm, the optimizer's step. The
+    losses and the gradient norms before clipping."""
+    sampler = ElasticSampler(n, training.global_batch_size, training.seed, weights=weights)
+    epoch, cursor, losses, norms = 0, 0, [], []
+    for step in range(steps):
+        b = sampler.batch(epoch, cursor, 1, 0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, training)
+        loss = loss_of(b.indices[b.valid])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, training.grad_clip)))
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        cursor = b.next_cursor
+        if cursor >= n:
+            epoch, cursor = epoch + 1, 0
+    return losses, norms

@@ -36,7 +36,7 @@ from pipetransformer.trainer.cache import ActivationCache
 from pipetransformer.trainer.data import load_dataset
 from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
 from pipetransformer.trainer.pipeline import build_rank_pipeline
-from tests.equivalence import checkpoint_name, served_logits
+from tests.equivalence import checkpoint_name, reference_steps, served_logits
 from tests.mp import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -292,22 +292,14 @@ def _reference(spec: JobSpec, case: dict, boundary: int, scratch: Path) -> dict:
         ],
         lr=tspec.lr,
     )
-    sampler = ElasticSampler(SAMPLES, BATCH, tspec.seed)
-    epoch, cursor, losses, norms = 0, 0, [], []
-    for step in range(STEPS):
-        b = sampler.batch(epoch, cursor, 1, 0)
-        real = b.indices[b.valid]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, STEPS, tspec)
-        loss = F.cross_entropy(_hf_forward(model, spec, x[real]), y[real])
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, tspec.grad_clip)))
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        cursor = b.next_cursor
-        if cursor >= SAMPLES:
-            epoch, cursor = epoch + 1, 0
+    losses, norms = reference_steps(
+        lambda real: F.cross_entropy(_hf_forward(model, spec, x[real]), y[real]),
+        trainable,
+        opt,
+        tspec,
+        SAMPLES,
+        STEPS,
+    )
     return {
         "start": load_file(Path(spec.model.pretrained.path) / "model.safetensors"),
         "logits": logits,

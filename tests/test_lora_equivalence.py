@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.core.sampler import IGNORE
 from pipetransformer.core.spec import JobSpec, parse_spec
 from pipetransformer.core.state import Layout
 from pipetransformer.models.adapters import is_adapter, is_merged, lora_config
@@ -27,9 +27,9 @@ from pipetransformer.orchestrator.sources import resolve_submission
 from pipetransformer.trainer.cache import ActivationCache
 from pipetransformer.trainer.checkpoint import model_tensors
 from pipetransformer.trainer.data import load_dataset
-from pipetransformer.trainer.optim import build_optimizer, lr_at
+from pipetransformer.trainer.optim import build_optimizer
 from pipetransformer.trainer.pipeline import build_rank_pipeline
-from tests.equivalence import checkpoint_name, train_steps, uniform_layout
+from tests.equivalence import checkpoint_name, reference_steps, train_steps, uniform_layout
 from tests.lm_assets import make_lm, write_text
 from tests.mp import run_distributed
 
@@ -126,29 +126,16 @@ def _reference(spec: JobSpec, case: dict, frozen: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tspec.lr, weight_decay=tspec.weight_decay)
     model.train()
-    n = len(tokens)
-    sampler = ElasticSampler(n, BATCH, tspec.seed, weights=tokens)
-    epoch, cursor, losses, norms = 0, 0, [], []
-    for step in range(STEPS):
-        b = sampler.batch(epoch, cursor, 1, 0)
-        real = b.indices[b.valid]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, STEPS, tspec)
+
+    def loss_of(real: np.ndarray) -> torch.Tensor:
         ids, starts = x[real].unbind(1)
-        out = model(
-            input_ids=ids, position_ids=document_positions(starts != 0), use_cache=False
-        ).logits
-        loss = F.cross_entropy(
+        positions = document_positions(starts != 0)
+        out = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        return F.cross_entropy(
             out.flatten(0, 1), y[real].flatten(), ignore_index=IGNORE, reduction="sum"
         ) / int(tokens[real].sum())
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, tspec.grad_clip)))
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        cursor = b.next_cursor
-        if cursor >= n:
-            epoch, cursor = epoch + 1, 0
+
+    losses, norms = reference_steps(loss_of, params, opt, tspec, len(tokens), STEPS, tokens)
     adapters = {
         k.removeprefix("base_model.model."): v.detach().clone()
         for k, v in model.named_parameters()
