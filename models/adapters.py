@@ -4,14 +4,13 @@
 unit, so every rank draws the same) and B zero, so a job starts from the pretrained model
 exactly.
 
-What trains: the adapters, and a new head (one the checkpoint does not have). The base weights,
-the embedding and a pretrained head are frozen (`requires_grad=False`): no gradient, no
+What trains: the adapters, and a new head's output layer (one the checkpoint does not have). The
+base weights, the embedding and a pretrained head are frozen (`requires_grad=False`): no gradient, no
 optimizer state, nothing in a checkpoint (`trained_names`).
 
 Names: peft moves a targeted layer's weight under `base_layer` and adds `lora_A.default`,
 `lora_B.default` beside it (`model.layers.3.self_attn.q_proj.base_layer.weight`, `...q_proj.
-lora_A.default.weight`). `peft_key` gives PEFT's saved name of an adapter tensor, `base_key`
-the checkpoint's name of a base tensor.
+lora_A.default.weight`). `peft_key` gives PEFT's saved name of an adapter tensor.
 
 A frozen block's adapters are merged into its base weights (`merge`): the block is then the
 fixed function base + BA that the frozen prefix computes and AutoCache serves, at the cost of
@@ -61,11 +60,6 @@ def peft_key(name: str) -> str:
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
 
 
-def base_key(name: str) -> str:
-    """A base tensor's name as the pretrained checkpoint has it (peft's `base_layer.` dropped)."""
-    return name.replace(".base_layer.", ".")
-
-
 @contextlib.contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
@@ -104,7 +98,7 @@ def new_head_modules(unit: nn.Module) -> list[str]:
 
 def trained_names(unit: nn.Module) -> list[str]:
     """The parameters of `unit` that a job with adapters trains and checkpoints: its adapters,
-    or all of a trainable unit that has none (a new head)."""
+    or, in a unit without any, those that train (a new head's output layer)."""
     names = [n for n, _ in unit.named_parameters()]
     adapters = [n for n in names if is_adapter(n)]
     if adapters:
