@@ -60,8 +60,9 @@ def _adapted(spec: ModelSpec, name: str, unit: nn.Module, seed: int) -> nn.Modul
     from pipetransformer.models.hf import new_head
 
     # a new head's output layer (the last of the head's checkpoint prefixes) trains
-    trains = architecture(spec).family_info.head_prefixes(architecture(spec))[-1]
-    return with_adapters(spec, name, unit, seed, trains if new_head(spec) else None)
+    arch = architecture(spec)
+    trains = arch.family_info.head_prefixes(arch)[-1] if new_head(spec) else None
+    return with_adapters(spec, name, unit, seed, trains)
 
 
 def empty_unit(spec: ModelSpec, name: str) -> nn.Module:

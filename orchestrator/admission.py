@@ -194,11 +194,7 @@ class StageEstimate:
     params: int
     activation_bytes: int  # at the micro-batches it holds in flight, with backward workspace
     in_flight: int
-    trained: int = -1  # of its parameters, those that train (-1: all of them)
-
-    def __post_init__(self) -> None:
-        if self.trained < 0:
-            object.__setattr__(self, "trained", self.params)
+    trained: int  # of its parameters, those that train (with adapters: the adapters alone)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from pipetransformer.trainer.checkpoint import (
     save_checkpoint,
 )
 from pipetransformer.trainer.export import export
+from tests.equivalence import peft_model_of
 from tests.lm_assets import make_lm
 
 T = 16
@@ -96,24 +97,12 @@ def test_only_the_adapters_train_and_the_job_starts_from_the_pretrained_model(
 def test_training_the_adapters_is_a_peft_model_step_for_step(llama: Path, tmp_path: Path) -> None:
     """The units with adapters against `peft.get_peft_model` on the `transformers` model, given
     the same adapter values: 3 AdamW steps on the same batch give the same logits."""
-    from peft import get_peft_model
-
-    from pipetransformer.models.adapters import lora_config
-
     spec = _spec(
         llama, tmp_path, {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}
     )
     units = _units(spec)
     ours = _whole(spec, units)
-    peft_model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(llama), lora_config(spec.model, spec.model.adapters)
-    )
-    theirs = dict(peft_model.named_parameters())
-    with torch.no_grad():
-        for unit in units.values():
-            for name, p in unit.named_parameters():
-                if is_adapter(name):
-                    theirs[f"base_model.model.{name}"].copy_(p)
+    peft_model = peft_model_of(spec.model, units)
     mine = [p for u in units.values() for p in u.parameters() if p.requires_grad]
     assert len(mine) == sum(p.requires_grad for p in peft_model.parameters())
     opts = [torch.optim.AdamW(mine, lr=1e-2), torch.optim.AdamW(

@@ -28,15 +28,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from pipetransformer.core.partition import uniform_partition
-from pipetransformer.core.sampler import IGNORE, ElasticSampler
+from pipetransformer.core.sampler import ElasticSampler
 from pipetransformer.core.spec import JobSpec, parse_spec
 from pipetransformer.core.state import Layout
 from pipetransformer.orchestrator.sources import resolve_submission
 from pipetransformer.trainer.cache import ActivationCache
 from pipetransformer.trainer.data import load_dataset
-from pipetransformer.trainer.optim import build_optimizer, lr_at, set_lr
+from pipetransformer.trainer.optim import build_optimizer
 from pipetransformer.trainer.pipeline import build_rank_pipeline
-from tests.equivalence import checkpoint_name, reference_steps, served_logits
+from tests.equivalence import checkpoint_name, reference_steps, served_logits, train_steps
 from tests.mp import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -205,28 +205,9 @@ def _pipeline_run(rank: int, layout: Layout, cases: dict, cache_root: str) -> di
 
         # training: the Trainer's step (trainer/trainer.py Trainer.step)
         opt = build_optimizer(pipe.model, spec.training)
-        sampler = ElasticSampler(SAMPLES, BATCH, spec.training.seed)
-        epoch, cursor, losses, norms = 0, 0, [], []
         assert pipe.model.training
-        for step in range(STEPS):
-            b = sampler.batch(epoch, cursor, layout.replicas, replica)
-            targets = y[b.indices].clone()
-            targets[~torch.from_numpy(b.valid)] = IGNORE
-            set_lr(opt, lr_at(step, STEPS, spec.training))
-            losses.append(
-                pipe.train_step(
-                    x[b.indices] if pipe.is_first else None,
-                    targets if pipe.is_last else None,
-                    b.global_valid,
-                    indices=b.indices,
-                )
-            )
-            norms.append(pipe.sync_and_clip(spec.training.grad_clip).total)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            cursor = b.next_cursor
-            if cursor >= SAMPLES:
-                epoch, cursor = epoch + 1, 0
+        # without per-sample weights a batch's loss count is its real samples (global_valid)
+        losses, norms = train_steps(pipe, opt, spec.training, layout.replicas, replica, x, y, STEPS)
         got |= {
             "losses": losses,
             "norms": norms,

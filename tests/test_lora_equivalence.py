@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pipetransformer.core.sampler import IGNORE
 from pipetransformer.core.spec import JobSpec, parse_spec
 from pipetransformer.core.state import Layout
-from pipetransformer.models.adapters import is_adapter, is_merged, lora_config
+from pipetransformer.models.adapters import is_adapter, is_merged
 from pipetransformer.models.decoder import document_positions
 from pipetransformer.models.units import architecture, initial_units
 from pipetransformer.orchestrator.sources import resolve_submission
@@ -29,7 +29,13 @@ from pipetransformer.trainer.checkpoint import model_tensors
 from pipetransformer.trainer.data import load_dataset
 from pipetransformer.trainer.optim import build_optimizer
 from pipetransformer.trainer.pipeline import build_rank_pipeline
-from tests.equivalence import checkpoint_name, reference_steps, train_steps, uniform_layout
+from tests.equivalence import (
+    checkpoint_name,
+    peft_model_of,
+    reference_steps,
+    train_steps,
+    uniform_layout,
+)
 from tests.lm_assets import make_lm, write_text
 from tests.mp import run_distributed
 
@@ -105,22 +111,10 @@ def _reference(spec: JobSpec, case: dict, frozen: int) -> dict:
     """`peft.get_peft_model` over `AutoModelForCausalLM`, its adapters set to the job's initial
     ones (drawn from the job's seed), trained by a plain loop on the same global batches (the
     packed documents as restarting position ids), blocks below `frozen` left untrained."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
     tspec, x, y, tokens = spec.training, case["inputs"], case["labels"], case["tokens"]
-    base = AutoModelForCausalLM.from_pretrained(
-        spec.model.pretrained.path, attn_implementation="sdpa"
-    )
-    model = get_peft_model(base, lora_config(spec.model, spec.model.adapters))
     ours = initial_units(spec.model, SEED, architecture(spec.model).unit_names())
-    theirs = dict(model.named_parameters())
-    with torch.no_grad():
-        for unit in ours.values():
-            for name, p in unit.named_parameters():
-                if is_adapter(name):
-                    theirs[f"base_model.model.{name}"].copy_(p)
-    for name, p in theirs.items():
+    model = peft_model_of(spec.model, ours, attn_implementation="sdpa")
+    for name, p in model.named_parameters():
         if any(f".layers.{i}." in name for i in range(frozen)):
             p.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
