@@ -56,7 +56,8 @@ def is_adapter(name: str) -> bool:
 
 def peft_key(name: str) -> str:
     """An adapter tensor's name as PEFT saves it (`adapter_model.safetensors`): under
-    `base_model.model.`, without the adapter's name."""
+    `base_model.model.`, without the adapter's name. `name` is the tensor's name in
+    `transformers`' module tree (`pipetransformer.models.hf.HFBuild.module_key`)."""
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
 
 
@@ -79,9 +80,15 @@ def with_adapters(
     if name.startswith("blocks."):
         from peft import inject_adapter_in_model
 
+        config = lora_config(model, model.adapters)
         with _seeded(unit_seed(seed, f"{name}/lora")):
-            # marks the base frozen and the adapters trainable
-            inject_adapter_in_model(lora_config(model, model.adapters), unit, ADAPTER)
+            # marks the base frozen and the adapters trainable; a unit whose modules are not
+            # named as in transformers (ViT's, under its checkpoint's names) injects itself
+            inject = getattr(unit, "inject_adapters", None)
+            if inject is not None:
+                inject(config, ADAPTER)
+            else:
+                inject_adapter_in_model(config, unit, ADAPTER)
         return unit
     unit.requires_grad_(False)
     if name == "head" and new_head is not None:

@@ -231,6 +231,9 @@ class HFBuild:
     # checkpoint keys no unit holds that are not an error (`transformers`' own
     # `_keys_to_ignore_on_load_unexpected`, as regular expressions searched in the key)
     ignored_keys: tuple[str, ...] = ()
+    # a unit's parameter name (the checkpoint's) -> its name in `transformers`' module tree,
+    # which PEFT's format uses; they differ where transformers renamed modules (ViT, DeiT)
+    module_key: Callable[[str], str] = str
 
     def config(
         self, directory: str | Path, arch: Architecture, attn_implementation: str = "sdpa"

@@ -52,6 +52,14 @@ def build(spec: ModelSpec) -> FamilyBuild:
     return build_of(spec.family, pretrained=spec.pretrained is not None)
 
 
+def module_key(spec: ModelSpec, key: str) -> str:
+    """A unit's parameter name (the checkpoint's) as it is in `transformers`' module tree,
+    which PEFT's format names adapters by: the same, but where the family's build renames it
+    (ViT and DeiT under transformers 5)."""
+    rename = getattr(build(spec), "module_key", None)
+    return key if rename is None else rename(key)
+
+
 def _adapted(spec: ModelSpec, name: str, unit: nn.Module, seed: int) -> nn.Module:
     """`unit` with the spec's LoRA adapters (`models.adapters`), if it has any."""
     if spec.adapters is None:

@@ -15,19 +15,27 @@ unregistered, so each parameter has exactly one name: the checkpoint's."""
 
 from __future__ import annotations
 
+import functools
+import re
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers import DeiTConfig, PretrainedConfig, ViTConfig
-from transformers.models.deit.modeling_deit import DeiTEmbeddings, DeiTLayer
-from transformers.models.vit.modeling_vit import ViTEmbeddings, ViTLayer
+from transformers.models.deit.modeling_deit import DeiTEmbeddings, DeiTLayer, DeiTModel
+from transformers.models.vit.modeling_vit import ViTEmbeddings, ViTLayer, ViTModel
 
 from pipetransformer.core.families import Architecture, block_index
 from pipetransformer.core.spec import ModelSpec
 from pipetransformer.models.hf import HFBuild, merge, nest
 
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"vit": ViTConfig, "deit": DeiTConfig}
 _EMBEDDINGS: dict[str, type[nn.Module]] = {"vit": ViTEmbeddings, "deit": DeiTEmbeddings}
 _LAYERS: dict[str, type[nn.Module]] = {"vit": ViTLayer, "deit": DeiTLayer}
+_BODIES: dict[str, type[nn.Module]] = {"vit": ViTModel, "deit": DeiTModel}
 # a layer's modules: the checkpoint's name -> the name in transformers 5's layer class
 _LAYER_NAMES: dict[str, str] = {
     "attention.attention.query": "attention.q_proj",
@@ -66,11 +74,14 @@ class ImageBlock(nn.Module):
         self.__dict__["layer"] = layer
         tree = nn.ModuleDict()
         covered: set[int] = set()
+        paths: dict[str, str] = {}  # the checkpoint's name -> the leaf's path in the layer
         for ckpt_name, layer_name in _LAYER_NAMES.items():
             try:
-                leaf = layer.get_submodule(ckpt_name)  # a version without the renaming
+                layer.get_submodule(ckpt_name)  # a version without the renaming
+                paths[ckpt_name] = ckpt_name
             except AttributeError:
-                leaf = layer.get_submodule(layer_name)
+                paths[ckpt_name] = layer_name
+            leaf = layer.get_submodule(paths[ckpt_name])
             merge(tree, ckpt_name, leaf)
             covered |= {id(p) for p in leaf.parameters()}
         uncovered = [n for n, p in layer.named_parameters() if id(p) not in covered]
@@ -79,7 +90,20 @@ class ImageBlock(nn.Module):
                 f"{type(layer).__name__} has parameters with no checkpoint name: {uncovered} "
                 "(an unsupported transformers version?)"
             )
+        self.__dict__["tree"], self.__dict__["paths"] = tree, paths
         self.add_module(family, nest(f"encoder.layer.{index}", tree))
+
+    def inject_adapters(self, config: LoraConfig, adapter: str) -> None:
+        """`peft`'s LoRA layers (`inject_adapter_in_model`) in the layer, where `peft` matches
+        `config`'s targets against `transformers`' module names (`q_proj`, `fc1`) as it does on
+        the whole model; each adapted leaf is then registered again under the checkpoint's
+        name, so its parameters are `<...>.attention.attention.query.base_layer.weight`,
+        `<...>.query.lora_A.<adapter>.weight`."""
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(config, self.layer, adapter)
+        for ckpt_name, path in self.paths.items():
+            merge(self.tree, ckpt_name, self.layer.get_submodule(path))
 
     def train(self, mode: bool = True) -> ImageBlock:
         super().train(mode)
@@ -119,4 +143,38 @@ def example_input(spec: ModelSpec, batch: int, generator: torch.Generator) -> to
     return torch.randn(spec.family_info.input_shape(spec, batch), generator=generator)
 
 
-BUILD = HFBuild(CONFIG_CLASSES, build_unit, example_input)
+@functools.cache
+def _module_paths(family: str) -> tuple[str, dict[str, str]]:
+    """Where `transformers`' model puts a layer (`<p>.layers` in version 5, `<p>.encoder.layer`
+    before) and each leaf inside it, by the checkpoint's name: read off a one-layer model on
+    the meta device."""
+    config = CONFIG_CLASSES[family](
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8,
+        image_size=4, patch_size=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        block = ImageBlock(config, family, 0)
+        body = _BODIES[family](config, add_pooling_layer=False)
+    where = next(n for n, m in body.named_modules() if isinstance(m, _LAYERS[family]))
+    return f"{family}.{where.rsplit('.', 1)[0]}", block.paths
+
+
+def module_key(key: str) -> str:
+    """A block's parameter name in the units (the checkpoint's:
+    `vit.encoder.layer.3.attention.attention.query.lora_A.default.weight`) as it is in
+    `transformers`' module tree (version 5: `vit.layers.3.attention.q_proj.lora_A.default.
+    weight`); any other name unchanged."""
+    match = _BLOCK_KEY.match(key)
+    if match is None:
+        return key
+    family, index, rest = match.groups()
+    layers, paths = _module_paths(family)
+    leaf = next((c for c in paths if rest.startswith(c + ".")), None)
+    if leaf is not None:
+        rest = paths[leaf] + rest[len(leaf) :]
+    return f"{layers}.{index}.{rest}"
+
+
+_BLOCK_KEY = re.compile(r"^(vit|deit)\.encoder\.layer\.(\d+)\.(.+)$")
+
+BUILD = HFBuild(CONFIG_CLASSES, build_unit, example_input, module_key=module_key)

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from pipetransformer.core.spec import SpecError, parse_spec
+from pipetransformer.core.spec import parse_spec
 from pipetransformer.models.adapters import is_adapter, is_merged, merge, peft_key
 from pipetransformer.models.decoder import stack_lm_inputs
 from pipetransformer.models.stage import StageModule
@@ -300,8 +300,22 @@ def test_an_encoder_with_a_new_head_trains_its_classifier_beside_the_adapters(
         torch.testing.assert_close(model(input_ids=inputs).logits, ours.eval()(first), **TOL)
 
 
-def test_a_vit_takes_no_adapters_yet(tmp_path: Path) -> None:
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_vit_s_adapters_train_as_peft_s_and_export_under_transformers_names(
+    tmp_path: Path, merged: bool
+) -> None:
+    """A ViT checkpoint keeps its older names (`attention.attention.query`) while
+    `transformers` 5 and so `peft` name its modules `attention.q_proj`, `mlp.fc1`: the units
+    take the default targets by the new names, 3 AdamW steps match `peft.get_peft_model` on
+    `ViTForImageClassification`, and the export, PEFT's format under the new names or merged,
+    gives the units' logits."""
     import sys
+
+    from peft import PeftModel, get_peft_model
+    from transformers import ViTForImageClassification
+
+    from pipetransformer.models.adapters import lora_config
+    from pipetransformer.models.units import module_key
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from assets import make_vit
@@ -312,7 +326,60 @@ def test_a_vit_takes_no_adapters_yet(tmp_path: Path) -> None:
         "model": {"pretrained": str(vit), "adapters": {"rank": 4}},
         "data": {"dataset": "image-folder", "train": "/im/train", "test": "/im/test"},
     }
-    with pytest.raises(
-        SpecError, match=r"the vit family takes no adapters \(yet\); LoRA runs on .*bert"
-    ):
-        resolve_pretrained(parse_spec(raw), tmp_path)
+    spec = resolve_pretrained(parse_spec(raw), tmp_path)
+    units = _units(spec)
+    trained = [n for n, p in units["blocks.1"].named_parameters() if p.requires_grad]
+    assert len(trained) == 12 and all(is_adapter(n) for n in trained)  # 6 projections, A and B
+    assert "vit.encoder.layer.1.attention.attention.query.lora_A.default.weight" in trained
+    assert not any(p.requires_grad for u in ("embed", "head") for p in units[u].parameters())
+    theirs = get_peft_model(
+        ViTForImageClassification.from_pretrained(vit), lora_config(spec.model, spec.model.adapters)
+    )
+    named = dict(theirs.named_parameters())
+    with torch.no_grad():
+        for unit in units.values():
+            for name, p in unit.named_parameters():
+                if is_adapter(name):
+                    named[f"base_model.model.{module_key(spec.model, name)}"].copy_(p)
+    ours = _whole(spec, units)
+    pixels = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 4, 9])
+    forwards = (lambda: ours(pixels), lambda: theirs(pixel_values=pixels).logits)
+    models = (ours, theirs)
+    for model, forward in zip(models, forwards, strict=True):
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        for _ in range(3):
+            torch.nn.functional.cross_entropy(forward(), labels).backward()
+            opt.step()
+            opt.zero_grad()
+    with torch.no_grad():
+        want = ours.eval()(pixels)
+        torch.testing.assert_close(theirs.eval()(pixel_values=pixels).logits, want, **TOL)
+    done = export(_saved(units, tmp_path), spec, tmp_path / "out", merge=merged)
+    if merged:
+        model = ViTForImageClassification.from_pretrained(done.directory)
+    else:
+        config = json.loads((done.directory / "adapter_config.json").read_text())
+        assert sorted(config["target_modules"]) == [
+            "fc1",
+            "fc2",
+            "k_proj",
+            "o_proj",
+            "q_proj",
+            "v_proj",
+        ]
+        base = ViTForImageClassification.from_pretrained(vit)
+        model = PeftModel.from_pretrained(base, done.directory)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(pixel_values=pixels).logits, want, **TOL)
+
+
+def _saved(units: dict, root: Path) -> Path:
+    """The units as they are, checkpointed as a 1x1 job writes them."""
+    holder = _holder(units)
+    trained = [p for p in holder.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=0.0)
+    step = root / "checkpoints" / "step-00000001"
+    save_checkpoint(step, holder, optimizer, {"step": 1})
+    return step

@@ -1,6 +1,7 @@
 """`model.adapters` (LoRA) in the spec: its defaults, and every bad value refused with the field
 named and what it allows, before anything runs: a target the family's blocks do not have, a rank
-of 0 or wider than a targeted projection, a target listed twice, adapters on a seeded model."""
+of 0 or wider than a targeted projection, a target listed twice, adapters on a seeded model;
+a ViT's targets by transformers 5's names."""
 
 from __future__ import annotations
 
@@ -69,6 +70,34 @@ def test_bad_adapters_are_refused_naming_the_field(
         return
     with pytest.raises(SpecError, match=message):
         _resolved(llama, adapters, tmp_path)
+
+
+def test_a_vit_s_targets_are_transformers_module_names(tmp_path: Path) -> None:
+    """ViT checkpoints keep the older names (`attention.attention.query`); PEFT, and so the
+    targets, use transformers 5's (`attention.q_proj`, `mlp.fc1`)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from assets import make_vit
+
+    vit = make_vit(tmp_path / "vit", image_size=16, patch_size=4, hidden=32, layers=2, heads=2)
+    data = {"dataset": "image-folder", "train": "/im/train", "test": "/im/test"}
+
+    def resolved(adapters: dict):  # noqa: ANN202
+        raw = {"name": "vit", "model": {"pretrained": str(vit), "adapters": adapters}}
+        return resolve_pretrained(parse_spec({**raw, "data": data}), tmp_path)
+
+    spec = resolved({})
+    targets = spec.model.family_info.adapter_targets(spec.model)
+    assert targets == {
+        "q_proj": 32, "k_proj": 32, "v_proj": 32, "o_proj": 32, "fc1": 32, "fc2": 32,
+    }  # fmt: skip
+    with pytest.raises(
+        SpecError,
+        match=r"model.adapters.targets: 'query' is not a projection of vit's blocks; choose "
+        r"from q_proj, k_proj, v_proj, o_proj, fc1, fc2",
+    ):
+        resolved({"targets": ["query"]})
 
 
 def test_a_seeded_model_takes_no_adapters() -> None:

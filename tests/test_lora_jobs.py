@@ -1,19 +1,23 @@
 """A LoRA job through the CLI (`model.adapters`), as a user runs one: a Llama-shaped checkpoint
 made here (tests/lm_assets.py) continued-pretrained with adapters across 2 stages, frozen by the
 schedule and re-laid out in memory (the frozen blocks' adapters merged, their outputs served from
-AutoCache); its checkpoints hold the adapters and their optimizer state, not the base; the export
+AutoCache), a worker killed on the way and the job resumed from its last checkpoint; its checkpoints hold the adapters and their optimizer state, not the base; the export
 is PEFT's format that `PeftModel.from_pretrained` loads, and `--merge` a plain model with the
 same logits."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 
-from tests.fixtures_run import cli, run_job
+from pipetransformer.store import Store, sqlite_url
+from tests.fixtures_run import cli, finish, probe, running_after_checkpoint, start_cli
 from tests.lm_assets import make_lm, write_text
 
 pytestmark = pytest.mark.slow
@@ -39,10 +43,33 @@ def test_a_lora_job_freezes_relays_out_checkpoints_adapters_and_exports(tmp_path
         "freeze": {"policy": "schedule", "alpha": 0.5, "keep_trainable": 1, "cache": "on"},
         "checkpoint": {"every_epochs": 1, "keep": 2},
     }
-    store, printed = run_job(tmp_path, "lora", spec)
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump({**spec, "name": "lora"}))
+    workdir, log = tmp_path / "lora", tmp_path / "run.log"
+    proc = start_cli("run", str(path), "--workdir", str(workdir), "--job-id", "lora", log=log)
+    try:
+        # a worker killed once a checkpoint is committed: its generation resumes from it,
+        # the base read again from the pretrained checkpoint, the adapters from the checkpoint
+        number, workers = running_after_checkpoint(workdir, "lora", log)
+        committed = probe(workdir, "lora", lambda s, j: s.latest_checkpoint(j).step)()
+        os.kill(workers[1]["pid"], signal.SIGKILL)
+    finally:
+        finish(proc, log)
+    printed = log.read_text(errors="replace")
+    store = Store.open(sqlite_url(workdir / "store.db"), migrate=False)
     job = store.get_job("lora")
     assert job.state == "completed", job.message
-    losses = [m.loss for m in store.metrics("lora")]
+    metrics = store.metrics("lora")
+    assert [m.step for m in metrics] == list(range(1, job.step + 1)), "each step once"
+    (aborted, *_) = [g for g in store.generations("lora") if g.number == number]
+    assert aborted.state == "aborted" and "killed by signal 9" in aborted.reason
+    resumed = [
+        e.data["start"]["step"]
+        for e in reversed(store.events("lora", limit=1000))
+        if e.kind == "generation_started"
+    ]
+    assert committed <= resumed[-1] < job.step, (committed, resumed)
+    losses = [m.loss for m in metrics]
     assert losses[-1] < losses[0], losses  # the adapters alone learn something of the corpus
     layouts = store.layouts("lora")
     frozen = max(v.layout.freeze_boundary for v in layouts)
@@ -66,13 +93,11 @@ def test_a_lora_job_freezes_relays_out_checkpoints_adapters_and_exports(tmp_path
     assert moments == training * (2 * adapters // 4 + 14), (moments, frozen)
 
     out = tmp_path / "adapter"
-    res = cli("export", "lora", "--workdir", str(tmp_path / "lora"), "--to", str(out))
+    res = cli("export", "lora", "--workdir", str(workdir), "--to", str(out))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     merged_dir = tmp_path / "merged"
-    res = cli(
-        "export", "lora", "--workdir", str(tmp_path / "lora"), "--to", str(merged_dir), "--merge"
-    )
+    res = cli("export", "lora", "--workdir", str(workdir), "--to", str(merged_dir), "--merge")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     peft_model = PeftModel.from_pretrained(base, out).eval()
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()

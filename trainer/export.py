@@ -175,14 +175,18 @@ def _trained_tensors(spec: JobSpec, checkpoint: Path) -> tuple[dict[str, torch.T
 
 def adapter_config(spec: JobSpec, pretrained: str, new_head: list[str]) -> dict[str, Any]:
     """PEFT's `adapter_config.json` for the job's adapters on `pretrained`: its LoraConfig,
-    the base model's path, the task type (a causal LM, a sequence classifier, ...) and, for a
-    new head, the modules PEFT saves whole (`modules_to_save`)."""
+    the base model's path, the task type (a causal LM; a text classifier or question answerer
+    with a new head) and, for a new head, the modules PEFT saves whole (`modules_to_save`)."""
     from pipetransformer.models.adapters import lora_config
 
     assert spec.model.adapters is not None
     config = lora_config(spec.model, spec.model.adapters)
     config.base_model_name_or_path = pretrained
-    config.task_type = PEFT_TASKS.get(spec.model.task)
+    # PEFT's classifier task types save the head whole (`modules_to_save`) and look for it in
+    # the adapter: only for a new head, and only for text (an image classifier is a PeftModel)
+    text = spec.model.family_info.modality == "text"
+    if spec.model.task == "causal-lm" or (new_head and text):
+        config.task_type = PEFT_TASKS.get(spec.model.task)
     config.modules_to_save = new_head or None
     # as PEFT's save_pretrained writes it: sets (target_modules) as lists
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
@@ -388,7 +392,7 @@ def _export_adapters(
     from safetensors.torch import save_file
 
     from pipetransformer.models.adapters import peft_key
-    from pipetransformer.models.units import CheckpointChanged
+    from pipetransformer.models.units import CheckpointChanged, module_key
 
     try:
         tensors, head = _trained_tensors(spec, checkpoint)
@@ -402,7 +406,7 @@ def _export_adapters(
         adapter.mkdir(exist_ok=True)
         metadata = {"format": "pt", **({"source": source} if source else {})}
         save_file(
-            {peft_key(k): v for k, v in tensors.items()},
+            {peft_key(module_key(spec.model, k)): v for k, v in tensors.items()},
             str(adapter / ADAPTER_WEIGHTS),
             metadata=metadata,
         )

@@ -26,6 +26,21 @@ class VitFamily(Family):
     def head_prefixes(self, arch: Architecture) -> tuple[str, ...]:
         return (f"{self.key_prefix}.layernorm.", "classifier.")
 
+    def adapter_layers(self, model: ModelSpec) -> dict[str, list[tuple[int, int]]] | None:
+        """By `transformers` 5's module names, what `peft` matches on its ViT and DeiT
+        classes (the checkpoints keep the older `query`, `intermediate.dense`, ...): q_proj,
+        k_proj, v_proj and o_proj (d x d), the MLP's fc1 (d x h) and fc2 (h x d)."""
+        d, h = model.dim, self.hidden(model)
+        square = [(d, d)]
+        return {
+            "q_proj": square,
+            "k_proj": square,
+            "v_proj": square,
+            "o_proj": square,
+            "fc1": [(d, h)],
+            "fc2": [(h, d)],
+        }
+
 
 BUILD = "pipetransformer.models.vit"
 
