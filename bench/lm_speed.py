@@ -63,6 +63,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -512,10 +513,23 @@ def cpu_per_step(
     return {k: v if isinstance(v, dict) else round(v, 4) for k, v in sorted(out.items())}
 
 
-def run_job(workdir: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """`pipetransformer run` of `spec`, its workers' memory sampled; what its store says."""
-    from pipetransformer.store import Store, sqlite_url
+@dataclass
+class SampledRun:
+    """A `pipetransformer run` that ran to its end with its processes sampled."""
 
+    started: float  # unix time
+    wall_s: float
+    returncode: int
+    output: str  # stdout and stderr
+    sampler: JobSampler
+    own_cpu_s: float  # this process's CPU over the run: what the sampling cost
+
+
+def run_sampled(
+    workdir: Path, spec: dict[str, Any], sample_s: float, env: dict[str, str] | None = None
+) -> SampledRun:
+    """`pipetransformer run` of `spec` (its name the job id) in `workdir/<name>`, every process
+    of it sampled every `sample_s` (`JobSampler`); `env` added to this one's environment."""
     name = spec["name"]
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -524,21 +538,31 @@ def run_job(workdir: Path, spec: dict[str, Any], args: argparse.Namespace) -> di
         [sys.executable, "-m", "pipetransformer.orchestrator.cli", "run", str(path)]
         + ["--workdir", str(workdir / name), "--job-id", name],
         cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    sampler = JobSampler(proc.pid, args.sample_s)
+    sampler = JobSampler(proc.pid, sample_s)
     own_cpu = time.process_time()
     sampler.start()
     out, _ = proc.communicate()
     wall = time.time() - started
     sampler.done.set()
     sampler.join()
-    own_cpu = time.process_time() - own_cpu  # this process's: the sampling's cost
-    if proc.returncode != 0:
-        return {"job": name, "error": out[-3000:]}
+    own = time.process_time() - own_cpu
+    return SampledRun(started, wall, proc.returncode, out, sampler, own)
+
+
+def run_job(workdir: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """`pipetransformer run` of `spec`, its workers' memory sampled; what its store says."""
+    from pipetransformer.store import Store, sqlite_url
+
+    name = spec["name"]
+    run = run_sampled(workdir, spec, args.sample_s)
+    started, wall, sampler, own_cpu = run.started, run.wall_s, run.sampler, run.own_cpu_s
+    if run.returncode != 0:
+        return {"job": name, "error": run.output[-3000:]}
     store = Store.open(sqlite_url(workdir / name / "store.db"), migrate=False)
     try:
         metrics = store.metrics(name)

@@ -40,19 +40,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import paper_lm
-import yaml
 from _common import ROOT, emit, environment, out_dir, progress
-from lm_speed import JobSampler, worker_memory
+from lm_speed import run_sampled, worker_memory
 from paper import ABLATION, history, summarise, time_split
 from safetensors import safe_open
 
@@ -90,26 +85,12 @@ def configurations(
 def _run_sampled(tmp: Path, spec: dict, job: str, cache: Path, sample_s: float) -> dict:
     """`pipetransformer run` of `spec` as job `job`, its workers' memory sampled; its wall
     time and per-rank memory (MiB)."""
-    path = tmp / f"{job}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    started = time.time()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipetransformer.orchestrator.cli", "run", str(path)]
-        + ["--workdir", str(tmp / job), "--job-id", job],
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200", "PIPETRANSFORMER_CACHE": str(cache)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    run = run_sampled(
+        tmp, {**spec, "name": job}, sample_s, env={"PIPETRANSFORMER_CACHE": str(cache)}
     )
-    sampler = JobSampler(proc.pid, sample_s)
-    sampler.start()
-    out, _ = proc.communicate()
-    wall = time.time() - started
-    sampler.done.set()
-    sampler.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{job} failed:\n{out[-4000:]}")
+    if run.returncode != 0:
+        raise SystemExit(f"{job} failed:\n{run.output[-4000:]}")
+    started, wall, sampler = run.started, run.wall_s, run.sampler
     store = Store.open(sqlite_url(tmp / job / "store.db"), migrate=False)
     try:
         workers = store.workers(job)

@@ -54,6 +54,15 @@ def is_adapter(name: str) -> bool:
     return any(part in name for part in _LORA)
 
 
+def in_state(name: str, param: torch.Tensor) -> bool:
+    """Whether a parameter of a model with adapters is part of its training state (what
+    checkpoints hold, re-layouts move and `bf16-weights` keeps float32 masters of): an adapter
+    (a frozen block's too: a merged block is rebuilt from them) or what trains (a new head).
+    The base weights are not: the pretrained checkpoint's, read wherever needed, never
+    written."""
+    return is_adapter(name) or param.requires_grad
+
+
 def peft_key(name: str) -> str:
     """An adapter tensor's name as PEFT saves it (`adapter_model.safetensors`): under
     `base_model.model.`, without the adapter's name. `name` is the tensor's name in

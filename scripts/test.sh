@@ -22,7 +22,7 @@ if [ $# -eq 0 ] && [ "${PYTEST_WORKERS:-2}" != 0 ]; then
   XDIST=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
 fi
 echo "[test] pytest ${XDIST[*]}"
-.venv/bin/python -m pytest -q "${XDIST[@]}" "$@"
+.venv/bin/python -m pytest -q --durations=25 "${XDIST[@]}" "$@"
 
 # Float results depend on the batch shape, the thread count and the kernels the CPU's instruction
 # set selects (an AMD EPYC runs MKL's AVX2 path, a recent Intel its AVX-512 one; they differ in

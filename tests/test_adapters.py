@@ -159,6 +159,22 @@ def _holder(units: dict) -> torch.nn.Module:
     return holder
 
 
+def test_bf16_weights_keep_float32_masters_of_the_adapters_alone(
+    llama: Path, tmp_path: Path
+) -> None:
+    """Under `bf16-weights` the model computes in bf16 and the optimizer steps float32 masters:
+    with adapters, masters of the training state only (the base is never updated)."""
+    from pipetransformer.models.adapters import in_state
+    from pipetransformer.trainer.optim import MasterWeights
+
+    holder = _holder(_units(_spec(llama, tmp_path)))
+    master = MasterWeights(holder, torch.bfloat16, keep=in_state)
+    mastered = [n for n, _ in master.module.named_parameters()]
+    assert mastered and mastered == [n for n, _ in holder.named_parameters() if is_adapter(n)]
+    assert {p.dtype for p in holder.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in master.module.parameters()} == {torch.float32}
+
+
 def _checkpointed(units: dict, root: Path) -> Path:
     """The units, their adapters moved as training moves them, checkpointed as a 1x1 job
     writes them (optimizer state for what trains)."""

@@ -1,5 +1,6 @@
 """A LoRA job through the CLI (`model.adapters`), as a user runs one: a Llama-shaped checkpoint
-made here (tests/lm_assets.py) continued-pretrained with adapters across 2 stages, frozen by the
+made here (tests/lm_assets.py) continued-pretrained with adapters across 2 stages in bf16 weights
+(float32 masters of the adapters alone), frozen by the
 schedule and re-laid out in memory (the frozen blocks' adapters merged, their outputs served from
 AutoCache), a worker killed on the way and the job resumed from its last checkpoint; its checkpoints hold the adapters and their optimizer state, not the base; the export
 is PEFT's format that `PeftModel.from_pretrained` loads, and `--merge` a plain model with the
@@ -38,7 +39,14 @@ def test_a_lora_job_freezes_relays_out_checkpoints_adapters_and_exports(tmp_path
             "adapters": {"rank": 4, "alpha": 8},
         },
         "data": {"dataset": "table", "train": str(train), "test": str(test), "loader_workers": 1},
-        "training": {"epochs": 3, "global_batch_size": 8, "lr": 1e-2, "warmup_steps": 2},
+        # bf16 weights: the base in bf16, float32 masters of the adapters alone
+        "training": {
+            "epochs": 3,
+            "global_batch_size": 8,
+            "lr": 1e-2,
+            "warmup_steps": 2,
+            "precision": "bf16-weights",
+        },
         "parallel": {"stages": 2, "microbatches": 2},
         "freeze": {"policy": "schedule", "alpha": 0.5, "keep_trainable": 1, "cache": "on"},
         "checkpoint": {"every_epochs": 1, "keep": 2},

@@ -58,7 +58,7 @@ from pipetransformer.edge.manifest import (
     manifest_checksum,
     verify_checkpoint,
 )
-from pipetransformer.models.adapters import is_adapter
+from pipetransformer.models.adapters import in_state, is_adapter
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -137,7 +137,7 @@ def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     state = module.state_dict()
     if not any(is_adapter(name) for name in state):
         return state
-    kept = {n for n, p in module.named_parameters() if p.requires_grad or is_adapter(n)}
+    kept = {n for n, p in module.named_parameters() if in_state(n, p)}
     return {name: tensor for name, tensor in state.items() if name in kept}
 
 

@@ -4,6 +4,7 @@ optimizer object itself."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -43,13 +44,22 @@ class MasterWeights:
     then work on those), the optimizer steps, and `write_back` rounds the trained masters into
     the model's parameters."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype = torch.bfloat16,
+        keep: Callable[[str, torch.Tensor], bool] | None = None,
+    ):
         """Masters from `model`'s parameters as they are (float32: nothing is lost); then
-        `model` is cast to `dtype` in place (the same parameter objects)."""
+        `model` is cast to `dtype` in place (the same parameter objects). `keep(name, tensor)`:
+        which parameters and buffers are training state and get a master (default: all); the
+        others (LoRA's base weights, which nothing updates or checkpoints) are only cast."""
         self.module = nn.Module()
         masters: dict[int, nn.Parameter] = {}  # tied parameters share one master
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         for name, tensor in model.state_dict(keep_vars=True).items():
+            if keep is not None and not keep(name, tensor):
+                continue
             *path, leaf = name.split(".")
             owner = self.module
             for part in path:

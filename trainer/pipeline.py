@@ -38,6 +38,7 @@ from pipetransformer.core.handover import held_units
 from pipetransformer.core.spec import SCHEDULES, ModelSpec, schedule_problem
 from pipetransformer.core.state import Layout, StageLayout
 from pipetransformer.core.tasks import Task, task_of
+from pipetransformer.models.adapters import in_state
 from pipetransformer.models.stage import (
     StageModule,
     stage_input_dtype,
@@ -153,7 +154,9 @@ class RankModel(nn.Module):
         # bf16-weights: the float32 values just made become the masters, the model bf16 (before
         # compiling, DDP and the stages see it)
         dtype = weights_dtype(compute.precision)
-        self.master = MasterWeights(self, dtype) if dtype != torch.float32 else None
+        # with adapters, masters of the training state only: the base is never updated
+        keep = in_state if spec.adapters is not None else None
+        self.master = MasterWeights(self, dtype, keep) if dtype != torch.float32 else None
         if compute.compile:
             for block in self.blocks.values():
                 block.compile()  # in place: the parameter names stay those of the model
@@ -462,7 +465,8 @@ class TiedGrads:
 
     def sum(self, module: nn.Module, group: dist.ProcessGroup) -> None:
         """Both copies' gradients (in `module`, the state module) become their sum."""
-        grads = [module.get_parameter(name).grad for name in self.local]
+        params = dict(module.named_parameters(remove_duplicate=False))  # adapters: no masters
+        grads = [params[name].grad if name in params else None for name in self.local]
         if not grads or any(g is None for g in grads):
             return
         if len(grads) == 2:
