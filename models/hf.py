@@ -233,7 +233,7 @@ class HFBuild:
     ignored_keys: tuple[str, ...] = ()
     # a unit's parameter name (the checkpoint's) -> its name in `transformers`' module tree,
     # which PEFT's format uses; they differ where transformers renamed modules (ViT, DeiT)
-    module_key: Callable[[str], str] = str
+    module_key: Callable[[str], str] = str  # str(key) is the key: the same names
 
     def config(
         self, directory: str | Path, arch: Architecture, attn_implementation: str = "sdpa"

@@ -126,22 +126,25 @@ def reference_steps(  # noqa: ANN201
     return losses, norms
 
 
-def peft_model_of(model_spec, units: dict, **load):  # noqa: ANN001, ANN201
-    """`peft.get_peft_model` over the job's pretrained `*ForCausalLM` (`load`: its
-    from_pretrained options) with the job's LoRA config, its adapters set to those of `units`
-    (the pipeline's, as the job drew them): the single-process model a job with adapters is
-    compared with."""
+def peft_model_of(model_spec, units: dict, model_class=None, **load):  # noqa: ANN001, ANN201
+    """`peft.get_peft_model` over the job's pretrained model (`model_class`, by default
+    `AutoModelForCausalLM`; `load`: its from_pretrained options) with the job's LoRA config, its
+    adapters set to those of `units` (the pipeline's, as the job drew them, found under
+    transformers' module names): the single-process model a job with adapters is compared
+    with."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from pipetransformer.models.adapters import is_adapter, lora_config
+    from pipetransformer.models.units import module_key
 
-    base = AutoModelForCausalLM.from_pretrained(model_spec.pretrained.path, **load)
+    cls = model_class or AutoModelForCausalLM
+    base = cls.from_pretrained(model_spec.pretrained.path, **load)
     model = get_peft_model(base, lora_config(model_spec, model_spec.adapters))
     theirs = dict(model.named_parameters())
     with torch.no_grad():
         for unit in units.values():
             for name, p in unit.named_parameters():
                 if is_adapter(name):
-                    theirs[f"base_model.model.{name}"].copy_(p)
+                    theirs[f"base_model.model.{module_key(model_spec, name)}"].copy_(p)
     return model

@@ -327,11 +327,8 @@ def test_a_vit_s_adapters_train_as_peft_s_and_export_under_transformers_names(
     gives the units' logits."""
     import sys
 
-    from peft import PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import ViTForImageClassification
-
-    from pipetransformer.models.adapters import lora_config
-    from pipetransformer.models.units import module_key
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from assets import make_vit
@@ -348,15 +345,7 @@ def test_a_vit_s_adapters_train_as_peft_s_and_export_under_transformers_names(
     assert len(trained) == 12 and all(is_adapter(n) for n in trained)  # 6 projections, A and B
     assert "vit.encoder.layer.1.attention.attention.query.lora_A.default.weight" in trained
     assert not any(p.requires_grad for u in ("embed", "head") for p in units[u].parameters())
-    theirs = get_peft_model(
-        ViTForImageClassification.from_pretrained(vit), lora_config(spec.model, spec.model.adapters)
-    )
-    named = dict(theirs.named_parameters())
-    with torch.no_grad():
-        for unit in units.values():
-            for name, p in unit.named_parameters():
-                if is_adapter(name):
-                    named[f"base_model.model.{module_key(spec.model, name)}"].copy_(p)
+    theirs = peft_model_of(spec.model, units, ViTForImageClassification)
     ours = _whole(spec, units)
     pixels = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([0, 4, 9])

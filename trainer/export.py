@@ -184,8 +184,7 @@ def adapter_config(spec: JobSpec, pretrained: str, new_head: list[str]) -> dict[
     config.base_model_name_or_path = pretrained
     # PEFT's classifier task types save the head whole (`modules_to_save`) and look for it in
     # the adapter: only for a new head, and only for text (an image classifier is a PeftModel)
-    text = spec.model.family_info.modality == "text"
-    if spec.model.task == "causal-lm" or (new_head and text):
+    if spec.model.task == "causal-lm" or (new_head and spec.model.family_info.is_text):
         config.task_type = PEFT_TASKS.get(spec.model.task)
     config.modules_to_save = new_head or None
     # as PEFT's save_pretrained writes it: sets (target_modules) as lists

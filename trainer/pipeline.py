@@ -465,9 +465,12 @@ class TiedGrads:
 
     def sum(self, module: nn.Module, group: dist.ProcessGroup) -> None:
         """Both copies' gradients (in `module`, the state module) become their sum."""
-        params = dict(module.named_parameters(remove_duplicate=False))  # adapters: no masters
+        if not self.local:
+            return
+        # bf16-weights with adapters: the pair is frozen base, with no master
+        params = dict(module.named_parameters(remove_duplicate=False))
         grads = [params[name].grad if name in params else None for name in self.local]
-        if not grads or any(g is None for g in grads):
+        if any(g is None for g in grads):
             return
         if len(grads) == 2:
             total = grads[0] + grads[1]
