@@ -147,8 +147,9 @@ def memory_rows(
     """Full fine-tuning against LoRA on a wider decoder than the workload's (`width`, `layers`;
     the body's tokenizer, random weights: memory and checkpoints do not depend on what the
     weights hold), `steps` optimizer steps each on 2 stages: per rank the peak resident memory
-    and its anonymous part's growth once the data is read (the model, its gradients, optimizer
-    state and activations), the checkpoint's size and the seconds the ranks spent writing it."""
+    and its anonymous part's growth since the worker was first seen (the data, the model, its
+    gradients, optimizer state and activations), the checkpoint's size and the seconds the
+    ranks spent writing it."""
     import shutil
 
     from assets import make_decoder

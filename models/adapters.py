@@ -113,13 +113,9 @@ def new_head_modules(unit: nn.Module) -> list[str]:
 
 
 def trained_names(unit: nn.Module) -> list[str]:
-    """The parameters of `unit` that a job with adapters trains and checkpoints: its adapters,
-    or, in a unit without any, those that train (a new head's output layer)."""
-    names = [n for n, _ in unit.named_parameters()]
-    adapters = [n for n in names if is_adapter(n)]
-    if adapters:
-        return adapters
-    return [n for n, p in unit.named_parameters() if p.requires_grad]
+    """The parameters of `unit` that a job with adapters trains and checkpoints (`in_state`):
+    its adapters, or, in a unit without any, those that train (a new head's output layer)."""
+    return [n for n, p in unit.named_parameters() if in_state(n, p)]
 
 
 def lora_layers(unit: nn.Module) -> list[nn.Module]:

@@ -294,6 +294,11 @@ def _share(directory: Path) -> None:
         path.chmod(0o666 & ~umask)
 
 
+def _metadata(source: str | None) -> dict[str, str]:
+    """The safetensors metadata of an export: the format, and the provenance (`--source`)."""
+    return {"format": "pt", **({"source": source} if source else {})}
+
+
 @contextlib.contextmanager
 def _staged(out: Path, copied: list[Path]) -> Iterator[Path]:
     """A directory beside `out` to write the export into; once the body is done, the
@@ -364,10 +369,7 @@ def export(
     copied = _processor_files(pretrained)
 
     with _staged(out, copied) as staging:
-        metadata = {"format": "pt"}
-        if source:
-            metadata["source"] = source
-        save_file(tensors, str(staging / WEIGHTS), metadata=metadata)
+        save_file(tensors, str(staging / WEIGHTS), metadata=_metadata(source))
         (staging / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return Exported(
         directory=out,
@@ -403,11 +405,10 @@ def _export_adapters(
     with _staged(out, copied) as staging:
         adapter = staging / "adapter" if merge else staging
         adapter.mkdir(exist_ok=True)
-        metadata = {"format": "pt", **({"source": source} if source else {})}
         save_file(
             {peft_key(module_key(spec.model, k)): v for k, v in tensors.items()},
             str(adapter / ADAPTER_WEIGHTS),
-            metadata=metadata,
+            metadata=_metadata(source),
         )
         config = adapter_config(spec, str(pretrained), head)
         (adapter / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
