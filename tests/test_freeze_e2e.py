@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipetransformer.store import Store, sqlite_url
@@ -56,6 +57,12 @@ def test_manual_freeze_is_validated_audited_and_applied(
     for e in decided:
         assert Path(e.data["directory"]).is_relative_to(workdir / "jobs" / "fz"), e.data
         assert 0 < e.data["ram_fraction"] <= 1
+    # evaluations after the freeze read the held-out rows' frozen prefix outputs from AutoCache:
+    # its level in the job's files (shared by the node's two ranks) holds every held-out row
+    assert all(e.data["use"] for e in decided), [e.data["reason"] for e in decided]
+    heldout = Path(decided[0].data["directory"]) / "heldout"
+    present = [np.fromfile(p, np.uint8) for p in heldout.glob("*.present")]
+    assert len(present) == 1 and present[0].size > 0 and present[0].all(), present
     applied = next(e for e in store.events("fz", limit=500) if e.kind == "freeze_applied")
     assert applied.data["outcome"] == "applied" and applied.data["boundary"] == 2
     job = store.get_job("fz")

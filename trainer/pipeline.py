@@ -254,6 +254,8 @@ class RankPipeline:
         self.spec_model = model_spec
         self.device = device = model.compute.device
         self.cache: ActivationCache | None = None  # attached by the trainer (AutoCache)
+        # AutoCache's held-out rows: evaluation's frozen prefix outputs (attached with `cache`)
+        self.heldout_cache: ActivationCache | None = None
         # where this rank's time goes (set by the trainer; a clock that measures nothing here)
         self.clock = StageClock(self.device, enabled=False)
         self.local = [s for s, _ in layout.placements(rank)]
@@ -338,17 +340,22 @@ class RankPipeline:
 
     @torch.no_grad()
     def forward_only(
-        self, inputs: torch.Tensor | None, targets: torch.Tensor | None
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        indices: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """Logits for one replica batch on the last stage's rank (None elsewhere), in eval mode
         (no dropout: held-out accuracy is the model's, not a noisy sample of it) and without
         autograd; train mode is restored afterwards. The schedule evaluates its loss function
-        too, so the last stage needs the targets."""
+        too, so the last stage needs the targets. `indices`: the batch's rows in the held-out
+        split, whose frozen prefix outputs `heldout_cache` then serves (`inputs` may be None
+        where it holds every row)."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                args = (self._enter(inputs),) if self.is_first else ()
+                args = (self._enter(inputs, indices, heldout=True),) if self.is_first else ()
                 if self.is_last:
                     return self.schedule.eval(*args, target=self.to_device(targets), losses=[])
                 self.schedule.eval(*args)
@@ -384,16 +391,21 @@ class RankPipeline:
             dist.destroy_process_group(mesh.get_group(name))
 
     def _enter(
-        self, inputs: torch.Tensor | None, indices: Sequence[int] | None = None
+        self,
+        inputs: torch.Tensor | None,
+        indices: Sequence[int] | None = None,
+        heldout: bool = False,
     ) -> torch.Tensor:
         """What the first pipeline stage consumes: the inputs, or the frozen prefix's output,
-        served from the activation cache when one is attached and the samples are known (then
-        `inputs` may be None: the cache holds every sample's row)."""
+        served from the activation cache (the held-out rows' with `heldout`) when one is
+        attached and the samples are known (then `inputs` may be None: the cache holds every
+        sample's row)."""
         prefix = self.model.prefix
         if prefix is None:
             return self.to_device(inputs)
-        if self.cache is not None and indices is not None:
-            return self.cache.get_or_compute(indices, inputs, prefix, self.device)
+        cache = self.heldout_cache if heldout else self.cache
+        if cache is not None and indices is not None:
+            return cache.get_or_compute(indices, inputs, prefix, self.device)
         return prefix.compute(self.to_device(inputs), self.layout.freeze_boundary)
 
     def sync_and_clip(

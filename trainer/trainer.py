@@ -182,6 +182,7 @@ class Trainer:
             self.spec, ctx.rank, ctx.etcd, ctx.job_id, ctx.reporter, probe=probe
         )
         self.cache: ActivationCache | None = None
+        self.heldout_cache: ActivationCache | None = None  # the held-out rows' (evaluation)
         # what MFU is measured against: every device of the job at the blocks' precision
         self.peak_flops = peak_flops(ctx.compute.name(), self.tspec.precision)
         self.flops_per_sample = 0.0
@@ -276,28 +277,42 @@ class Trainer:
             log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, reason)
             self.ctx.reporter.emit(CacheDecided, boundary=f, use=False, reason=reason)
             return
+        directory = activation_cache_dir(self.ctx.job_id, self.ctx.assignment.checkpoint_dir)
         if self.cache is None:
-            directory = activation_cache_dir(self.ctx.job_id, self.ctx.assignment.checkpoint_dir)
-            self.cache = self._new_cache(directory)
+            self.cache = self._new_cache(directory, len(self.data.train))
         self.cache.set_boundary(f, prefix.fingerprints(f))
         batch = self.tspec.global_batch_size // self.layout.replicas
         sample = self.data.train.read(np.arange(min(batch, len(self.data.train))))
         decision = self.cache.decide(CachePolicy(mode), prefix, sample, f)
         self.pipe.cache = self.cache if decision.use else None
+        if decision.use and self.data.test.deterministic:
+            # the held-out rows too: evaluation then runs only the blocks above the boundary
+            if self.heldout_cache is None:
+                held = self.cache
+                reserved = held.ram_rows * held.row_bytes if held.memory == "device" else 0
+                self.heldout_cache = self._new_cache(
+                    directory / "heldout", len(self.data.test), reserved
+                )
+            self.heldout_cache.set_boundary(f, prefix.fingerprints(f))
+            self.pipe.heldout_cache = self.heldout_cache
         log.info("rank %d AutoCache at F=%d: %s", self.ctx.rank, f, decision.reason)
         self.ctx.reporter.emit(CacheDecided, boundary=f, **decision.as_dict())
 
-    def _new_cache(self, directory: Path) -> ActivationCache:
-        """The rank's activation cache. On a GPU whose free memory holds every row twice over,
+    def _new_cache(self, directory: Path, n: int, reserved: int = 0) -> ActivationCache:
+        """An activation cache of the rank for `n` rows (the training split's, or the held-out
+        split's, with `reserved` bytes of GPU memory promised to the training rows' tier, which
+        is allocated when first used). On a GPU whose free memory holds every row twice over,
         its memory tier is on the GPU and holds every row (hits cost no copy, and nothing
         spills); otherwise the tier has the default budget (`DEFAULT_RAM_BYTES`), on the GPU
         where that fits in half of the free memory, else in pinned host memory (copies
         overlap); host memory on the CPU. Rows are written through to the node-local files only
         when other workers share the node (they may serve the same samples after a re-layout);
         a node's only worker keeps them in memory and spills to the files what does not fit."""
-        device, n = self.ctx.compute.device, len(self.data.train)
+        device = self.ctx.compute.device
         rows = n * self.spec.model.tokens * self.spec.model.width * 4  # float32 rows
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        free = None
+        if device.type == "cuda":
+            free = max(0, torch.cuda.mem_get_info(device)[0] - reserved)
         whole = free is not None and rows <= free // 2
         tier = rows if whole else min(DEFAULT_RAM_BYTES, rows)
         memory = choose_memory(device, tier, free)
@@ -755,14 +770,17 @@ def evaluate(
     feed = Feed(test, sampler, workers=loader_workers, pin_memory=pipe.device.type == "cuda")
     summed_loss = torch.zeros(1, device=pipe.device)
     score = scorer(task, test, pipe.device) if pipe.is_last else None
+    # AutoCache holds every held-out row's frozen prefix output: no input is read (or decoded)
+    cache = pipe.heldout_cache if pipe.is_first else None
+    cached = cache is not None and bool(cache.servable(np.arange(len(test))).all())
     cursor = 0
     try:
         while cursor < len(test):
             at = (0, cursor, layout.replicas, replica)
             b = sampler.batch(*at)
-            inputs = feed.inputs(*at, b) if pipe.is_first else None
+            inputs = feed.inputs(*at, b) if pipe.is_first and not cached else None
             targets = pipe.to_device(_targets(pipe, test.labels, b))
-            logits = pipe.forward_only(inputs, targets)
+            logits = pipe.forward_only(inputs, targets, b.indices)
             if score is not None:
                 score.add(logits, targets, b.valid, b.indices)
                 summed_loss += loss_sum(task, logits, targets)

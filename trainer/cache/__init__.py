@@ -3,6 +3,8 @@
 Once the first F blocks (and the embedding below them) are frozen, the hidden states they produce
 for a training sample never change, so the first stage's rank can read them instead of
 recomputing them every epoch. Frozen layers then stop costing forward time as well as backward.
+The held-out rows get a cache of their own (the trainer's `heldout_cache`, used wherever the
+training rows' is): an evaluation after the first at a boundary runs only the blocks above it.
 
 Modules (each docstring says more):
 
