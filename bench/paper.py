@@ -481,6 +481,7 @@ def plot(per_seed: list[dict], summary: dict, out: Path, prefix: str = "paper") 
         paths.append(_plot_alpha(plt, summary, out / f"{prefix}-alpha.png"))
     if "all output" in summary["rows"]:
         paths.append(_plot_policies(plt, summary, out / f"{prefix}-policies.png"))
+        paths.append(_plot_tradeoff(plt, summary, out / f"{prefix}-tradeoff.png"))
     plt.close("all")
     return paths
 
@@ -552,6 +553,57 @@ def _plot_policies(plt: Any, summary: dict, path: Path) -> str:
     axes[2].set_ylabel("seconds (median over seeds)")
     axes[2].legend(fontsize=7)
     fig.suptitle("Freeze rules side by side (dots: seeds; bars: medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def _quality(summary: dict) -> tuple[str, str, float]:
+    """The quality column of a summary's rows, its label and the limit no seed may pass."""
+    if "perplexity_delta_pct" in summary["rows"]["baseline"]:
+        return "perplexity_delta_pct", "held-out perplexity change (%)", 2.0
+    return "accuracy_delta_pp", "held-out accuracy delta (pp)", -1.0
+
+
+def _plot_tradeoff(plt: Any, summary: dict, path: Path) -> str:
+    """Every run of every rule as a dot: its quality change against the epoch it first froze
+    in (left: when a rule freezes decides what it costs), and its speed-up against its quality
+    change, with the goal's corner shaded (right: what a rule would have to reach)."""
+    key, label, limit = _quality(summary)
+    rows = {n: r for n, r in summary["rows"].items() if n != "baseline"}
+    epochs = max(
+        (e for r in rows.values() for e in r["first_freeze_epoch_by_seed"] if e), default=1
+    )
+    never = epochs + 1
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    off: list[str] = []  # rows off the right panel's scale (medians)
+    for i, (name, row) in enumerate(rows.items()):
+        colour = f"C{i}"
+        quality, speed = row[f"{key}_by_seed"], row["wall_time_speedup_by_seed"]
+        first = [never if e is None else e for e in row["first_freeze_epoch_by_seed"]]
+        jitter = (i - len(rows) / 2) * 0.06  # rules side by side at each epoch
+        left.plot([e + jitter for e in first], quality, "o", color=colour, label=name, ms=5)
+        if abs(row[key]) <= 3 * abs(limit):  # the bound's cost would squeeze the rest
+            right.plot(quality, speed, "o", color=colour, label=name, ms=5)
+        else:
+            off.append(f"{name}: {row[key]:+.1f}, {row['wall_time_speedup']:.2f}x")
+    left.set_xticks(range(never + 1), [*map(str, range(never)), "never"])
+    left.set_xlabel("epoch of the first freeze (0: the first step)")
+    left.set_ylabel(label)
+    left.axhline(limit, color="tab:red", lw=0.8, ls="--")
+    left.axhline(0.0, color="grey", lw=0.8)
+    right.set_xlabel(label)
+    right.set_ylabel("wall-time speed-up over the baseline")
+    if off:
+        right.set_title("off the scale (median): " + "; ".join(off), fontsize=8)
+    right.axhline(1.0, color="grey", lw=0.8)
+    (low, high), top = right.get_xlim(), max(right.get_ylim()[1], 1.9)
+    goal = (limit, high) if limit < 0 else (low, limit)  # a quality loss: the side within it
+    right.fill_between(goal, 1.8, top, color="tab:green", alpha=0.12, label="goal")
+    right.set_xlim(low, high)
+    right.set_ylim(top=top)
+    right.legend(fontsize=7)
+    fig.suptitle("Freeze rules, every seed: what freezing early costs, and the goal's corner")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return str(path)
@@ -634,6 +686,7 @@ def summarise(
             "worst_seed_accuracy_delta_pp": min(deltas),
             "accuracy_delta_pp_by_seed": deltas,
             "wall_time_speedup_by_seed": speedups,
+            "first_freeze_epoch_by_seed": first,
             "time_to_baseline_accuracy_speedup": _med(tta),
             "wall_s": _med([r[name]["wall_s"] for r in per_seed]),
             "final_accuracy": _med([r[name]["final_accuracy"] for r in per_seed]),

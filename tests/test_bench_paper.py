@@ -165,3 +165,22 @@ def test_the_headline_is_what_auto_runs_with_its_worst_seed() -> None:
     assert head["worst_seed_wall_time_speedup"] == pytest.approx(100 / 42)
     assert summary["policies"]["output"]["first_freeze_epoch"] == 1
     assert "all" not in summary["ablation"]  # no ablation ran: nothing stands in for it
+
+
+def test_the_tradeoff_figure_draws_every_run_against_its_first_freeze(tmp_path: Path) -> None:
+    names = paper.policy_configurations(Fraction(1, 4), keep=3)
+    seeds = []
+    for first in (2, None):  # one seed's runs froze at epoch 2, the other's never
+        runs = {n: _run(50.0, 0.8, [0.5, 0.8], first=first) for n in names}
+        runs["baseline"] = _run(100.0, 0.8, [0.6, 0.8], first=None)
+        runs["bound"] = _run(40.0, 0.7, [0.6, 0.7], first=0)  # -10 pp: off the speed panel
+        for hist in runs.values():
+            hist["samples_per_s_by_epoch"] = {"1": 10.0, "2": 20.0}
+        seeds.append(runs)
+    summary = paper.summarise(seeds, Fraction(1, 4))
+    assert summary["rows"]["all output"]["first_freeze_epoch_by_seed"] == [2, None]
+    assert summary["rows"]["bound"]["first_freeze_epoch_by_seed"] == [0, 0]
+    paths = paper.plot(seeds, summary, tmp_path)
+    tradeoff = tmp_path / "paper-tradeoff.png"
+    assert str(tradeoff) in paths
+    assert Image.open(tradeoff).size[0] > 1000
