@@ -260,6 +260,15 @@ def test_container_mode_refuses_what_cannot_work_in_a_cluster(tmp_path: Path) ->
         train(spec=spec, image=IMAGE, etcd="etcd:2379", workdir="runs")
     with pytest.raises(ComponentArgError, match="device mounts"):
         train(spec=spec, image=IMAGE, etcd="etcd:2379", mounts=["type=device", "src=/dev/fuse"])
+    with pytest.raises(ComponentArgError, match=r"etcd_trainer_secret='mine' .* --etcd_client"):
+        # before: accepted, and the password never read (no TLS, no auth, nobody signs in)
+        train(
+            spec=spec,
+            image=IMAGE,
+            etcd="etcd:2379",
+            etcd_client_secrets="",
+            etcd_trainer_secret="mine",
+        )
     # extra mounts (a data set) become volumes of every pod
     app = train(
         spec=spec,

@@ -249,6 +249,13 @@ def check_container_args(args: TrainArgs, workdir: str) -> None:
         raise ComponentArgError(f"workdir={workdir!r} must be an absolute path in the pods")
     if args.grace_period_s < 1:
         raise ComponentArgError(f"grace_period_s={args.grace_period_s} must be at least 1")
+    if args.etcd_trainer_secret and not args.etcd_client_secrets:
+        # without TLS and auth nobody signs in: the password would be silently unused
+        raise ComponentArgError(
+            f"etcd_trainer_secret={args.etcd_trainer_secret!r} is the trainers' etcd password, "
+            "read only with TLS and auth: give --etcd_client_secrets too (the roles' client "
+            "certificates), or leave etcd_trainer_secret unset for an etcd without auth"
+        )
 
 
 def shm_mib(given: int, memory_mib: int) -> int:
