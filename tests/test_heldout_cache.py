@@ -40,33 +40,45 @@ class Unread(Split):
         self._inputs = value
 
 
-def _evaluations(rank: int, world: int, directory: str) -> dict:
+def _evaluations(rank: int, world: int, directory: str, stages: int) -> dict:
     g = torch.Generator().manual_seed(3)
     test = Unread(torch.randn(HELD_OUT, 1, 8, 8, generator=g), torch.randint(0, 10, (HELD_OUT,)))
-    layout = uniform_layout(MODEL.depth, stages=2, replicas=1, microbatches=2, boundary=2)
-    pipe = build_rank_pipeline(MODEL, 0, layout, rank, GLOBAL_BATCH)
-    plain = evaluate(pipe, test, GLOBAL_BATCH, layout, 0)
+    replicas = world // stages
+    layout = uniform_layout(MODEL.depth, stages, replicas, microbatches=2, boundary=2)
+    replica = layout.placement(rank)[1]
+    pipe = build_rank_pipeline(MODEL, 0, layout, rank, GLOBAL_BATCH // replicas)
+    plain = evaluate(pipe, test, GLOBAL_BATCH, layout, replica)
     cache = None
     if pipe.is_first:
-        cache = ActivationCache.for_model(Path(directory), MODEL, HELD_OUT, shared=False)
+        # one per process, none shared: a replica holds the rows it evaluates, and only those
+        cache = ActivationCache.for_model(
+            Path(directory) / str(rank), MODEL, HELD_OUT, shared=False
+        )
         cache.set_boundary(2, pipe.model.prefix.fingerprints(2))
         pipe.heldout_cache = cache
-    filled = evaluate(pipe, test, GLOBAL_BATCH, layout, 0)  # computes the rows and stores them
+    filled = evaluate(pipe, test, GLOBAL_BATCH, layout, replica)  # computes and stores the rows
     test.sealed = True
-    served = evaluate(pipe, test, GLOBAL_BATCH, layout, 0)
+    served = evaluate(pipe, test, GLOBAL_BATCH, layout, replica)
     return {"evaluations": (plain, filled, served), "stats": cache and cache.stats()}
 
 
-def test_evaluation_serves_the_frozen_prefix_from_the_cache(tmp_path: Path) -> None:
-    first, last = run_distributed(_evaluations, 2, str(tmp_path))
+@pytest.mark.parametrize("stages", [2, 1])  # 2 stages x 1 replica, 1 stage x 2 replicas
+def test_evaluation_serves_the_frozen_prefix_from_the_cache(tmp_path: Path, stages: int) -> None:
+    results = run_distributed(_evaluations, 2, str(tmp_path), stages)
+    first, last = results
     plain, filled, served = last["evaluations"]
-    assert first["evaluations"] == (None, None, None)  # results are known on the last stage
+    if stages == 2:
+        assert first["evaluations"] == (None, None, None)  # known on the last stage only
+    else:
+        assert first["evaluations"] == last["evaluations"]  # summed over the replicas
     # the held-out batches and their shapes are the same in all three: the cached rows are the
     # recomputed ones; the blocks above run the same operations on them (float32 on this
     # machine's kernels, whose order the same shapes fix: a tolerance only for the loss's sum)
     assert filled.accuracy == plain.accuracy == served.accuracy
     assert filled.loss == pytest.approx(plain.loss, rel=1e-6)
     assert served.loss == pytest.approx(filled.loss, rel=1e-6)
-    stats = first["stats"]
-    padded = -(-HELD_OUT // GLOBAL_BATCH) * GLOBAL_BATCH  # rows served, padding's repeats too
-    assert (stats.computed, stats.hits_ram + stats.hits_disk) == (padded, padded)
+    # rows served per first-stage rank, the padding's repeats too
+    padded = -(-HELD_OUT // GLOBAL_BATCH) * GLOBAL_BATCH // (2 // stages)
+    for rank in results[: 2 // stages]:
+        stats = rank["stats"]
+        assert (stats.computed, stats.hits_ram + stats.hits_disk) == (padded, padded)

@@ -770,21 +770,23 @@ def evaluate(
     feed = Feed(test, sampler, workers=loader_workers, pin_memory=pipe.device.type == "cuda")
     summed_loss = torch.zeros(1, device=pipe.device)
     score = scorer(task, test, pipe.device) if pipe.is_last else None
-    # AutoCache holds every held-out row's frozen prefix output: no input is read (or decoded)
+    batches, cursor = [], 0
+    while cursor < len(test):
+        at = (0, cursor, layout.replicas, replica)
+        batches.append((at, sampler.batch(*at)))
+        cursor = batches[-1][1].next_cursor
+    # AutoCache holds the frozen prefix's output of every row this replica evaluates: no input
+    # is read (or decoded)
     cache = pipe.heldout_cache if pipe.is_first else None
-    cached = cache is not None and bool(cache.servable(np.arange(len(test))).all())
-    cursor = 0
+    cached = cache is not None and all(bool(cache.servable(b.indices).all()) for _, b in batches)
     try:
-        while cursor < len(test):
-            at = (0, cursor, layout.replicas, replica)
-            b = sampler.batch(*at)
+        for at, b in batches:
             inputs = feed.inputs(*at, b) if pipe.is_first and not cached else None
             targets = pipe.to_device(_targets(pipe, test.labels, b))
             logits = pipe.forward_only(inputs, targets, b.indices)
             if score is not None:
                 score.add(logits, targets, b.valid, b.indices)
                 summed_loss += loss_sum(task, logits, targets)
-            cursor = b.next_cursor
     finally:
         feed.close()
     if score is None:
