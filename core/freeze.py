@@ -134,7 +134,7 @@ from pipetransformer.core.spec import FreezeSpec
 
 Source = Literal["auto", "manual", "none"]
 Policy = Literal["output", "gradient", "schedule", "off"]
-# what `policy: auto` runs: the rule that held accuracy on every seed of the policy comparison
+# what `policy: auto` runs: the rule that held accuracy best in the policy comparison, seeds 3-12
 # (bench/paper.py --policies; docs/benchmarks.md, "Freeze rules side by side")
 AUTO_POLICY: Policy = "output"
 Criterion = Literal["decay", "noise"]
