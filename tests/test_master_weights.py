@@ -156,3 +156,23 @@ def test_bf16_weights_train_within_the_bf16_tolerance_of_fp32() -> None:
     print({"fp32": acc32, "bf16_weights": acc16})
     assert acc32 > 0.9, acc32
     assert abs(acc16 - acc32) <= 0.04, (acc16, acc32)
+
+
+def test_a_tied_pair_is_summed_where_it_has_masters_and_left_where_it_has_none() -> None:
+    """`TiedGrads.sum` on the state module: both copies of a tied pair on this rank get their
+    sum; under `bf16-weights` with adapters the pair is frozen base, which has no master, and
+    nothing is done (before: a lookup of a parameter the masters do not hold)."""
+    from pipetransformer.trainer.pipeline import TiedGrads
+
+    tied = TiedGrads.__new__(TiedGrads)  # both copies on this rank: no layout or peer needed
+    tied.local, tied.peer, tied.copy = ["embed.weight", "head.weight"], None, "head.weight"
+    state = nn.ModuleDict(
+        {"embed": nn.Linear(2, 2, bias=False), "head": nn.Linear(2, 2, bias=False)}
+    )
+    state["embed"].weight.grad = torch.ones(2, 2)
+    state["head"].weight.grad = torch.full((2, 2), 2.0)
+    tied.sum(state, None)
+    assert torch.equal(state["embed"].weight.grad, torch.full((2, 2), 3.0))
+    assert torch.equal(state["head"].weight.grad, torch.full((2, 2), 3.0))
+    adapters_only = nn.ModuleDict({"blocks": nn.Linear(2, 2)})  # the masters of a LoRA job
+    tied.sum(adapters_only, None)  # nothing to sum, and no error

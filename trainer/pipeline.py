@@ -477,12 +477,13 @@ class TiedGrads:
 
     def sum(self, module: nn.Module, group: dist.ProcessGroup) -> None:
         """Both copies' gradients (in `module`, the state module) become their sum."""
-        if not self.local:
-            return
-        # bf16-weights with adapters: the pair is frozen base, with no master
-        params = dict(module.named_parameters(remove_duplicate=False))
-        grads = [params[name].grad if name in params else None for name in self.local]
-        if any(g is None for g in grads):
+        grads = []
+        for name in self.local:
+            try:
+                grads.append(module.get_parameter(name).grad)
+            except AttributeError:  # bf16-weights with adapters: a frozen base pair, no master
+                return
+        if not grads or any(g is None for g in grads):
             return
         if len(grads) == 2:
             total = grads[0] + grads[1]
