@@ -520,12 +520,7 @@ def _plot_policies(plt: Any, summary: dict, path: Path) -> str:
     names = list(rows)
     x = np.arange(len(names))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    lm = "perplexity_delta_pct" in summary["rows"]["baseline"]
-    quality = (
-        ("perplexity_delta_pct", "held-out perplexity change (%)", (2.0, 1.0))
-        if lm
-        else ("accuracy_delta_pp", "held-out accuracy delta (pp)", (-1.0, -0.5))
-    )
+    quality = _quality(summary)
     for ax, key, label in (
         (axes[0], "wall_time_speedup", "wall-time speed-up over the baseline"),
         (axes[1], quality[0], quality[1]),
@@ -558,18 +553,19 @@ def _plot_policies(plt: Any, summary: dict, path: Path) -> str:
     return str(path)
 
 
-def _quality(summary: dict) -> tuple[str, str, float]:
-    """The quality column of a summary's rows, its label and the limit no seed may pass."""
+def _quality(summary: dict) -> tuple[str, str, tuple[float, float]]:
+    """The quality column of a summary's rows, its label and the parity limits: the one no
+    seed may pass, and the one the median must stay within."""
     if "perplexity_delta_pct" in summary["rows"]["baseline"]:
-        return "perplexity_delta_pct", "held-out perplexity change (%)", 2.0
-    return "accuracy_delta_pp", "held-out accuracy delta (pp)", -1.0
+        return "perplexity_delta_pct", "held-out perplexity change (%)", (2.0, 1.0)
+    return "accuracy_delta_pp", "held-out accuracy delta (pp)", (-1.0, -0.5)
 
 
 def _plot_tradeoff(plt: Any, summary: dict, path: Path) -> str:
     """Every run of every rule as a dot: its quality change against the epoch it first froze
     in (left: when a rule freezes decides what it costs), and its speed-up against its quality
     change, with the goal's corner shaded (right: what a rule would have to reach)."""
-    key, label, limit = _quality(summary)
+    key, label, (limit, _) = _quality(summary)
     rows = {n: r for n, r in summary["rows"].items() if n != "baseline"}
     epochs = max(
         (e for r in rows.values() for e in r["first_freeze_epoch_by_seed"] if e), default=1
